@@ -1,0 +1,45 @@
+// The async-mode record: where a scan that found non-finite values leaves its
+// report for the host to read later without synchronizing.
+//
+// On CUDA the record is pinned, mapped host memory: the scan's last thread
+// writes it directly over the bus, only when it found something, so a clean
+// call costs no copy and no launch. The host reads it with plain loads. The
+// first writer wins through a claim word in device memory (host-memory atomics
+// over PCIe are not portable).
+#pragma once
+
+#include <cstdint>
+
+namespace cublas_guard {
+
+constexpr int kRecordMaxDims = 8;
+
+enum TensorRole : int64_t { kRoleInput = 0, kRoleWeight = 1, kRoleBias = 2, kRoleGradOutput = 3 };
+
+struct AsyncRecord {
+  int64_t flag;  // 0 = clean; 1 = filled (written last, after a system fence)
+  int64_t layer_id;
+  int64_t call_id;
+  int64_t role;
+  int64_t nan_count;
+  int64_t posinf_count;
+  int64_t neginf_count;
+  int64_t first_bad_index;
+  int64_t numel;
+  int64_t ndim;
+  int64_t shape[kRecordMaxDims];
+};
+
+// What one scan needs to know to fill the record if it finds something.
+struct AsyncTarget {
+  AsyncRecord* record = nullptr;  // host address (device-accessible on CUDA)
+  int* claim = nullptr;           // device memory on CUDA, host memory on CPU
+  int64_t layer_id = 0;
+  int64_t call_id = 0;
+  int64_t role = 0;
+  int64_t numel = 0;
+  int64_t ndim = 0;
+  int64_t shape[kRecordMaxDims] = {0};
+};
+
+}  // namespace cublas_guard

@@ -1,0 +1,92 @@
+// The op schema (one namespace, cublas_guard), the Meta kernels that
+// torch.compile / FakeTensor use, the device-independent ops, and a minimal
+// Python module init so the prebuilt library imports as cublas_guard_ext._C.
+#include <Python.h>
+
+#include "guard.h"
+
+#include <torch/library.h>
+
+#include <string>
+
+namespace cublas_guard {
+namespace {
+
+std::vector<int64_t> linear_output_shape(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return shape;
+}
+
+// Meta kernels run the same rule functions as the real ones, so a traced or
+// compiled model refuses the same inputs with the same errors.
+at::Tensor scan_meta(const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
+                   "cublas_guard_ext.scan: expected a float32 tensor, got ", x.scalar_type());
+  return at::empty({kScanFields}, x.options().dtype(at::kLong));
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, c10::string_view layer,
+                       int64_t mode) {
+  parse_mode(mode);
+  check_linear_args(x, weight, bias, std::string(layer));
+  return at::empty(linear_output_shape(x, weight.size(0)), weight.options());
+}
+
+at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
+                           c10::string_view layer) {
+  check_grad_args(grad_output, weight, weight.size(0), "weight", std::string(layer));
+  return at::empty(linear_output_shape(grad_output, weight.size(1)), weight.options());
+}
+
+at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
+                            c10::string_view layer) {
+  check_grad_args(grad_output, x, grad_output.size(-1), "input", std::string(layer));
+  return at::empty({grad_output.size(-1), x.size(-1)}, x.options());
+}
+
+void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
+  check_input(x, in_features, std::string(layer));
+}
+
+void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
+
+void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
+  set_fault_for_testing(std::string(site), code, times);
+}
+
+int64_t set_size_limit_op(int64_t limit) { return set_size_limit_for_testing(limit); }
+
+}  // namespace
+}  // namespace cublas_guard
+
+TORCH_LIBRARY(cublas_guard, m) {
+  using namespace cublas_guard;
+  m.def("scan(Tensor x) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1) -> Tensor");
+  m.def("linear_grad_input(Tensor grad_output, Tensor weight, str layer=\"\") -> Tensor");
+  m.def("linear_grad_weight(Tensor grad_output, Tensor x, str layer=\"\") -> Tensor");
+  m.def("check_features(Tensor x, int in_features, str layer=\"\") -> ()");
+  m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
+  m.def("_set_fault(str site, int code, int times) -> ()", &set_fault_op);
+  m.def("_set_size_limit(int limit) -> int", &set_size_limit_op);
+}
+
+TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
+  using namespace cublas_guard;
+  m.impl("scan", &scan_meta);
+  m.impl("linear", &linear_meta);
+  m.impl("linear_grad_input", &grad_input_meta);
+  m.impl("linear_grad_weight", &grad_weight_meta);
+  m.impl("check_features", &check_features_meta);
+}
+
+extern "C" {
+// Importing cublas_guard_ext._C loads the library, whose static initializers
+// register the ops above; the module itself has no attributes.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}

@@ -1,0 +1,229 @@
+// The argument rules. Each rule lives here once; the CPU, CUDA and Meta
+// kernels all call these functions, and Python only translates what they raise.
+#include "guard.h"
+
+#include <algorithm>
+#include <string>
+
+namespace cublas_guard {
+
+namespace {
+
+std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+[[noreturn]] void raise_dtype(const at::Tensor& t, const char* role, const std::string& layer) {
+  ErrorReport report("dtype");
+  report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
+  report.add("expected", "Float");
+  describe_tensor(report, "tensor", t);
+  report.raise_type_error("layer '" + layer + "': " + role + " dtype is " +
+                          dtype_name(t.scalar_type()) +
+                          ", but cublasSgemm computes in float32 only");
+}
+
+[[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
+                             const std::string& layer) {
+  ErrorReport report("shape_mismatch");
+  report.add("layer", layer).add("role", role).add("shape", t.sizes());
+  report.add("expected_shape", expected).add("reason", "operand");
+  report.raise_value_error("layer '" + layer + "': " + role + " of shape " + c10::str(t.sizes()) +
+                           ", expected " + expected);
+}
+
+}  // namespace
+
+void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer) {
+  if (x.scalar_type() != at::kFloat) raise_dtype(x, "input", layer);
+  if (x.dim() == 0 || x.size(-1) != in_features) {
+    ErrorReport report("shape_mismatch");
+    report.add("layer", layer).add("role", "input").add("shape", x.sizes());
+    report.add("expected_last_dim", in_features);
+    report.add("reason", x.dim() == 0 ? "zero_dim" : "last_dim");
+    report.raise_value_error(
+        "layer '" + layer + "': input of shape " + c10::str(x.sizes()) +
+        (x.dim() == 0 ? " is 0-d" : " has last dim " + std::to_string(x.size(-1))) +
+        ", expected last dim == in_features == " + std::to_string(in_features));
+  }
+}
+
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, const std::string& layer) {
+  if (weight.scalar_type() != at::kFloat) raise_dtype(weight, "weight", layer);
+  if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
+  check_input(x, weight.size(1), layer);
+  if (x.device() != weight.device()) {
+    ErrorReport report("device_mismatch");
+    report.add("layer", layer).add("role", "input");
+    report.add("input_device", x.device().str()).add("weight_device", weight.device().str());
+    report.add("shape", x.sizes());
+    report.raise_runtime_error("layer '" + layer + "': input is on " + x.device().str() +
+                               " but the layer's weight is on " + weight.device().str());
+  }
+  if (bias.has_value() && bias->defined()) {
+    const at::Tensor& b = *bias;
+    if (b.scalar_type() != at::kFloat) raise_dtype(b, "bias", layer);
+    if (b.dim() != 1 || b.size(0) != weight.size(0)) {
+      raise_shape(b, "bias", "[" + std::to_string(weight.size(0)) + "] (out_features)", layer);
+    }
+    if (b.device() != weight.device()) {
+      ErrorReport report("device_mismatch");
+      report.add("layer", layer).add("role", "bias");
+      report.add("input_device", b.device().str()).add("weight_device", weight.device().str());
+      report.add("shape", b.sizes());
+      report.raise_runtime_error("layer '" + layer + "': bias is on " + b.device().str() +
+                                 " but the layer's weight is on " + weight.device().str());
+    }
+  }
+}
+
+void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
+                     int64_t expected_last, const char* other_name, const std::string& layer) {
+  if (grad_output.scalar_type() != at::kFloat) raise_dtype(grad_output, "grad_output", layer);
+  if (other.scalar_type() != at::kFloat) raise_dtype(other, other_name, layer);
+  if (grad_output.dim() < 1 || grad_output.size(-1) != expected_last) {
+    raise_shape(grad_output, "grad_output", "[..., " + std::to_string(expected_last) + "]", layer);
+  }
+  if (grad_output.device() != other.device()) {
+    ErrorReport report("device_mismatch");
+    report.add("layer", layer).add("role", "grad_output");
+    report.add("input_device", grad_output.device().str());
+    report.add("weight_device", other.device().str());
+    report.add("shape", grad_output.sizes());
+    report.raise_runtime_error("layer '" + layer + "': grad_output is on " +
+                               grad_output.device().str() + " but " + other_name + " is on " +
+                               other.device().str());
+  }
+}
+
+void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const char* role,
+                         const std::string& layer) {
+  const int64_t first = counts[kFirstBadIndex];
+  if (first < 0) return;
+  ErrorReport report("non_finite");
+  report.add("layer", layer).add("role", role);
+  report.add("nan_count", counts[kNanCount]);
+  report.add("posinf_count", counts[kPosInfCount]);
+  report.add("neginf_count", counts[kNegInfCount]);
+  report.add("first_bad_index", first);
+  // Coordinates of the first bad element in the tensor's own (logical) shape.
+  std::vector<int64_t> coords(scanned.dim(), 0);
+  int64_t rest = first;
+  for (int64_t d = scanned.dim() - 1; d >= 0; --d) {
+    const int64_t size = std::max<int64_t>(scanned.size(d), 1);
+    coords[d] = rest % size;
+    rest /= size;
+  }
+  report.add("first_bad_coords", coords);
+  // The error path may afford a one-element copy to say which value it was.
+  const float value = scanned.reshape({-1})[first].item<float>();
+  report.add("first_bad_value", static_cast<double>(value));
+  report.add("shape", scanned.sizes());
+  report.add("numel", scanned.numel());
+  report.raise_value_error("layer '" + layer + "': " + role + " has " +
+                           std::to_string(counts[kNanCount]) + " NaN, " +
+                           std::to_string(counts[kPosInfCount]) + " +Inf, " +
+                           std::to_string(counts[kNegInfCount]) + " -Inf; first at flat index " +
+                           std::to_string(first) + " " + c10::str(c10::IntArrayRef(coords)));
+}
+
+void validate_gemm_call(const GemmCall& call, const std::string& layer) {
+  const int64_t limit = gemm_size_limit();
+  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},
+                                                  {"k", call.k},     {"lda", call.lda},
+                                                  {"ldb", call.ldb}, {"ldc", call.ldc}};
+  for (const auto& arg : args) {
+    if (arg.second > limit) {
+      ErrorReport report("size_limit");
+      report.add("layer", layer).add("argument", arg.first).add("value", arg.second);
+      report.add("limit", limit).add("purpose", call.purpose);
+      report.add("m", call.m).add("n", call.n).add("k", call.k);
+      report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+      report.raise_value_error("layer '" + layer + "': cublasSgemm argument " + arg.first + " = " +
+                               std::to_string(arg.second) + " exceeds cuBLAS's 32-bit limit " +
+                               std::to_string(limit));
+    }
+  }
+  // cuBLAS's own INVALID_VALUE rules, checked here so the message can say which one failed.
+  const int64_t rows_a = call.trans_a ? call.k : call.m;
+  const int64_t rows_b = call.trans_b ? call.n : call.k;
+  const char* broken = nullptr;
+  if (call.m < 0 || call.n < 0 || call.k < 0) {
+    broken = "m, n and k must be >= 0";
+  } else if (call.lda < std::max<int64_t>(1, rows_a)) {
+    broken = "lda >= max(1, rows of A as stored)";
+  } else if (call.ldb < std::max<int64_t>(1, rows_b)) {
+    broken = "ldb >= max(1, rows of B as stored)";
+  } else if (call.ldc < std::max<int64_t>(1, call.m)) {
+    broken = "ldc >= max(1, m)";
+  }
+  if (broken != nullptr) {
+    ErrorReport report("cublas");
+    // Reported as the status cuBLAS would have returned, with the rule named,
+    // and never sent: cuBLAS would only say INVALID_VALUE.
+    report.add("layer", layer).add("status", int64_t{7});
+    report.add("status_name", "CUBLAS_STATUS_INVALID_VALUE").add("rule", broken);
+    report.add("precheck", true).add("purpose", call.purpose);
+    report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
+    report.add("m", call.m).add("n", call.n).add("k", call.k);
+    report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+    report.raise_runtime_error("layer '" + layer + "': cublasSgemm arguments break the rule " +
+                               broken);
+  }
+}
+
+ColumnMajorView as_column_major(const at::Tensor& matrix) {
+  ColumnMajorView view;
+  const int64_t rows = matrix.size(0), cols = matrix.size(1);
+  const int64_t row_stride = matrix.stride(0), col_stride = matrix.stride(1);
+  // For a dim of size <= 1 its stride is meaningless; cuBLAS only needs ld >= the stored rows.
+  const bool rows_contiguous =
+      (cols <= 1 || col_stride == 1) && (rows <= 1 || row_stride >= std::max<int64_t>(1, cols));
+  const bool cols_contiguous =
+      (rows <= 1 || row_stride == 1) && (cols <= 1 || col_stride >= std::max<int64_t>(1, rows));
+  if (rows_contiguous) {
+    view.storage = matrix;
+    view.transposed = true;  // stored as the column-major [cols x rows] matrix, i.e. R^T
+    view.ld = rows <= 1 ? std::max<int64_t>(1, cols) : row_stride;
+  } else if (cols_contiguous) {
+    view.storage = matrix;
+    view.transposed = false;
+    view.ld = cols <= 1 ? std::max<int64_t>(1, rows) : col_stride;
+  } else {
+    // Zero strides (expand), overlapping or doubly strided views: one copy.
+    view.storage = matrix.contiguous();
+    view.transposed = true;
+    view.ld = std::max<int64_t>(1, cols);
+    view.copied = true;
+  }
+  view.data = view.storage.data_ptr<float>();
+  return view;
+}
+
+bool scan_geometry(const at::Tensor& t, ScanGeometry& g) {
+  // Merge dims from the innermost outwards, dropping size-1 dims, in logical order.
+  int64_t sizes[64];
+  int64_t strides[64];
+  int n = 0;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (size == 1) continue;
+    if (n > 0 && strides[n - 1] * sizes[n - 1] == stride) {
+      sizes[n - 1] *= size;  // dim d continues dim n-1's run: one longer dim
+      continue;
+    }
+    if (n == 64) return false;
+    sizes[n] = size;
+    strides[n] = stride;
+    ++n;
+  }
+  if (n > kMaxScanDims) return false;
+  g.ndim = n;
+  for (int i = 0; i < n; ++i) {  // store outermost first, innermost last
+    g.sizes[i] = sizes[n - 1 - i];
+    g.strides[i] = strides[n - 1 - i];
+  }
+  g.contiguous = n == 0 || (n == 1 && g.strides[0] == 1);
+  return true;
+}
+
+}  // namespace cublas_guard

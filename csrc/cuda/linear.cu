@@ -1,0 +1,283 @@
+// The CUDA backend: a direct, checked cublasSgemm on PyTorch's own cuBLAS
+// handle (per thread and device, bound to the current stream, with torch's
+// workspace and TF32 setting), the CUDA error attribution, and the async
+// record in mapped host memory. The orchestration is linear_common.cpp's.
+#include "cuda_backend.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublas_v2.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace cublas_guard {
+
+bool is_sticky_context_error(cudaError_t err) {
+  switch (err) {
+    case cudaErrorAssert:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer) {
+  ErrorReport report("pending_cuda");
+  report.add("layer", layer).add("stage", stage);
+  report.add("cuda_error", cudaGetErrorName(err)).add("cuda_error_code", static_cast<int64_t>(err));
+  report.add("cuda_error_string", cudaGetErrorString(err));
+  report.add("sticky", is_sticky_context_error(err));
+  const char* blocking = std::getenv("CUDA_LAUNCH_BLOCKING");
+  report.add("launch_blocking", blocking != nullptr && std::string(blocking) == "1");
+  report.raise_runtime_error("layer '" + layer + "': " + cudaGetErrorName(err) +
+                             " left by an earlier CUDA kernel, seen " + stage);
+}
+
+void check_launch(const char* kernel, const std::string& layer) {
+  cudaError_t err = cudaGetLastError();
+  if (const int injected = take_injected_fault(FaultSite::kLaunch)) {
+    err = static_cast<cudaError_t>(injected);
+  }
+  if (err == cudaSuccess) return;
+  if (is_sticky_context_error(err)) raise_pending_cuda_error(err, "at a guard kernel's launch", layer);
+  int device = -1;
+  cudaGetDevice(&device);
+  cudaDeviceProp* props = device >= 0 ? at::cuda::getDeviceProperties(device) : nullptr;
+  ErrorReport report("cuda_launch");
+  report.add("layer", layer).add("kernel", kernel);
+  report.add("cuda_error", cudaGetErrorName(err)).add("cuda_error_code", static_cast<int64_t>(err));
+  report.add("cuda_error_string", cudaGetErrorString(err));
+#ifdef __CUDA_ARCH_LIST__
+#define CUBLAS_GUARD_STR2(...) #__VA_ARGS__
+#define CUBLAS_GUARD_STR(...) CUBLAS_GUARD_STR2(__VA_ARGS__)
+  report.add("built_archs", CUBLAS_GUARD_STR(__CUDA_ARCH_LIST__));
+#endif
+  if (props != nullptr) {
+    report.add("device_name", props->name);
+    report.add("compute_capability", std::to_string(props->major) + "." + std::to_string(props->minor));
+  }
+  report.raise_runtime_error("layer '" + layer + "': launching " + kernel + " failed: " +
+                             cudaGetErrorName(err));
+}
+
+namespace {
+
+std::string describe_device(int device) {
+  cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  return "cuda:" + std::to_string(device) + " (" + props->name + ", sm_" +
+         std::to_string(props->major) + std::to_string(props->minor) + ")";
+}
+
+std::string math_mode_name(cublasMath_t mode) {
+  std::string name;
+  const int base = static_cast<int>(mode) & ~static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+  switch (base) {
+    case CUBLAS_DEFAULT_MATH: name = "CUBLAS_DEFAULT_MATH"; break;
+    case CUBLAS_PEDANTIC_MATH: name = "CUBLAS_PEDANTIC_MATH"; break;
+    case CUBLAS_TF32_TENSOR_OP_MATH: name = "CUBLAS_TF32_TENSOR_OP_MATH"; break;
+    default: name = "cublasMath_t(" + std::to_string(base) + ")";
+  }
+  if (static_cast<int>(mode) & static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) {
+    name += " | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION";
+  }
+  return name;
+}
+
+int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
+  const int device = c10::cuda::current_device();
+  ctx.device = describe_device(device);
+  cublasHandle_t handle = nullptr;
+  if (const int injected = take_injected_fault(FaultSite::kHandle)) {
+    ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
+    ctx.math_mode = "unknown (no handle)";
+    ErrorReport report("cublas");
+    report.add("layer", ctx.layer).add("status", static_cast<int64_t>(injected));
+    report.add("status_name", ctx.status_name).add("stage", "handle");
+    report.add("device", ctx.device).add("purpose", call.purpose);
+    report.raise_runtime_error("layer '" + ctx.layer + "': creating the cuBLAS handle failed with " +
+                               ctx.status_name);
+  }
+  try {
+    handle = at::cuda::getCurrentCUDABlasHandle();
+  } catch (const c10::OutOfMemoryError& e) {
+    // torch allocates the handle's workspace through its caching allocator.
+    ErrorReport report("out_of_memory");
+    report.add("layer", ctx.layer).add("stage", "cuBLAS handle/workspace creation");
+    report.add("device", ctx.device).add("detail", e.what_without_backtrace());
+    report.raise_out_of_memory("layer '" + ctx.layer +
+                               "': out of GPU memory while creating the cuBLAS handle/workspace");
+  } catch (const c10::Error& e) {
+    // cublasCreate failed: NOT_INITIALIZED (often out of memory, or a broken context).
+    const std::string what = e.what_without_backtrace();
+    static const std::array<std::pair<const char*, int>, 4> known = {{
+        {"CUBLAS_STATUS_NOT_INITIALIZED", 1}, {"CUBLAS_STATUS_ALLOC_FAILED", 3},
+        {"CUBLAS_STATUS_ARCH_MISMATCH", 8}, {"CUBLAS_STATUS_INTERNAL_ERROR", 14}}};
+    int status = 1;
+    for (const auto& k : known) {
+      if (what.find(k.first) != std::string::npos) status = k.second;
+    }
+    ErrorReport report("cublas");
+    report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
+    report.add("status_name", cublasGetStatusName(static_cast<cublasStatus_t>(status)));
+    report.add("stage", "handle").add("device", ctx.device).add("detail", what);
+    report.add("purpose", call.purpose);
+    report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
+                               what);
+  }
+  cublasMath_t math = CUBLAS_DEFAULT_MATH;
+  if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) ctx.math_mode = math_mode_name(math);
+  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
+    ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
+    return injected;  // as if cublasSgemm had returned it (tests only)
+  }
+
+  // validate_gemm_call has checked every argument against the int limit.
+  const cublasStatus_t status =
+      cublasSgemm(handle, call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                  call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(call.m),
+                  static_cast<int>(call.n), static_cast<int>(call.k), &call.alpha, call.a,
+                  static_cast<int>(call.lda), call.b, static_cast<int>(call.ldb), &call.beta,
+                  call.c, static_cast<int>(call.ldc));
+  ctx.status_name = cublasGetStatusName(status);
+  return static_cast<int>(status);
+}
+
+at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
+  try {
+    return results.to(at::kCPU);
+  } catch (const c10::Error&) {
+    // Our scan kernels cannot fault (every access is in bounds), so an error
+    // surfacing at this synchronization was left by an earlier kernel.
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaErrorUnknown;
+    raise_pending_cuda_error(err, "while waiting for the input scan (stream synchronize)", layer);
+  }
+}
+
+void check_pending_error_cuda(const std::string& layer) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    ErrorReport report("graph_capture");
+    report.add("layer", layer);
+    report.raise_runtime_error("layer '" + layer +
+                               "': sync mode reads scan results on the host, which a CUDA graph "
+                               "capture cannot do; use mode='async' or mode='off' inside graphs");
+  }
+  const cudaError_t err = cudaPeekAtLastError();
+  if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
+}
+
+struct DeviceRecord {
+  AsyncRecord* record = nullptr;
+  int* claim = nullptr;
+};
+
+}  // namespace
+
+void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
+  static std::mutex mutex;
+  static std::array<DeviceRecord, 64> slots;
+  const int index = device.index();
+  TORCH_CHECK(index >= 0 && index < 64, "cublas_guard_ext: unsupported CUDA device index ", index);
+  std::lock_guard<std::mutex> lock(mutex);
+  DeviceRecord& slot = slots[index];
+  if (slot.record == nullptr) {
+    const c10::cuda::CUDAGuard guard(device);
+    // One-time allocations, allowed even if the first async call is being captured.
+    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    void* host = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(AsyncRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(host, 0, sizeof(AsyncRecord));
+    void* device_view = nullptr;
+    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
+    // With unified addressing (every 64-bit platform CUDA supports) both are one address.
+    TORCH_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
+    void* claim_memory = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&claim_memory, sizeof(int)));
+    C10_CUDA_CHECK(cudaMemset(claim_memory, 0, sizeof(int)));
+    slot.record = static_cast<AsyncRecord*>(host);
+    slot.claim = static_cast<int*>(claim_memory);
+    RecordHooks hooks;
+    hooks.synchronize = [](c10::Device d) {
+      const c10::cuda::CUDAGuard g(d);
+      C10_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+    hooks.reset_claim = [](int* c, c10::Device d) {
+      const c10::cuda::CUDAGuard g(d);
+      C10_CUDA_CHECK(cudaMemset(c, 0, sizeof(int)));
+    };
+    register_async_record(device, slot.record, slot.claim, hooks);
+  }
+  *record = slot.record;
+  *claim = slot.claim;
+}
+
+namespace {
+
+const LinearBackend& cuda_backend() {
+  static const LinearBackend backend{scan_cuda_into, fetch_cuda, gemm_cuda,
+                                     check_pending_error_cuda, async_slot_cuda};
+  return backend;
+}
+
+// The layer's device when it is a CUDA device; else the input's (the checks
+// then report the mismatch).
+c10::Device guard_device(const at::Tensor& preferred, const at::Tensor& other) {
+  return preferred.is_cuda() ? preferred.device() : other.device();
+}
+
+at::Tensor scan_op(const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  return scan(cuda_backend(), x);
+}
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
+                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode) {
+  const c10::cuda::CUDAGuard guard(guard_device(weight, x));
+  return linear_forward(cuda_backend(), x, weight, bias, std::string(layer), mode);
+}
+
+at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
+                         c10::string_view layer) {
+  const c10::cuda::CUDAGuard guard(guard_device(weight, grad_output));
+  return linear_grad_input(cuda_backend(), grad_output, weight, std::string(layer));
+}
+
+at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x,
+                          c10::string_view layer) {
+  const c10::cuda::CUDAGuard guard(guard_device(x, grad_output));
+  return linear_grad_weight(cuda_backend(), grad_output, x, std::string(layer));
+}
+
+void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_features(cuda_backend(), x, in_features, std::string(layer));
+}
+
+}  // namespace
+}  // namespace cublas_guard
+
+TORCH_LIBRARY_IMPL(cublas_guard, CUDA, m) {
+  using namespace cublas_guard;
+  m.impl("scan", &scan_op);
+  m.impl("linear", &linear_op);
+  m.impl("linear_grad_input", &grad_input_op);
+  m.impl("linear_grad_weight", &grad_weight_op);
+  m.impl("check_features", &check_features_op);
+}

@@ -1,0 +1,207 @@
+// Error reports (structured fields -> JSON payload line) and the test-only hooks.
+#include "guard.h"
+
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+namespace cublas_guard {
+
+namespace {
+
+std::string json_string(const std::string& s) {
+  std::string out;
+  out.reserve(s.size() + 2);
+  out.push_back('"');
+  for (unsigned char ch : s) {
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (ch < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", ch);
+          out += buf;
+        } else {
+          out.push_back(static_cast<char>(ch));
+        }
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+}  // namespace
+
+GuardMode parse_mode(int64_t mode) {
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2,
+                    "cublas_guard_ext: mode must be 0 (off), 1 (sync) or 2 (async), got ", mode);
+  return static_cast<GuardMode>(mode);
+}
+
+ErrorReport::ErrorReport(std::string kind) : kind_(std::move(kind)) {}
+
+ErrorReport& ErrorReport::add(const char* key, int64_t value) {
+  fields_.emplace_back(key, std::to_string(value));
+  return *this;
+}
+
+ErrorReport& ErrorReport::add(const char* key, double value) {
+  if (!std::isfinite(value)) {
+    fields_.emplace_back(key, json_string(std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf")));
+    return *this;
+  }
+  std::ostringstream os;
+  os.precision(17);
+  os << value;
+  fields_.emplace_back(key, os.str());
+  return *this;
+}
+
+ErrorReport& ErrorReport::add(const char* key, bool value) {
+  fields_.emplace_back(key, value ? "true" : "false");
+  return *this;
+}
+
+ErrorReport& ErrorReport::add(const char* key, const std::string& value) {
+  fields_.emplace_back(key, json_string(value));
+  return *this;
+}
+
+ErrorReport& ErrorReport::add(const char* key, c10::IntArrayRef values) {
+  std::string list = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) list += ", ";
+    list += std::to_string(values[i]);
+  }
+  list += "]";
+  fields_.emplace_back(key, list);
+  return *this;
+}
+
+std::string ErrorReport::json() const {
+  std::string out = "{\"kind\": " + json_string(kind_);
+  for (const auto& field : fields_) {
+    out += ", " + json_string(field.first) + ": " + field.second;
+  }
+  out += "}";
+  return out;
+}
+
+std::string ErrorReport::message(const std::string& summary) const {
+  return "cublas_guard_ext: " + summary + "\n" + kPayloadMarker + json();
+}
+
+void ErrorReport::raise_value_error(const std::string& summary) const {
+  throw_python_error_if_possible(message(summary));
+  C10_THROW_ERROR(ValueError, message(summary));
+}
+
+void ErrorReport::raise_type_error(const std::string& summary) const {
+  throw_python_error_if_possible(message(summary));
+  C10_THROW_ERROR(TypeError, message(summary));
+}
+
+void ErrorReport::raise_runtime_error(const std::string& summary) const {
+  throw_python_error_if_possible(message(summary));
+  C10_THROW_ERROR(Error, message(summary));
+}
+
+void ErrorReport::raise_out_of_memory(const std::string& summary) const {
+  throw_python_error_if_possible(message(summary));
+  C10_THROW_ERROR(OutOfMemoryError, message(summary));
+}
+
+void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t) {
+  const std::string p(prefix);
+  report.add((p + "_shape").c_str(), t.sizes());
+  report.add((p + "_strides").c_str(), t.strides());
+  report.add((p + "_dtype").c_str(), std::string(c10::toString(t.scalar_type())));
+  report.add((p + "_device").c_str(), t.device().str());
+}
+
+// ---------------------------------------------------------------------------
+// Test-only hooks
+// ---------------------------------------------------------------------------
+namespace {
+
+struct InjectedFault {
+  std::atomic<int> code{0};
+  std::atomic<int64_t> remaining{0};
+};
+
+std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)>& faults() {
+  static std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)> table;
+  return table;
+}
+
+// Production code reads this on every GEMM; a relaxed atomic load is the whole cost.
+std::atomic<bool>& any_fault_armed() {
+  static std::atomic<bool> armed{false};
+  return armed;
+}
+
+std::atomic<int64_t>& size_limit() {
+  static std::atomic<int64_t> limit{2147483647};  // INT_MAX: cuBLAS's int arguments
+  return limit;
+}
+
+void require_testing_env(const char* what) {
+  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
+  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
+              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+}
+
+}  // namespace
+
+int take_injected_fault(FaultSite site) {
+  if (!any_fault_armed().load(std::memory_order_relaxed)) return 0;
+  auto& fault = faults()[static_cast<size_t>(site)];
+  int64_t left = fault.remaining.load();
+  while (left > 0) {
+    if (fault.remaining.compare_exchange_weak(left, left - 1)) return fault.code.load();
+  }
+  return 0;
+}
+
+void set_fault_for_testing(const std::string& site, int64_t code, int64_t times) {
+  require_testing_env("fault injection");
+  FaultSite which;
+  if (site == "gemm") {
+    which = FaultSite::kGemmStatus;
+  } else if (site == "launch") {
+    which = FaultSite::kLaunch;
+  } else if (site == "handle") {
+    which = FaultSite::kHandle;
+  } else {
+    TORCH_CHECK_VALUE(false, "cublas_guard_ext: unknown fault site '", site,
+                      "' (expected gemm, launch or handle)");
+  }
+  TORCH_CHECK_VALUE(times >= 0, "cublas_guard_ext: fault count must be >= 0");
+  auto& fault = faults()[static_cast<size_t>(which)];
+  fault.code.store(static_cast<int>(code));
+  fault.remaining.store(times);
+  bool armed = false;
+  for (auto& f : faults()) armed = armed || f.remaining.load() > 0;
+  any_fault_armed().store(armed);
+}
+
+int64_t set_size_limit_for_testing(int64_t limit) {
+  require_testing_env("the size limit override");
+  TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
+                    "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
+  return size_limit().exchange(limit);
+}
+
+int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed); }
+
+}  // namespace cublas_guard

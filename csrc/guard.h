@@ -1,0 +1,217 @@
+// Shared declarations of cublas_guard_ext's native ops.
+//
+// Everything that both the CPU (.cpp) and CUDA (.cu) implementations need lives
+// here: the scan result layout, the error report that carries structured fields
+// to Python, the argument checks (the single source of truth for every rule),
+// the column-major GEMM description handed to cuBLAS (or to torch's CPU BLAS),
+// and the test-only hooks. This header includes only ATen, never
+// <torch/extension.h>: nvcc compiles it too.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "async_record.h"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace cublas_guard {
+
+// ---------------------------------------------------------------------------
+// Scan result: a small int64 tensor on the scanned tensor's device.
+// ---------------------------------------------------------------------------
+enum ScanField : int64_t {
+  kNanCount = 0,
+  kPosInfCount = 1,
+  kNegInfCount = 2,
+  kFirstBadIndex = 3,  // flat (row-major, logical) index; -1 when all finite
+  kScanFields = 4,
+};
+
+// Guard modes, as passed through the op schema (an int keeps the schema simple
+// for torch.compile). Python's cublas_guard_ext.modes owns the names.
+enum class GuardMode : int64_t { kOff = 0, kSync = 1, kAsync = 2 };
+GuardMode parse_mode(int64_t mode);
+
+// ---------------------------------------------------------------------------
+// Error reports. A report is a kind plus key/value fields; it is thrown as the
+// c10 error type Python users expect (ValueError, TypeError, RuntimeError,
+// OutOfMemoryError) with a one-line summary followed by a JSON payload line.
+// cublas_guard_ext.errors parses the payload into a typed exception and is the
+// one place where the full, user-facing message is written.
+// ---------------------------------------------------------------------------
+constexpr const char* kPayloadMarker = "[cublas_guard_ext payload] ";
+
+class ErrorReport {
+ public:
+  explicit ErrorReport(std::string kind);
+
+  ErrorReport& add(const char* key, int64_t value);
+  ErrorReport& add(const char* key, int value) { return add(key, static_cast<int64_t>(value)); }
+  ErrorReport& add(const char* key, double value);
+  ErrorReport& add(const char* key, bool value);
+  ErrorReport& add(const char* key, const std::string& value);
+  ErrorReport& add(const char* key, const char* value) { return add(key, std::string(value)); }
+  ErrorReport& add(const char* key, c10::IntArrayRef values);
+
+  std::string json() const;
+  std::string message(const std::string& summary) const;
+
+  [[noreturn]] void raise_value_error(const std::string& summary) const;
+  [[noreturn]] void raise_type_error(const std::string& summary) const;
+  [[noreturn]] void raise_runtime_error(const std::string& summary) const;
+  [[noreturn]] void raise_out_of_memory(const std::string& summary) const;
+
+ private:
+  std::string kind_;
+  std::vector<std::pair<std::string, std::string>> fields_;  // value already JSON-encoded
+};
+
+// When Python is running: throws the typed Python exception for `message`
+// (python_errors.cpp); otherwise returns and the caller throws the c10 error.
+void throw_python_error_if_possible(const std::string& message);
+
+// Fields every report about a tensor carries: its shape, strides, dtype, device.
+void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t);
+
+// ---------------------------------------------------------------------------
+// Argument checks: the one place each rule lives. Python never re-checks.
+// ---------------------------------------------------------------------------
+// The input alone (what check_features needs): float32, at least 1-D, last dim
+// == in_features, sizes within the GEMM limits.
+void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer);
+// The whole linear call: the input checks plus weight/bias dtype, shape and
+// device agreement.
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, const std::string& layer);
+// Backward operands (grad_output against weight or input).
+void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
+                     int64_t expected_last, const char* other_name, const std::string& layer);
+
+// Raises NonFiniteInputError's report when `counts` (host int64[4]) is not clean.
+void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts,
+                         const char* tensor_role, const std::string& layer);
+
+// Largest value cuBLAS's 32-bit int arguments (m, n, k, lda, ldb, ldc) may take.
+// Lowered only by tests (set_size_limit_for_testing) so the limit logic runs on CPU.
+int64_t gemm_size_limit();
+
+// ---------------------------------------------------------------------------
+// Column-major GEMM, with exactly cublasSgemm's arguments:
+//   C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C
+// ---------------------------------------------------------------------------
+struct GemmCall {
+  bool trans_a = false;
+  bool trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  int64_t lda = 1, ldb = 1, ldc = 1;
+  float alpha = 1.0f, beta = 0.0f;
+  const float* a = nullptr;
+  const float* b = nullptr;
+  float* c = nullptr;
+  const char* purpose = "forward";  // forward | grad_input | grad_weight
+};
+
+// Row-major matrices as cuBLAS sees them. A row-major [rows x cols] matrix whose
+// columns are contiguous is a column-major [cols x rows] matrix with ld = row
+// stride; one whose rows are contiguous is its transpose. Anything else is
+// copied once (the caller says so in the docs).
+struct ColumnMajorView {
+  at::Tensor storage;  // keeps a copy alive when one was needed
+  const float* data = nullptr;
+  bool transposed = false;  // true: cuBLAS must use op T to read the row-major matrix
+  int64_t ld = 1;
+  bool copied = false;
+};
+ColumnMajorView as_column_major(const at::Tensor& matrix2d);
+
+// Checks the arguments of a GEMM against cuBLAS's rules (the limit, m/n/k >= 0,
+// ld >= max(1, rows)) before it is sent; raises SizeLimitError / a cublas
+// INVALID_VALUE report that names the rule.
+void validate_gemm_call(const GemmCall& call, const std::string& layer);
+
+// Raises the CublasError report for a failed status (never returns).
+struct GemmContext {
+  std::string layer;
+  std::string math_mode;     // e.g. "CUBLAS_DEFAULT_MATH", "CUBLAS_TF32_TENSOR_OP_MATH"
+  std::string device;        // e.g. "cuda:0 (NVIDIA H200, sm_90)"
+  std::string status_name;   // from cublasGetStatusName when available
+  const at::Tensor* operand_a = nullptr;  // the torch tensors behind A, B, C
+  const at::Tensor* operand_b = nullptr;
+  const at::Tensor* operand_c = nullptr;
+};
+[[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
+
+// ---------------------------------------------------------------------------
+// Test-only hooks: fault injection and the lowered size limit. Both refuse to
+// act unless CUBLAS_GUARD_EXT_TESTING=1 is set in the environment, so they
+// cannot be switched on by accident in production.
+// ---------------------------------------------------------------------------
+enum class FaultSite : int { kGemmStatus = 0, kLaunch = 1, kHandle = 2, kCount = 3 };
+// Returns the injected code for `site` and consumes one use, or 0 (no fault).
+int take_injected_fault(FaultSite site);
+void set_fault_for_testing(const std::string& site, int64_t code, int64_t times);
+int64_t set_size_limit_for_testing(int64_t limit);
+
+// ---------------------------------------------------------------------------
+// The parts of the linear op that differ between devices. The orchestration
+// (checks, scans, bias, GEMM, error reports) is shared in linear_common.cpp.
+// ---------------------------------------------------------------------------
+struct LinearBackend {
+  // Enqueue a scan of `t` writing kScanFields int64 into out_slot (on t's
+  // device). With a target, a scan that finds non-finite values also fills
+  // the async record. Never synchronizes.
+  void (*scan_into)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+                    const std::string& layer);
+  // Copy scan results to the host (a stream synchronization on CUDA); an error
+  // surfacing here comes from an earlier kernel and is reported as such.
+  at::Tensor (*fetch)(const at::Tensor& device_results, const std::string& layer);
+  // Run one GEMM; returns the cublasStatus_t as int (0 = success). Fills ctx
+  // (math mode, device) first, then consults the kGemmStatus fault hook.
+  int (*gemm)(const GemmCall& call, GemmContext& ctx);
+  // Sync mode, before any launch: report an error an earlier kernel left behind.
+  void (*check_pending_error)(const std::string& layer);
+  // The async record and claim word for `device` (allocated once, then reused).
+  void (*async_slot)(c10::Device device, AsyncRecord** record, int** claim);
+};
+
+at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x,
+                          const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          const std::string& layer, int64_t mode);
+at::Tensor linear_grad_input(const LinearBackend& backend, const at::Tensor& grad_output,
+                             const at::Tensor& weight, const std::string& layer);
+at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& grad_output,
+                              const at::Tensor& x, const std::string& layer);
+void check_features(const LinearBackend& backend, const at::Tensor& x, int64_t in_features,
+                    const std::string& layer);
+at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
+
+// Async records of every device, read by any guarded call (without waiting)
+// and by the explicit check (after waiting for the devices).
+struct RecordHooks {
+  void (*synchronize)(c10::Device device);
+  void (*reset_claim)(int* claim, c10::Device device);
+};
+void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
+                           RecordHooks hooks);
+void raise_if_async_recorded(bool synchronize);
+
+// The CPU scan (also the reference the CUDA scan is tested against).
+void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+                   const std::string& layer);
+
+// Strided iteration support shared by the CPU and CUDA scans: dims merged where
+// their strides allow, so that most views become one or two dims.
+constexpr int kMaxScanDims = 16;
+struct ScanGeometry {
+  int ndim = 0;
+  int64_t sizes[kMaxScanDims];    // innermost last
+  int64_t strides[kMaxScanDims];  // in elements
+  bool contiguous = true;          // one dim of stride 1 (or empty/scalar)
+};
+// Returns false when the tensor needs more than kMaxScanDims dims even after merging.
+bool scan_geometry(const at::Tensor& t, ScanGeometry& geometry);
+
+}  // namespace cublas_guard

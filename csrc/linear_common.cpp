@@ -1,0 +1,390 @@
+// The guarded linear, device-independent: checks, scans, the async record,
+// the row-major-as-column-major GEMM plan and its error report. The CPU and
+// CUDA kernels differ only in their LinearBackend.
+#include "guard.h"
+
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <array>
+#include <mutex>
+#include <unordered_map>
+
+namespace cublas_guard {
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Parameters are scanned when they change, not on every call. A parameter is
+// "known clean" while its TensorImpl is alive with the same version counter
+// and data pointer as when it was last scanned clean. In-place updates
+// (optimizer steps, load_state_dict, fill_ under no_grad) bump the version;
+// writes through `.data` do not, which the README states.
+// ---------------------------------------------------------------------------
+class CleanParameterCache {
+ public:
+  bool known_clean(const at::Tensor& t) {
+    if (t.is_inference()) return false;  // inference tensors have no version counter
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = entries_.find(t.unsafeGetTensorImpl());
+    if (it == entries_.end()) return false;
+    const Entry& e = it->second;
+    return !e.impl.expired() && e.version == t._version() && e.data == t.data_ptr();
+  }
+
+  void mark_clean(const at::Tensor& t) {
+    if (t.is_inference()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (entries_.size() > 4096) prune();
+    entries_.insert_or_assign(
+        t.unsafeGetTensorImpl(),
+        Entry{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
+              t._version(), t.data_ptr()});
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.clear();
+  }
+
+ private:
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl;
+    int64_t version;
+    const void* data;
+  };
+  void prune() {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      it = it->second.impl.expired() ? entries_.erase(it) : std::next(it);
+    }
+  }
+  std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
+};
+
+CleanParameterCache& clean_parameters() {
+  static CleanParameterCache cache;
+  return cache;
+}
+
+// ---------------------------------------------------------------------------
+// Layer names <-> ids, and per-layer call counters, for async reports.
+// ---------------------------------------------------------------------------
+class LayerRegistry {
+ public:
+  // Returns (layer id, this call's number for the layer, counting from 1).
+  std::pair<int64_t, int64_t> next_call(const std::string& layer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = ids_.find(layer);
+    if (it == ids_.end()) {
+      it = ids_.emplace(layer, static_cast<int64_t>(names_.size())).first;
+      names_.push_back(layer);
+      calls_.push_back(0);
+    }
+    return {it->second, ++calls_[it->second]};
+  }
+  std::string name(int64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return id >= 0 && id < static_cast<int64_t>(names_.size()) ? names_[id] : "<unknown layer>";
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<std::string, int64_t> ids_;
+  std::vector<std::string> names_;
+  std::vector<int64_t> calls_;
+};
+
+LayerRegistry& layers() {
+  static LayerRegistry registry;
+  return registry;
+}
+
+struct RegisteredRecord {
+  c10::Device device;
+  AsyncRecord* record;
+  int* claim;
+  RecordHooks hooks;
+};
+
+std::mutex& records_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<RegisteredRecord>& records() {
+  static std::vector<RegisteredRecord> all;
+  return all;
+}
+
+const char* role_name(int64_t role) {
+  switch (role) {
+    case kRoleInput: return "input";
+    case kRoleWeight: return "weight";
+    case kRoleBias: return "bias";
+    case kRoleGradOutput: return "grad_output";
+    default: return "tensor";
+  }
+}
+
+[[noreturn]] void raise_recorded(const AsyncRecord& rec, const c10::Device& device) {
+  const std::string layer = layers().name(rec.layer_id);
+  ErrorReport report("non_finite");
+  report.add("layer", layer).add("role", role_name(rec.role));
+  report.add("nan_count", rec.nan_count).add("posinf_count", rec.posinf_count);
+  report.add("neginf_count", rec.neginf_count).add("first_bad_index", rec.first_bad_index);
+  const int64_t ndim = std::min<int64_t>(rec.ndim, kRecordMaxDims);
+  std::vector<int64_t> shape(rec.shape, rec.shape + ndim);
+  if (rec.ndim <= kRecordMaxDims) {
+    std::vector<int64_t> coords(ndim, 0);
+    int64_t rest = rec.first_bad_index;
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      const int64_t size = std::max<int64_t>(shape[d], 1);
+      coords[d] = rest % size;
+      rest /= size;
+    }
+    report.add("first_bad_coords", coords);
+    report.add("shape", shape);
+  }
+  report.add("numel", rec.numel);
+  report.add("deferred", true).add("call", rec.call_id).add("device", device.str());
+  report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + "): " +
+                           role_name(rec.role) + " had " + std::to_string(rec.nan_count) +
+                           " NaN, " + std::to_string(rec.posinf_count) + " +Inf, " +
+                           std::to_string(rec.neginf_count) +
+                           " -Inf (recorded asynchronously, reported now)");
+}
+
+// A tensor to scan and the role it plays in the error message.
+struct ScanJob {
+  const at::Tensor* tensor;
+  TensorRole role;
+};
+
+void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int64_t layer_id,
+                 int64_t call_id, AsyncRecord* record, int* claim) {
+  target.record = record;
+  target.claim = claim;
+  target.layer_id = layer_id;
+  target.call_id = call_id;
+  target.role = role;
+  target.numel = t.numel();
+  target.ndim = t.dim();
+  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kRecordMaxDims); ++d) {
+    target.shape[d] = t.size(d);
+  }
+}
+
+// Scans the jobs. Sync: one host synchronization for all of them, then raise
+// for the first bad one. Async: enqueue scans that fill the record if needed.
+void guard_values(const LinearBackend& be, GuardMode mode, const std::string& layer,
+                  const std::vector<ScanJob>& jobs) {
+  if (jobs.empty()) return;
+  const at::Tensor& first = *jobs.front().tensor;
+  const auto n = static_cast<int64_t>(jobs.size());
+  at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
+  if (mode == GuardMode::kSync) {
+    for (int64_t i = 0; i < n; ++i) be.scan_into(*jobs[i].tensor, results[i], nullptr, layer);
+    at::Tensor host = be.fetch(results, layer);
+    const int64_t* counts = host.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      raise_if_non_finite(*jobs[i].tensor, counts + i * kScanFields, role_name(jobs[i].role),
+                          layer);
+    }
+  } else {
+    AsyncRecord* record = nullptr;
+    int* claim = nullptr;
+    be.async_slot(first.device(), &record, &claim);
+    const auto ids = layers().next_call(layer);
+    for (int64_t i = 0; i < n; ++i) {
+      AsyncTarget target;
+      fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
+      be.scan_into(*jobs[i].tensor, results[i], &target, layer);
+    }
+  }
+  for (const auto& job : jobs) {
+    if (job.role == kRoleWeight || job.role == kRoleBias) clean_parameters().mark_clean(*job.tensor);
+  }
+}
+
+// out[P x Q] (contiguous, row-major) = beta * out + L[P x R] * Rm[R x Q], as the
+// column-major product out^T = Rm^T * L^T that cuBLAS computes.
+void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
+                 const at::Tensor& right, float beta, const char* purpose,
+                 const std::string& layer) {
+  const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
+  if (P == 0 || Q == 0) return;
+  if (R == 0) {  // an empty sum: cuBLAS must not see k = 0 with beta = 0 semantics questions
+    if (beta == 0.0f) out.zero_();
+    return;
+  }
+  const ColumnMajorView lv = as_column_major(left);
+  const ColumnMajorView rv = as_column_major(right);
+  GemmCall call;
+  call.trans_a = !rv.transposed;
+  call.trans_b = !lv.transposed;
+  call.m = Q;
+  call.n = P;
+  call.k = R;
+  call.a = rv.data;
+  call.lda = rv.ld;
+  call.b = lv.data;
+  call.ldb = lv.ld;
+  call.c = out.data_ptr<float>();
+  call.ldc = Q;
+  call.alpha = 1.0f;
+  call.beta = beta;
+  call.purpose = purpose;
+  validate_gemm_call(call, layer);
+
+  GemmContext ctx;
+  ctx.layer = layer;
+  ctx.operand_a = &right;
+  ctx.operand_b = &left;
+  ctx.operand_c = &out;
+  const int status = be.gemm(call, ctx);
+  if (status != 0) raise_gemm_failure(status, call, ctx);
+}
+
+// [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
+// is explicit: reshape({-1, 0}) is ambiguous for empty tensors.
+at::Tensor flatten_rows(const at::Tensor& t, int64_t cols) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return t.reshape({rows, cols});
+}
+
+std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> out(sizes.begin(), sizes.end());
+  out.back() = last;
+  return out;
+}
+
+}  // namespace
+
+void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
+                           RecordHooks hooks) {
+  std::lock_guard<std::mutex> lock(records_mutex());
+  records().push_back(RegisteredRecord{device, record, claim, hooks});
+}
+
+void raise_if_async_recorded(bool synchronize) {
+  std::vector<RegisteredRecord> snapshot;
+  {
+    std::lock_guard<std::mutex> lock(records_mutex());
+    snapshot = records();
+  }
+  for (const auto& reg : snapshot) {
+    if (synchronize && reg.hooks.synchronize != nullptr) reg.hooks.synchronize(reg.device);
+    // The writer stores the fields, fences, then the flag: seeing the flag
+    // means the fields are complete.
+    if (reinterpret_cast<volatile int64_t*>(&reg.record->flag)[0] == 0) continue;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    const AsyncRecord copy = *reg.record;
+    reg.record->flag = 0;
+    reg.hooks.reset_claim(reg.claim, reg.device);
+    clean_parameters().clear();  // a recorded parameter must be scanned again
+    raise_recorded(copy, reg.device);
+  }
+}
+
+at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias, const std::string& layer,
+                          int64_t mode_value) {
+  const GuardMode mode = parse_mode(mode_value);
+  raise_if_async_recorded(/*synchronize=*/false);
+  check_linear_args(x, weight, bias, layer);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (mode == GuardMode::kSync) be.check_pending_error(layer);
+  if (mode != GuardMode::kOff) {
+    std::vector<ScanJob> jobs{{&x, kRoleInput}};
+    if (!clean_parameters().known_clean(weight)) jobs.push_back({&weight, kRoleWeight});
+    if (has_bias && !clean_parameters().known_clean(*bias)) jobs.push_back({&*bias, kRoleBias});
+    guard_values(be, mode, layer, jobs);
+  }
+
+  const int64_t in_features = weight.size(1), out_features = weight.size(0);
+  const at::Tensor x2d = flatten_rows(x, in_features);
+  at::Tensor out = at::empty({x2d.size(0), out_features}, weight.options());
+  float beta = 0.0f;
+  if (has_bias && out.numel() > 0) {
+    // The bias enters through beta = 1 on an output pre-filled with it, as
+    // torch's own addmm fallback does: one broadcast copy, no extra kernel of ours.
+    out.copy_(bias->expand_as(out));
+    beta = 1.0f;
+  }
+  matmul_into(be, out, x2d, weight.t(), beta, "forward", layer);
+  return out.view(with_last(x.sizes(), out_features));
+}
+
+at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
+                             const at::Tensor& weight, const std::string& layer) {
+  check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
+  const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
+  at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
+  matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input", layer);
+  return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
+}
+
+at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output,
+                              const at::Tensor& x, const std::string& layer) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '",
+                    layer, "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
+                    " must have the same number of dims");
+  const int64_t out_features = grad_output.size(-1), in_features = x.size(-1);
+  check_grad_args(grad_output, x, out_features, "input", layer);
+  const at::Tensor g2d = flatten_rows(grad_output, out_features);
+  const at::Tensor x2d = flatten_rows(x, in_features);
+  TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer,
+                    "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
+                    " disagree on the batch size");
+  at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
+  matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight", layer);
+  return grad_weight;
+}
+
+void check_features(const LinearBackend& be, const at::Tensor& x, int64_t in_features,
+                    const std::string& layer) {
+  check_input(x, in_features, layer);
+  be.check_pending_error(layer);
+  guard_values(be, GuardMode::kSync, layer, {{&x, kRoleInput}});
+}
+
+at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
+                   "cublas_guard_ext.scan: expected a float32 tensor, got ", x.scalar_type());
+  at::Tensor out = at::empty({kScanFields}, x.options().dtype(at::kLong));
+  be.scan_into(x, out, nullptr, "scan");
+  return out;
+}
+
+[[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx) {
+  ErrorReport report("cublas");
+  report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
+  if (!ctx.status_name.empty()) report.add("status_name", ctx.status_name);
+  report.add("purpose", call.purpose);
+  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
+  report.add("m", call.m).add("n", call.n).add("k", call.k);
+  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+  report.add("alpha", static_cast<double>(call.alpha)).add("beta", static_cast<double>(call.beta));
+  if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
+  if (!ctx.device.empty()) report.add("device", ctx.device);
+  const std::pair<const char*, const at::Tensor*> operands[] = {
+      {"a", ctx.operand_a}, {"b", ctx.operand_b}, {"c", ctx.operand_c}};
+  for (const auto& op : operands) {
+    if (op.second == nullptr) continue;
+    describe_tensor(report, op.first, *op.second);
+    // Alignment in bytes: the largest power of two (up to 256) dividing the address.
+    const auto address = reinterpret_cast<uintptr_t>(op.second->data_ptr());
+    int64_t alignment = 1;
+    while (alignment < 256 && address % (alignment * 2) == 0) alignment *= 2;
+    report.add((std::string(op.first) + "_alignment").c_str(), alignment);
+  }
+  report.raise_runtime_error("layer '" + ctx.layer + "': cublasSgemm (" + call.purpose +
+                             ") failed with status " + std::to_string(status) +
+                             (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
+                             std::to_string(call.m) + ", n=" + std::to_string(call.n) +
+                             ", k=" + std::to_string(call.k) + ")");
+}
+
+}  // namespace cublas_guard

@@ -1,0 +1,88 @@
+// The CPU backend: the same op behind the same checks, computing with torch's
+// CPU BLAS. It executes the exact column-major call cuBLAS would receive, so
+// the argument plan, the limits and every failure report are exercised on CPU.
+#include "guard.h"
+
+#include <torch/library.h>
+
+#include <mutex>
+
+namespace cublas_guard {
+
+namespace {
+
+// A column-major [rows x cols] matrix with leading dimension ld, as a tensor view.
+at::Tensor column_major(const float* data, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<float*>(data), {rows, cols}, {1, ld},
+                       at::TensorOptions().dtype(at::kFloat));
+}
+
+int gemm_cpu(const GemmCall& call, GemmContext& ctx) {
+  ctx.math_mode = "cpu (torch addmm, float32)";
+  ctx.device = "cpu";
+  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
+  at::Tensor a = call.trans_a ? column_major(call.a, call.k, call.m, call.lda).t()
+                              : column_major(call.a, call.m, call.k, call.lda);
+  at::Tensor b = call.trans_b ? column_major(call.b, call.n, call.k, call.ldb).t()
+                              : column_major(call.b, call.k, call.n, call.ldb);
+  at::Tensor c = column_major(call.c, call.m, call.n, call.ldc);
+  c.addmm_(a, b, call.beta, call.alpha);
+  return 0;
+}
+
+at::Tensor fetch_cpu(const at::Tensor& results, const std::string& /*layer*/) { return results; }
+
+void no_pending_error(const std::string& /*layer*/) {}
+
+void async_slot_cpu(c10::Device /*device*/, AsyncRecord** record, int** claim) {
+  static AsyncRecord cpu_record{};
+  static int cpu_claim = 0;
+  static std::once_flag registered;
+  std::call_once(registered, [] {
+    RecordHooks hooks;
+    hooks.synchronize = nullptr;  // CPU scans finish before the op returns
+    hooks.reset_claim = [](int* c, c10::Device) { __atomic_store_n(c, 0, __ATOMIC_RELEASE); };
+    register_async_record(c10::Device(c10::kCPU), &cpu_record, &cpu_claim, hooks);
+  });
+  *record = &cpu_record;
+  *claim = &cpu_claim;
+}
+
+const LinearBackend& cpu_backend() {
+  static const LinearBackend backend{scan_cpu_into, fetch_cpu, gemm_cpu, no_pending_error,
+                                     async_slot_cpu};
+  return backend;
+}
+
+at::Tensor scan_op(const at::Tensor& x) { return scan(cpu_backend(), x); }
+
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
+                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode) {
+  return linear_forward(cpu_backend(), x, weight, bias, std::string(layer), mode);
+}
+
+at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
+                         c10::string_view layer) {
+  return linear_grad_input(cpu_backend(), grad_output, weight, std::string(layer));
+}
+
+at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x,
+                          c10::string_view layer) {
+  return linear_grad_weight(cpu_backend(), grad_output, x, std::string(layer));
+}
+
+void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
+  check_features(cpu_backend(), x, in_features, std::string(layer));
+}
+
+}  // namespace
+}  // namespace cublas_guard
+
+TORCH_LIBRARY_IMPL(cublas_guard, CPU, m) {
+  using namespace cublas_guard;
+  m.impl("scan", &scan_op);
+  m.impl("linear", &linear_op);
+  m.impl("linear_grad_input", &grad_input_op);
+  m.impl("linear_grad_weight", &grad_weight_op);
+  m.impl("check_features", &check_features_op);
+}

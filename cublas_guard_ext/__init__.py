@@ -1,0 +1,55 @@
+"""cublas_guard_ext: know why cuBLAS failed, and refuse poisoned Linear inputs.
+
+Public API::
+
+    SafeLinear, replace_linear, name_layers      # the drop-in nn.Linear
+    scan, ScanResult, check_features, linear     # the ops
+    check, guard                                 # async-mode reporting
+    GuardError and its subclasses                # errors with fields
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CublasError,
+    CudaLaunchError,
+    DeviceMismatchError,
+    DTypeError,
+    ExtensionBuildError,
+    GraphCaptureError,
+    GuardError,
+    NonFiniteInputError,
+    OutOfMemoryError,
+    PendingCudaError,
+    ShapeMismatchError,
+    SizeLimitError,
+)
+from .modes import guard
+from .nn import SafeLinear, name_layers, replace_linear
+from .ops import ScanResult, check, check_features, linear, scan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SafeLinear",
+    "replace_linear",
+    "name_layers",
+    "scan",
+    "ScanResult",
+    "check_features",
+    "linear",
+    "check",
+    "guard",
+    "GuardError",
+    "DTypeError",
+    "ShapeMismatchError",
+    "DeviceMismatchError",
+    "NonFiniteInputError",
+    "SizeLimitError",
+    "CublasError",
+    "PendingCudaError",
+    "CudaLaunchError",
+    "GraphCaptureError",
+    "OutOfMemoryError",
+    "ExtensionBuildError",
+]

@@ -1,0 +1,636 @@
+"""The exception classes, and the one place where their messages are written.
+
+Native code raises a c10 error whose last line is a JSON payload (the error's
+kind and fields); :func:`from_native` turns it into one of the classes below.
+Each class subclasses the built-in exception users already catch, carries its
+fields as attributes (and in ``.fields``), and formats one message: the most
+likely cause first, then the details, then what to do next.
+
+Input errors that ``nn.Linear`` itself would raise as ``RuntimeError`` (wrong
+shape, dtype, device) are also ``RuntimeError`` subclasses, so code written
+around ``nn.Linear`` keeps catching them after the swap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, ClassVar
+
+import torch
+
+PAYLOAD_MARKER = "[cublas_guard_ext payload] "
+_PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)
+
+# cublasStatus_t: name, meaning, likely causes (most likely first), next steps.
+CUBLAS_STATUS: dict[int, tuple[str, str, tuple[str, ...], tuple[str, ...]]] = {
+    0: ("CUBLAS_STATUS_SUCCESS", "the operation completed successfully", (), ()),
+    1: (
+        "CUBLAS_STATUS_NOT_INITIALIZED",
+        "cuBLAS could not be initialized: creating the handle failed",
+        (
+            "the GPU was out of memory when cuBLAS created its handle or workspace "
+            "(cuBLAS allocates outside PyTorch's caching allocator)",
+            "an earlier CUDA error left the context unusable",
+            "the driver is older than the CUDA runtime torch was built with",
+        ),
+        (
+            "free memory before the first matmul: a smaller batch, torch.cuda.empty_cache()",
+            "rerun with CUDA_LAUNCH_BLOCKING=1 to find an earlier failing kernel",
+            "run `python -m cublas_guard_ext doctor` to compare driver and runtime versions",
+        ),
+    ),
+    3: (
+        "CUBLAS_STATUS_ALLOC_FAILED",
+        "an allocation inside cuBLAS failed (its workspace or internal buffers)",
+        (
+            "the GPU is out of memory",
+            "memory fragmentation: free memory exists but not in one piece",
+        ),
+        (
+            "lower the batch size, or call torch.cuda.empty_cache() before the failing step",
+            "set a smaller cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG=:4096:8",
+            "check other processes on the GPU with nvidia-smi",
+        ),
+    ),
+    7: (
+        "CUBLAS_STATUS_INVALID_VALUE",
+        "an argument was out of range (m, n, k < 0, a leading dimension too small, ...)",
+        (
+            "a size beyond cuBLAS's 32-bit int arguments",
+            "a leading dimension smaller than the rows stored (a bad stride)",
+        ),
+        (
+            "check the failed rule and the arguments below",
+            "make the operands contiguous (x.contiguous()) and retry",
+        ),
+    ),
+    8: (
+        "CUBLAS_STATUS_ARCH_MISMATCH",
+        "the GPU lacks a feature this cuBLAS call needs",
+        (
+            "the GPU is older than this cuBLAS/torch build supports",
+            "the compute mode or data type needs a newer architecture",
+        ),
+        (
+            "run `python -m cublas_guard_ext doctor`: it compares the GPU with torch's arch list",
+            "install a torch build that supports this GPU (see pytorch.org/get-started)",
+        ),
+    ),
+    11: (
+        "CUBLAS_STATUS_MAPPING_ERROR",
+        "cuBLAS could not access GPU memory (a texture or memory mapping failed)",
+        (
+            "an earlier CUDA error corrupted the context",
+            "an operand pointer is invalid (freed or on another device)",
+        ),
+        (
+            "rerun with CUDA_LAUNCH_BLOCKING=1",
+            "restart the process: the context may be unusable",
+        ),
+    ),
+    13: (
+        "CUBLAS_STATUS_EXECUTION_FAILED",
+        "the GEMM kernel failed to launch or to run on the GPU",
+        (
+            "an EARLIER asynchronous CUDA error surfacing here: an index out of range in "
+            "nn.Embedding, a gather or a loss (a device-side assert) fails silently and the "
+            "next cuBLAS call reports it",
+            "out of GPU memory",
+            "a GPU architecture the torch build does not support",
+            "a hardware fault (overheating, a failing card)",
+        ),
+        (
+            "rerun with CUDA_LAUNCH_BLOCKING=1 so the error is raised by the kernel that failed",
+            "use mode='sync' (the default) so the guard names an earlier failure before the GEMM",
+            "run `python -m cublas_guard_ext doctor`",
+        ),
+    ),
+    14: (
+        "CUBLAS_STATUS_INTERNAL_ERROR",
+        "an operation inside cuBLAS failed (usually a CUDA call it made)",
+        (
+            "an earlier asynchronous CUDA error",
+            "out of GPU memory",
+            "a driver/runtime mismatch",
+        ),
+        (
+            "rerun with CUDA_LAUNCH_BLOCKING=1",
+            "run `python -m cublas_guard_ext doctor`",
+        ),
+    ),
+    15: (
+        "CUBLAS_STATUS_NOT_SUPPORTED",
+        "this combination of parameters is not supported by cuBLAS on this GPU",
+        (
+            "a math mode (TF32) or data type the GPU does not offer",
+        ),
+        (
+            "disable TF32: torch.backends.cuda.matmul.allow_tf32 = False",
+            "run `python -m cublas_guard_ext doctor`",
+        ),
+    ),
+    16: (
+        "CUBLAS_STATUS_LICENSE_ERROR",
+        "the requested functionality needs a license that was not found",
+        ("a cuBLAS feature behind a license check",),
+        ("check the NVIDIA license configuration of this machine",),
+    ),
+}
+
+_NAN_STORY = (
+    "NaN/Inf do not make cuBLAS fail (a GEMM never looks at values: it returns NaN with "
+    "status SUCCESS); the guard refuses them so they do not spread."
+)
+
+
+def _layer(name: Any) -> str:
+    return f"'{name}'" if name else "(unnamed layer)"
+
+
+# c10's names (what the native side reports) -> how torch users write them.
+_DTYPES = {
+    "Float": "torch.float32", "Double": "torch.float64", "Half": "torch.float16",
+    "BFloat16": "torch.bfloat16", "Long": "torch.int64", "Int": "torch.int32",
+    "Short": "torch.int16", "Char": "torch.int8", "Byte": "torch.uint8", "Bool": "torch.bool",
+    "ComplexFloat": "torch.complex64", "ComplexDouble": "torch.complex128",
+    "Float8_e4m3fn": "torch.float8_e4m3fn", "Float8_e5m2": "torch.float8_e5m2",
+}
+
+
+def _dtype(value: Any) -> str:
+    return _DTYPES.get(str(value), str(value))
+
+
+def _shape(value: Any) -> str:
+    if value is None:
+        return "?"
+    return "[" + ", ".join(str(v) for v in value) + "]"
+
+
+class GuardError(Exception):
+    """Base class of every cublas_guard_ext error.
+
+    ``fields`` holds the structured data (also readable as attributes);
+    ``str(err)`` is the formatted message.
+    """
+
+    kind: ClassVar[str] = "guard"
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self.fields: dict[str, Any] = fields
+        super().__init__(message if message is not None else self._format())
+
+    def __getattr__(self, name: str) -> Any:
+        fields = self.__dict__.get("fields", {})
+        if name in fields:
+            return fields[name]
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
+    # Subclasses fill these three; _format puts them in order.
+    def _headline(self) -> str:
+        return f"cublas_guard_ext error ({self.kind})"
+
+    def _details(self) -> list[str]:
+        return [f"{k}: {v}" for k, v in self.fields.items()]
+
+    def _next_steps(self) -> list[str]:
+        return []
+
+    def _format(self) -> str:
+        lines = [self._headline()]
+        lines += [f"  {d}" for d in self._details()]
+        steps = self._next_steps()
+        if steps:
+            lines.append("Next: " + steps[0])
+            lines += [f"      {s}" for s in steps[1:]]
+        return "\n".join(lines)
+
+
+class DTypeError(GuardError, TypeError, RuntimeError):
+    """An operand is not float32 (cublasSgemm computes in float32 only)."""
+
+    kind = "dtype"
+
+    def _headline(self) -> str:
+        return (
+            f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} dtype is "
+            f"{_dtype(self.fields.get('dtype'))}, but cublasSgemm is float32-only"
+        )
+
+    def _details(self) -> list[str]:
+        return [
+            f"shape {_shape(self.fields.get('tensor_shape'))} on {self.fields.get('tensor_device')}",
+            "fp16/bf16 go through other GEMM entry points (cublasHgemm / cublasGemmEx), "
+            "float64 through cublasDgemm",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        role = self.fields.get("role", "input")
+        if role == "input":
+            return [
+                "convert the input: x = x.float()",
+                "or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)",
+            ]
+        return [f"convert the layer's parameters: layer.float() (its {role} is not float32)"]
+
+
+class ShapeMismatchError(GuardError, ValueError, RuntimeError):
+    """The input's last dim is not the layer's ``in_features`` (or the input is 0-d)."""
+
+    kind = "shape_mismatch"
+
+    def _headline(self) -> str:
+        f = self.fields
+        shape = f.get("shape")
+        if f.get("reason") == "operand":  # a parameter or gradient, not the input
+            return (
+                f"layer {_layer(f.get('layer'))}: {f.get('role')} has shape {_shape(shape)}, "
+                f"expected {f.get('expected_shape')}"
+            )
+        expected = f.get("expected_last_dim")
+        if f.get("reason") == "zero_dim":
+            return f"layer {_layer(f.get('layer'))}: input is 0-d; expected [..., {expected}]"
+        return (
+            f"layer {_layer(f.get('layer'))}: input shape {_shape(shape)} has last dim "
+            f"{shape[-1] if shape else '?'}, expected in_features = {expected}"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        if f.get("reason") == "operand":
+            return []
+        return [
+            f"input shape: {_shape(f.get('shape'))}",
+            f"expected:    [..., {f.get('expected_last_dim')}]",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("reason") == "operand":
+            return [
+                f"the layer's {self.fields.get('role')} was replaced with a tensor of the wrong "
+                "shape; check the code that assigns it"
+            ]
+        return [
+            "check the layer before this one (its out_features) or the flatten/reshape "
+            "feeding it; print(x.shape) right before the layer"
+        ]
+
+    @property
+    def expected(self) -> Any:
+        f = self.fields
+        return f.get("expected_last_dim", f.get("expected_shape"))
+
+
+class DeviceMismatchError(GuardError, ValueError, RuntimeError):
+    """An operand is on another device than the layer's weight."""
+
+    kind = "device_mismatch"
+
+    def _headline(self) -> str:
+        return (
+            f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} is on "
+            f"{self.fields.get('input_device')} but the layer's weight is on "
+            f"{self.fields.get('weight_device')}"
+        )
+
+    def _details(self) -> list[str]:
+        return [f"{self.fields.get('role', 'input')} shape: {_shape(self.fields.get('shape'))}"]
+
+    def _next_steps(self) -> list[str]:
+        target = self.fields.get("weight_device")
+        return [
+            f"move the input: x = x.to('{target}')",
+            f"or move the model: model.to('{self.fields.get('input_device')}')",
+        ]
+
+
+class NonFiniteInputError(GuardError, ValueError):
+    """NaN/+Inf/-Inf in an input (or parameter) of a guarded layer."""
+
+    kind = "non_finite"
+
+    def _headline(self) -> str:
+        f = self.fields
+        where = f"layer {_layer(f.get('layer'))}"
+        if f.get("deferred"):
+            where += f", call {f.get('call')}"
+        return (
+            f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
+            f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        coords = f.get("first_bad_coords")
+        role = "x" if f.get("role", "input") == "input" else f.get("role")
+        first = f"first bad element: flat index {f.get('first_bad_index')}"
+        if coords is not None:
+            first += f" = {role}[{', '.join(str(c) for c in coords)}]"
+        if f.get("first_bad_value") is not None:
+            first += f" ({_value_name(f.get('first_bad_value'))})"
+        lines = [first, f"shape {_shape(f.get('shape'))}, {f.get('numel')} elements"]
+        if f.get("deferred"):
+            lines.append(
+                f"recorded asynchronously on {f.get('device')} at that call and reported now: "
+                "outputs computed since then are not to be trusted"
+            )
+        lines.append(_NAN_STORY)
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("role") in ("weight", "bias"):
+            return [
+                "the parameters diverged: lower the learning rate, clip gradients "
+                "(torch.nn.utils.clip_grad_norm_), or reload the last good checkpoint"
+            ]
+        return [
+            "find where the values became non-finite: check the data pipeline and the layer "
+            "before this one (torch.autograd.set_detect_anomaly(True) in training)",
+            "clean the data if NaN is expected there: torch.nan_to_num(x)",
+        ]
+
+
+def _value_name(value: Any) -> str:
+    if isinstance(value, str):
+        return {"nan": "NaN", "inf": "+Inf", "-inf": "-Inf"}.get(value, value)
+    return str(value)
+
+
+class SizeLimitError(GuardError, ValueError):
+    """A GEMM argument beyond cuBLAS's 32-bit ``int`` limit."""
+
+    kind = "size_limit"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"layer {_layer(f.get('layer'))}: cublasSgemm argument {f.get('argument')} = "
+            f"{f.get('value')} exceeds cuBLAS's 32-bit limit {f.get('limit')}"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            f"{f.get('purpose')} GEMM: m={f.get('m')} n={f.get('n')} k={f.get('k')} "
+            f"lda={f.get('lda')} ldb={f.get('ldb')} ldc={f.get('ldc')}",
+            "cuBLAS takes m, n, k and the leading dimensions as 32-bit int; passing more "
+            "would overflow silently or fail",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        return ["split the batch into smaller chunks (torch.split(x, chunk) and torch.cat)"]
+
+
+class CublasError(GuardError, RuntimeError):
+    """A cuBLAS call returned a failure status."""
+
+    kind = "cublas"
+
+    @property
+    def status(self) -> int:
+        return int(self.fields.get("status", -1))
+
+    @property
+    def status_name(self) -> str:
+        name = self.fields.get("status_name")
+        if name:
+            return str(name)
+        entry = CUBLAS_STATUS.get(self.status)
+        return entry[0] if entry else f"cublasStatus_t({self.status})"
+
+    @property
+    def meaning(self) -> str:
+        entry = CUBLAS_STATUS.get(self.status)
+        return entry[1] if entry else "an unknown cuBLAS status"
+
+    def _headline(self) -> str:
+        f = self.fields
+        stage = "creating the cuBLAS handle" if f.get("stage") == "handle" else "cublasSgemm"
+        if f.get("precheck"):
+            return (
+                f"layer {_layer(f.get('layer'))}: {self.status_name} (refused before the call): "
+                f"the arguments break the rule {f.get('rule')}"
+            )
+        return f"layer {_layer(f.get('layer'))}: {self.status_name} from {stage}: {self.meaning}"
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        entry = CUBLAS_STATUS.get(self.status)
+        lines = []
+        if entry and entry[2]:
+            lines.append("likely causes, most likely first:")
+            lines += [f"  {i}. {c}" for i, c in enumerate(entry[2], 1)]
+        if "m" in f:
+            lines.append(
+                f"call ({f.get('purpose')}): transa={f.get('transa')} transb={f.get('transb')} "
+                f"m={f.get('m')} n={f.get('n')} k={f.get('k')} lda={f.get('lda')} "
+                f"ldb={f.get('ldb')} ldc={f.get('ldc')}"
+                + (f" alpha={f.get('alpha')} beta={f.get('beta')}" if "alpha" in f else "")
+            )
+        if f.get("math_mode"):
+            lines.append(f"math mode: {f.get('math_mode')}")
+        for op in ("a", "b", "c"):
+            if f"{op}_shape" in f:
+                lines.append(
+                    f"operand {op.upper()}: shape {_shape(f.get(f'{op}_shape'))} strides "
+                    f"{_shape(f.get(f'{op}_strides'))} {_dtype(f.get(f'{op}_dtype'))} on "
+                    f"{f.get(f'{op}_device')}, {f.get(f'{op}_alignment')}-byte aligned"
+                )
+        if f.get("device"):
+            lines.append(f"device: {f.get('device')}")
+        if f.get("detail"):
+            lines.append(f"detail: {f.get('detail')}")
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        entry = CUBLAS_STATUS.get(self.status)
+        return list(entry[3]) if entry else ["run `python -m cublas_guard_ext doctor`"]
+
+
+class PendingCudaError(GuardError, RuntimeError):
+    """An earlier kernel's asynchronous CUDA error, seen before this layer's GEMM."""
+
+    kind = "pending_cuda"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"layer {_layer(f.get('layer'))}: an EARLIER CUDA kernel failed "
+            f"({f.get('cuda_error')}: {f.get('cuda_error_string')}); this Linear did not cause it"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        lines = [
+            f"seen {f.get('stage')}",
+            "usual culprits: an index out of range in nn.Embedding, torch.gather/index_select "
+            "or a loss (e.g. a class label >= num_classes in cross_entropy): a device-side "
+            "assert",
+        ]
+        if f.get("sticky", True):
+            lines.append(
+                "the CUDA context is now unusable: every later CUDA call fails; restart the process"
+            )
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("launch_blocking"):
+            return [
+                "CUDA_LAUNCH_BLOCKING=1 is already set: the failing kernel is the last CUDA op "
+                "before this layer; check its indices"
+            ]
+        return [
+            "rerun with CUDA_LAUNCH_BLOCKING=1 to have the error raised at the line that failed",
+            "check embedding/label indices: assert idx.min() >= 0 and idx.max() < num_embeddings",
+        ]
+
+
+class CudaLaunchError(GuardError, RuntimeError):
+    """A guard kernel failed to launch (e.g. no kernel image for this GPU)."""
+
+    kind = "cuda_launch"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"layer {_layer(f.get('layer'))}: launching {f.get('kernel')} failed: "
+            f"{f.get('cuda_error')} ({f.get('cuda_error_string')})"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        lines = []
+        if f.get("built_archs"):
+            lines.append(
+                f"this extension was built for compute capabilities {f.get('built_archs')} "
+                "(x100)"
+            )
+        if f.get("device_name"):
+            lines.append(
+                f"the GPU: {f.get('device_name')}, compute capability "
+                f"{f.get('compute_capability')}"
+            )
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("cuda_error") == "cudaErrorNoKernelImageForDevice":
+            cc = str(self.fields.get("compute_capability", "X.Y"))
+            return [
+                f"rebuild for this GPU: TORCH_CUDA_ARCH_LIST={cc} pip install "
+                "--no-build-isolation -e ."
+            ]
+        return ["run `python -m cublas_guard_ext doctor`"]
+
+
+class GraphCaptureError(GuardError, RuntimeError):
+    """Sync mode inside CUDA graph capture (it must read results on the host)."""
+
+    kind = "graph_capture"
+
+    def _headline(self) -> str:
+        return (
+            f"layer {_layer(self.fields.get('layer'))}: mode='sync' cannot run inside CUDA graph "
+            "capture (it reads the scan result on the host before the GEMM)"
+        )
+
+    def _details(self) -> list[str]:
+        return []
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "capture with mode='async' (errors are reported at cublas_guard_ext.check()) or "
+            "mode='off'"
+        ]
+
+
+class OutOfMemoryError(GuardError, torch.OutOfMemoryError):
+    """GPU memory ran out where cuBLAS or the guard needed it."""
+
+    kind = "out_of_memory"
+
+    def _headline(self) -> str:
+        return (
+            f"layer {_layer(self.fields.get('layer'))}: out of GPU memory during "
+            f"{self.fields.get('stage')}"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        lines = []
+        if f.get("device"):
+            lines.append(f"device: {f.get('device')}")
+        if f.get("detail"):
+            lines.append(f"detail: {f.get('detail')}")
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "lower the batch size",
+            "call torch.cuda.empty_cache() before the failing step",
+            "give cuBLAS a smaller workspace: CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        ]
+
+
+class ExtensionBuildError(GuardError, ImportError):
+    """The native extension could not be loaded or built."""
+
+    kind = "build"
+
+    def _headline(self) -> str:
+        return f"cublas_guard_ext: native extension unavailable: missing {self.fields.get('missing')}"
+
+    def _details(self) -> list[str]:
+        return [str(self.fields.get("detail", ""))]
+
+    def _next_steps(self) -> list[str]:
+        return [str(self.fields.get("fix", "see the README's build section"))]
+
+
+_BY_KIND: dict[str, type[GuardError]] = {
+    cls.kind: cls
+    for cls in (
+        DTypeError,
+        ShapeMismatchError,
+        DeviceMismatchError,
+        NonFiniteInputError,
+        SizeLimitError,
+        CublasError,
+        PendingCudaError,
+        CudaLaunchError,
+        GraphCaptureError,
+        OutOfMemoryError,
+    )
+}
+
+
+def parse_payload(message: str) -> dict[str, Any] | None:
+    """The structured fields in a native error message, or None."""
+    match = _PAYLOAD_RE.search(message)
+    if match is None:
+        return None
+    try:
+        payload = json.loads(match.group(1))
+    except json.JSONDecodeError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def from_payload(payload: dict[str, Any]) -> GuardError:
+    """Build the typed error for a payload dict (``kind`` selects the class)."""
+    fields = dict(payload)
+    kind = fields.pop("kind", "guard")
+    cls = _BY_KIND.get(kind, GuardError)
+    return cls(**fields)
+
+
+def from_native(exc: BaseException) -> GuardError | None:
+    """The typed error for a native exception, or None if it is not one of ours."""
+    payload = parse_payload(str(exc))
+    return None if payload is None else from_payload(payload)
+
+
+def _typed_from_native_message(message: str) -> GuardError | None:
+    """Called by the native library (python_errors.cpp) to build the exception it raises."""
+    payload = parse_payload(message)
+    return None if payload is None else from_payload(payload)

@@ -1,0 +1,119 @@
+"""Thin, typed wrappers over ``torch.ops.cublas_guard``.
+
+All rules live in the native ops; these functions only pick the op and pass
+the layer name and mode. Native errors arrive already typed: the native side
+raises the exception class from :mod:`cublas_guard_ext.errors` itself (see
+csrc/python_errors.cpp), in forward, in backward and in compiled graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _loader, modes
+
+_loader.load()
+_ops = torch.ops.cublas_guard
+
+__all__ = ["ScanResult", "scan", "linear", "check_features", "check"]
+
+
+def _require_tensor(value: Any, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"cublas_guard_ext: {what} must be a torch.Tensor, got {type(value).__name__}")
+
+
+class ScanResult:
+    """Counts of NaN, +Inf and -Inf in a tensor, and the first bad flat index.
+
+    Creating it does not synchronize: ``tensor`` (int64[4], on the scanned
+    tensor's device) is filled asynchronously. Reading a field copies it to
+    the host once (a synchronization on CUDA).
+    """
+
+    __slots__ = ("tensor", "_host")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._host: list[int] | None = None
+
+    def _values(self) -> list[int]:
+        if self._host is None:
+            self._host = [int(v) for v in self.tensor.tolist()]
+        return self._host
+
+    @property
+    def nan_count(self) -> int:
+        return self._values()[0]
+
+    @property
+    def posinf_count(self) -> int:
+        return self._values()[1]
+
+    @property
+    def neginf_count(self) -> int:
+        return self._values()[2]
+
+    @property
+    def first_bad_index(self) -> int:
+        """Flat (row-major) index of the first non-finite element, -1 if none."""
+        return self._values()[3]
+
+    @property
+    def bad_count(self) -> int:
+        values = self._values()
+        return values[0] + values[1] + values[2]
+
+    @property
+    def all_finite(self) -> bool:
+        return self.first_bad_index < 0
+
+    def __repr__(self) -> str:
+        if self._host is None and self.tensor.device.type != "cpu":
+            return f"ScanResult(pending on {self.tensor.device})"
+        v = self._values()
+        return (
+            f"ScanResult(nan_count={v[0]}, posinf_count={v[1]}, neginf_count={v[2]}, "
+            f"first_bad_index={v[3]})"
+        )
+
+
+def scan(x: torch.Tensor) -> ScanResult:
+    """One fused pass over a float32 tensor of any shape and strides."""
+    _require_tensor(x, "x")
+    return ScanResult(_ops.scan.default(x))
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    layer: str = "",
+    mode: str | None = None,
+) -> torch.Tensor:
+    """``F.linear`` through the guard: checks, the value scan (per ``mode``), checked cuBLAS."""
+    _require_tensor(x, "x")
+    code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
+    return _ops.linear.default(x, weight, bias, layer, code)
+
+
+def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -> None:
+    """The seed's ``check_input_feature``, fused: every check, one pass, no prints.
+
+    Raises :class:`DTypeError`, :class:`ShapeMismatchError`,
+    :class:`NonFiniteInputError` (or, on CUDA, :class:`PendingCudaError`)
+    exactly as a guarded layer with ``in_features`` would; returns None.
+    Zero-size batch dims are accepted (``nn.Linear`` accepts them too).
+    """
+    _require_tensor(x, "x")
+    if isinstance(in_features, bool) or not isinstance(in_features, int):
+        raise TypeError(f"cublas_guard_ext: in_features must be an int, got {in_features!r}")
+    _ops.check_features.default(x, in_features, name or "")
+
+
+def check() -> None:
+    """Wait for the devices and raise what any async-mode scan recorded so far."""
+    _ops.async_check.default(True)

@@ -1,0 +1,41 @@
+"""Ahead-of-time build: a CUDAExtension when CUDA is usable, else a CppExtension.
+
+Build with `pip install --no-build-isolation -e .` so the extension is compiled
+against the torch it will run with (build isolation would fetch another torch).
+The source list, flags and the CUDA decision come from cublas_guard_ext/_build.py,
+which the JIT loader uses too.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("_cublas_guard_build", ROOT / "cublas_guard_ext" / "_build.py")
+_build = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _build  # dataclasses look their module up there
+_spec.loader.exec_module(_build)
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+plan = _build.plan()
+_build.apply_env(plan)
+print(f"cublas_guard_ext: building {'CUDA' if plan.with_cuda else 'CPU-only'} extension ({plan.reason})")
+
+# Paths relative to setup.py, as setuptools wants them.
+sources = [str(Path(s).relative_to(ROOT)) for s in plan.sources]
+Extension = CUDAExtension if plan.with_cuda else CppExtension
+extension = Extension(
+    name="cublas_guard_ext._C",
+    sources=sources,
+    include_dirs=plan.include_dirs,
+    extra_compile_args={"cxx": plan.cxx_flags, "nvcc": plan.nvcc_flags},
+    extra_link_args=plan.ldflags,
+)
+
+setup(
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

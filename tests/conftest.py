@@ -1,0 +1,91 @@
+"""Shared fixtures: devices, TF32 off, the test hooks, tolerance helpers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The native test hooks (fault injection, the lowered size limit) refuse to act
+# without this; set before anything calls them.
+os.environ.setdefault("CUBLAS_GUARD_EXT_TESTING", "1")
+
+import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
+
+HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "cublas_guard::linear", "CUDA"
+)
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build")
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32_and_fresh_seed(request: pytest.FixtureRequest):
+    """TF32 off (exact float32 GEMMs), and a per-test seed that still differs per test."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old[0]
+    torch.set_float32_matmul_precision(old[1])
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_async_record():
+    """An async finding one test leaves behind must not fail the next test."""
+    yield
+    try:
+        cublas_guard_ext.check()
+    except cublas_guard_ext.NonFiniteInputError:
+        pass
+
+
+@pytest.fixture
+def size_limit():
+    """Lower cuBLAS's 32-bit limit for one test; restore it afterwards."""
+    previous: list[int] = []
+
+    def set_limit(limit: int) -> None:
+        previous.append(torch.ops.cublas_guard._set_size_limit(limit))
+
+    yield set_limit
+    if previous:
+        torch.ops.cublas_guard._set_size_limit(previous[0])
+
+
+@pytest.fixture
+def inject_fault():
+    """Make the native wrapper see a fault at a site ('gemm', 'launch', 'handle')."""
+    armed: list[str] = []
+
+    def arm(site: str, code: int, times: int = 1) -> None:
+        armed.append(site)
+        torch.ops.cublas_guard._set_fault(site, code, times)
+
+    yield arm
+    for site in armed:
+        torch.ops.cublas_guard._set_fault(site, 0, 0)
+
+
+def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e|: relative to the tensor's scale, not per element."""
+    expected64 = expected.detach().double()
+    scale = expected64.abs().max().item() if expected64.numel() else 0.0
+    if scale == 0.0:
+        scale = 1.0
+    return (actual.detach().double() - expected64).abs().max().item() / scale if expected64.numel() else 0.0
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    err = max_rel_error(actual, expected)
+    assert err <= rel, f"max relative error {err:.3g} > {rel:.3g}"

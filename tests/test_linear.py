@@ -1,0 +1,152 @@
+"""SafeLinear's outputs and gradients against nn.Linear and a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cublas_guard_ext as cg
+from conftest import assert_matches, max_rel_error
+
+SHAPES = {
+    "1d": (13,),
+    "2d": (9, 13),
+    "3d": (4, 5, 13),
+    "4d": (2, 3, 4, 13),
+}
+
+
+def pair(in_features: int, out_features: int, bias: bool, device: str) -> tuple[nn.Linear, cg.SafeLinear]:
+    ref = nn.Linear(in_features, out_features, bias=bias, device=device)
+    safe = cg.SafeLinear(in_features, out_features, bias=bias, device=device)
+    safe.load_state_dict(ref.state_dict())
+    return ref, safe
+
+
+def check_against_reference(ref: nn.Linear, safe: cg.SafeLinear, x: torch.Tensor) -> None:
+    """Outputs and all gradients: within 1e-5 of nn.Linear, and no further from the
+    float64 truth than 2x nn.Linear's own error (plus float32 rounding)."""
+    x_ref = x.detach().clone().requires_grad_(True)
+    x_safe = x.detach().clone().requires_grad_(True)
+    y_ref = ref(x_ref)
+    y_safe = safe(x_safe)
+    assert_matches(y_safe, y_ref)
+
+    grad_out = torch.randn_like(y_ref)
+    y_ref.backward(grad_out)
+    y_safe.backward(grad_out)
+    assert_matches(x_safe.grad, x_ref.grad)
+    assert_matches(safe.weight.grad, ref.weight.grad)
+    if ref.bias is not None:
+        assert_matches(safe.bias.grad, ref.bias.grad)
+
+    # float64 truth
+    w64 = ref.weight.detach().double()
+    b64 = ref.bias.detach().double() if ref.bias is not None else None
+    y64 = F.linear(x.detach().double(), w64, b64)
+    eps = 4 * torch.finfo(torch.float32).eps
+    assert max_rel_error(y_safe, y64) <= 2 * max_rel_error(y_ref, y64) + eps
+
+
+@pytest.mark.parametrize("rank", list(SHAPES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_nn_linear(device: str, rank: str, bias: bool) -> None:
+    ref, safe = pair(13, 7, bias, device)
+    check_against_reference(ref, safe, torch.randn(SHAPES[rank], device=device))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_transposed_and_strided_inputs(device: str, bias: bool) -> None:
+    ref, safe = pair(13, 7, bias, device)
+    base = torch.randn(13, 9, device=device)
+    check_against_reference(ref, safe, base.t())  # column-major: cuBLAS reads it with op T
+    wide = torch.randn(9, 40, device=device)
+    check_against_reference(ref, safe, wide[:, 3:16])  # row stride 40: ld = 40, no copy
+    check_against_reference(ref, safe, wide[:, ::3][:, :13])  # doubly strided: one copy
+    check_against_reference(ref, safe, torch.randn(1, 13, device=device).expand(9, 13))  # stride 0
+    check_against_reference(ref, safe, torch.randn(4, 13, 6, device=device).transpose(1, 2))
+
+
+def test_non_contiguous_weight(device: str) -> None:
+    """A weight that is itself a transposed view (e.g. tied to another layer's)."""
+    ref, safe = pair(13, 7, True, device)
+    shared = torch.randn(13, 7, device=device)
+    with torch.no_grad():
+        ref.weight = nn.Parameter(shared.t())
+        safe.weight = nn.Parameter(shared.t())
+    assert not safe.weight.is_contiguous()
+    check_against_reference(ref, safe, torch.randn(5, 13, device=device))
+
+
+@pytest.mark.parametrize(
+    "shape,in_features",
+    [((0, 13), 13), ((3, 0, 13), 13), ((3, 0), 0), ((0, 0), 0)],
+    ids=["batch0", "middle0", "in_features0", "both0"],
+)
+def test_zero_sizes(device: str, shape: tuple[int, ...], in_features: int) -> None:
+    """Zero-size dims give what nn.Linear gives (in_features 0: the bias) and never reach cuBLAS."""
+    ref, safe = pair(in_features, 7, True, device)
+    check_against_reference(ref, safe, torch.randn(shape, device=device))
+
+
+def test_zero_out_features(device: str) -> None:
+    ref, safe = pair(13, 0, True, device)
+    x = torch.randn(4, 13, device=device, requires_grad=True)
+    y = safe(x)
+    assert y.shape == (4, 0)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (1, 257, 3), (300, 1, 5), (64, 128, 96), (33, 517, 65)])
+def test_sizes(device: str, m: int, k: int, n: int) -> None:
+    ref, safe = pair(k, n, True, device)
+    check_against_reference(ref, safe, torch.randn(m, k, device=device))
+
+
+def test_only_some_inputs_need_grad(device: str) -> None:
+    ref, safe = pair(13, 7, True, device)
+    safe.weight.requires_grad_(False)
+    x = torch.randn(5, 13, device=device, requires_grad=True)
+    safe(x).sum().backward()
+    assert safe.weight.grad is None and safe.bias.grad is not None and x.grad is not None
+    x2 = torch.randn(5, 13, device=device)  # input without grad: weight/bias grads only
+    safe.weight.requires_grad_(True)
+    safe(x2).sum().backward()
+    assert safe.weight.grad is not None
+
+
+def test_double_backward(device: str) -> None:
+    """Gradient penalties (WGAN-GP) differentiate through the input gradient."""
+    ref, safe = pair(13, 7, True, device)
+    x = torch.randn(6, 13, device=device)
+    grads = {}
+    for name, layer in (("ref", ref), ("safe", safe)):
+        xi = x.clone().requires_grad_(True)
+        out = torch.tanh(layer(xi)).sum()
+        (gx,) = torch.autograd.grad(out, xi, create_graph=True)
+        penalty = (gx.norm(dim=1) - 1).pow(2).mean()
+        penalty.backward()
+        grads[name] = (layer.weight.grad.clone(), layer.bias.grad.clone())
+    assert_matches(grads["safe"][0], grads["ref"][0], rel=1e-4)
+    assert_matches(grads["safe"][1], grads["ref"][1], rel=1e-4)
+
+
+def test_functional_linear_matches_f_linear(device: str) -> None:
+    x = torch.randn(3, 4, 13, device=device)
+    w = torch.randn(7, 13, device=device)
+    b = torch.randn(7, device=device)
+    assert_matches(cg.linear(x, w, b, layer="f"), F.linear(x, w, b))
+    assert_matches(cg.linear(x, w, layer="f", mode="off"), F.linear(x, w))
+
+
+def test_no_grad_and_inference_mode(device: str) -> None:
+    ref, safe = pair(13, 7, True, device)
+    x = torch.randn(4, 13, device=device)
+    with torch.no_grad():
+        assert_matches(safe(x), ref(x))
+    with torch.inference_mode():
+        xi = torch.randn(4, 13, device=device)
+        assert_matches(safe(xi), ref(xi))

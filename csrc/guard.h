@@ -141,6 +141,7 @@ struct GemmContext {
   const at::Tensor* operand_a = nullptr;  // the torch tensors behind A, B, C
   const at::Tensor* operand_b = nullptr;
   const at::Tensor* operand_c = nullptr;
+  const char* roles[3] = {"", "", ""};    // what A, B, C are to the user ("weight^T", ...)
 };
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
 

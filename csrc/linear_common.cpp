@@ -209,9 +209,10 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
 
 // out[P x Q] (contiguous, row-major) = beta * out + L[P x R] * Rm[R x Q], as the
 // column-major product out^T = Rm^T * L^T that cuBLAS computes.
+// `roles` names left, right and out for error reports.
 void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
                  const at::Tensor& right, float beta, const char* purpose,
-                 const std::string& layer) {
+                 const std::array<const char*, 3>& roles, const std::string& layer) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
   if (R == 0) {  // an empty sum: cuBLAS must not see k = 0 with beta = 0 semantics questions
@@ -242,6 +243,9 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
   ctx.operand_a = &right;
   ctx.operand_b = &left;
   ctx.operand_c = &out;
+  ctx.roles[0] = roles[1];  // A is the right factor, B the left one (out^T = R^T L^T)
+  ctx.roles[1] = roles[0];
+  ctx.roles[2] = roles[2];
   const int status = be.gemm(call, ctx);
   if (status != 0) raise_gemm_failure(status, call, ctx);
 }
@@ -313,7 +317,7 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
     out.copy_(bias->expand_as(out));
     beta = 1.0f;
   }
-  matmul_into(be, out, x2d, weight.t(), beta, "forward", layer);
+  matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
   return out.view(with_last(x.sizes(), out_features));
 }
 
@@ -322,7 +326,8 @@ at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_out
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
   const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
   at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
-  matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input", layer);
+  matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input",
+              {"grad_output", "weight", "grad_input"}, layer);
   return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
 }
 
@@ -339,7 +344,8 @@ at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_ou
                     "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
                     " disagree on the batch size");
   at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
-  matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight", layer);
+  matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight",
+              {"grad_output^T", "input", "grad_weight"}, layer);
   return grad_weight;
 }
 
@@ -371,9 +377,11 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
   if (!ctx.device.empty()) report.add("device", ctx.device);
   const std::pair<const char*, const at::Tensor*> operands[] = {
       {"a", ctx.operand_a}, {"b", ctx.operand_b}, {"c", ctx.operand_c}};
-  for (const auto& op : operands) {
+  for (int i = 0; i < 3; ++i) {
+    const auto& op = operands[i];
     if (op.second == nullptr) continue;
     describe_tensor(report, op.first, *op.second);
+    report.add((std::string(op.first) + "_role").c_str(), ctx.roles[i]);
     // Alignment in bytes: the largest power of two (up to 256) dividing the address.
     const auto address = reinterpret_cast<uintptr_t>(op.second->data_ptr());
     int64_t alignment = 1;

@@ -432,8 +432,9 @@ class CublasError(GuardError, RuntimeError):
             lines.append(f"math mode: {f.get('math_mode')}")
         for op in ("a", "b", "c"):
             if f"{op}_shape" in f:
+                role = f" ({f[f'{op}_role']})" if f.get(f"{op}_role") else ""
                 lines.append(
-                    f"operand {op.upper()}: shape {_shape(f.get(f'{op}_shape'))} strides "
+                    f"operand {op.upper()}{role}: shape {_shape(f.get(f'{op}_shape'))} strides "
                     f"{_shape(f.get(f'{op}_strides'))} {_dtype(f.get(f'{op}_dtype'))} on "
                     f"{f.get(f'{op}_device')}, {f.get(f'{op}_alignment')}-byte aligned"
                 )

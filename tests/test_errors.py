@@ -207,7 +207,8 @@ def test_every_cublas_status_message(device: str, inject_fault, status: int) -> 
     # the call's arguments: y^T = W^T(op T) * x^T, m = out, n = batch, k = in
     assert "transa=T transb=N m=4 n=5 k=8 lda=8 ldb=8 ldc=4" in text
     assert "math mode:" in text and "'encoder.0.fc1'" in text
-    assert "operand A: shape [8, 4]" in text and "-byte aligned" in text
+    assert "operand A (weight^T): shape [8, 4]" in text and "-byte aligned" in text
+    assert "operand B (input): shape [5, 8]" in text
     assert "Next: " in text
     still_works(safe)  # the fault was one-shot: the layer recovers
 

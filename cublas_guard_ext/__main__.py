@@ -1,0 +1,35 @@
+"""``python -m cublas_guard_ext {demo,bench}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cublas_guard_ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a guarded model, show the guard catching bad inputs, time it")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--no-bench", action="store_true", help="skip the timing section")
+    sub.add_parser("bench", help="a short SafeLinear vs nn.Linear timing on this machine")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from . import demo as demo_module
+
+        return demo_module.run(steps=args.steps, benchmark=not args.no_bench)
+    if args.command == "bench":
+        import torch
+
+        from . import bench
+        from .demo import _device
+
+        print(bench.quick(_device()))
+        return 0
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

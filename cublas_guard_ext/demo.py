@@ -1,0 +1,136 @@
+"""The README's main job: train a small guarded model, then show the guard
+catching each kind of bad input as a user would see it, then time it.
+
+Runs on CUDA when a GPU and the CUDA build are present, else on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import torch
+from torch import nn
+
+from . import _loader, bench
+from .errors import GuardError
+from .nn import SafeLinear, replace_linear
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available() and _loader.info().has_cuda_kernels:
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _section(title: str) -> None:
+    print(f"\n=== {title} " + "=" * max(0, 66 - len(title)))
+
+
+def _show(label: str, action) -> bool:
+    """Run ``action``; print the guard's error as the user would see it."""
+    print(f"\n--- {label}")
+    try:
+        action()
+    except GuardError as err:
+        print(f"{type(err).__name__}: " + textwrap.indent(str(err), "  ").lstrip())
+        return True
+    print("(no error: the guard let it through)")
+    return False
+
+
+class Classifier(nn.Module):
+    """A plain model written with nn.Linear, as users have them."""
+
+    def __init__(self, features: int = 32, hidden: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.encoder(x)))
+
+
+def run(steps: int = 60, benchmark: bool = True) -> int:
+    device = _device()
+    info = _loader.info()
+    _section("cublas_guard_ext demo")
+    print(f"torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
+    print(f"native library: {info.kind} ({info.detail}), CUDA kernels: {info.has_cuda_kernels}")
+
+    torch.manual_seed(0)
+    model = replace_linear(Classifier().to(device))
+    print("\nmodel after replace_linear(model):")
+    print(textwrap.indent(str(model), "  "))
+
+    _section("training on synthetic data")
+    teacher = torch.randn(32, 10, device=device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        x = torch.randn(128, 32, device=device)
+        labels = (x @ teacher).argmax(dim=1)
+        loss = nn.functional.cross_entropy(model(x), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 20 == 0 or step == steps - 1:
+            print(f"step {step:3d}  loss {loss.item():.4f}")
+
+    _section("the guard catching bad inputs")
+    good = torch.randn(16, 32, device=device)
+    caught = 0
+
+    def poisoned():
+        x = good.clone()
+        x[3, 7] = float("nan")
+        x[9, 0] = float("inf")
+        model(x)
+
+    caught += _show("features with a NaN and an +Inf (e.g. a log(0) upstream)", poisoned)
+    caught += _show("features of the wrong width (31 instead of 32)", lambda: model(good[:, :31]))
+    caught += _show("fp16 features into a float32 model", lambda: model(good.half()))
+    if device.type == "cuda":
+        caught += _show("CPU features into a CUDA model", lambda: model(good.cpu()))
+    else:
+        print("\n--- CPU features into a CUDA model: skipped (no GPU here)")
+
+    def diverged():
+        with torch.no_grad():
+            model.head.weight[2, 5] = float("-inf")  # what a blown-up optimizer step leaves
+        try:
+            model(good)
+        finally:
+            with torch.no_grad():
+                model.head.weight[2, 5] = 0.0
+
+    caught += _show("a weight that diverged to -Inf", diverged)
+
+    def simulated_execution_failed():
+        # The fault-injection hook makes the wrapper see the status cuBLAS returns
+        # when an earlier kernel failed; the report is the one a real failure gets.
+        previous = os.environ.get("CUBLAS_GUARD_EXT_TESTING")
+        os.environ["CUBLAS_GUARD_EXT_TESTING"] = "1"
+        try:
+            torch.ops.cublas_guard._set_fault("gemm", 13, 1)
+            model(good)
+        finally:
+            torch.ops.cublas_guard._set_fault("gemm", 0, 0)
+            if previous is None:
+                del os.environ["CUBLAS_GUARD_EXT_TESTING"]
+            else:
+                os.environ["CUBLAS_GUARD_EXT_TESTING"] = previous
+
+    caught += _show(
+        "CUBLAS_STATUS_EXECUTION_FAILED (SIMULATED with the fault-injection hook)",
+        simulated_execution_failed,
+    )
+    out = model(good)
+    print(f"\nafter all of that the model still works: output {tuple(out.shape)}, "
+          f"finite: {bool(torch.isfinite(out).all())}")
+
+    if benchmark:
+        _section(f"timing on {device} (medians, interleaved; ratio = guarded / baseline)")
+        print(bench.quick(device))
+    print(f"\nthe guard caught {caught} bad inputs.")
+    return 0

@@ -1,0 +1,95 @@
+"""The two ways the native library is obtained: the installed build and the JIT
+build, each in its own process (and the JIT one in its own build directory)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMOKE = textwrap.dedent(
+    """
+    import torch, cublas_guard_ext as cg
+    from cublas_guard_ext import _loader
+    info = _loader.info()
+    print("KIND", info.kind, "CUDA", info.has_cuda_kernels)
+    layer = cg.SafeLinear(8, 3, name="smoke")
+    x = torch.randn(4, 8)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-6)
+    x[2, 5] = float("nan")
+    try:
+        layer(x)
+    except cg.NonFiniteInputError as err:
+        assert err.first_bad_coords == [2, 5], err.fields
+        print("TYPED", type(err).__name__)
+    """
+)
+
+
+def run(code: str, env: dict[str, str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+def base_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("CUBLAS_GUARD_EXT_FORCE_JIT", None)
+    return env
+
+
+@pytest.mark.slow
+def test_installed_build_is_used(tmp_path: Path) -> None:
+    result = run(SMOKE, base_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "KIND prebuilt" in result.stdout and "TYPED NonFiniteInputError" in result.stdout
+
+
+@pytest.mark.slow
+def test_jit_build_in_its_own_directory(tmp_path: Path) -> None:
+    env = base_env()
+    env["CUBLAS_GUARD_EXT_FORCE_JIT"] = "1"
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    result = run(SMOKE, env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KIND jit" in result.stdout and "TYPED NonFiniteInputError" in result.stdout
+    built = list((tmp_path / "ext").rglob("*.so"))
+    assert built, "the JIT build must land in TORCH_EXTENSIONS_DIR"
+    # A second import reuses the cached build (no recompile: fast).
+    again = run(SMOKE, env, cwd=tmp_path, timeout=120)
+    assert again.returncode == 0 and "KIND jit" in again.stdout
+
+
+def test_jit_without_ninja_raises_a_typed_build_error(tmp_path: Path) -> None:
+    # A PATH with a C++ compiler but no ninja.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    compiler = shutil.which("c++")
+    assert compiler, "a C++ compiler is needed for this test"
+    (bin_dir / "c++").symlink_to(compiler)
+    env = base_env()
+    env["CUBLAS_GUARD_EXT_FORCE_JIT"] = "1"
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    env["PATH"] = str(bin_dir)
+    code = textwrap.dedent(
+        """
+        try:
+            import cublas_guard_ext
+        except ImportError as err:
+            # the package failed to import, so check the class by name
+            assert type(err).__name__ == "ExtensionBuildError", type(err)
+            print("MISSING", err.missing)
+            print(err)
+        """
+    )
+    result = run(code, env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "MISSING ninja" in result.stdout and "pip install ninja" in result.stdout

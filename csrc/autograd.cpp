@@ -23,13 +23,21 @@ using torch::autograd::variable_list;
 
 at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const std::string& layer,
-                       int64_t mode) {
+                       int64_t mode, bool scan_grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("cublas_guard::linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                          const c10::optional<at::Tensor>&, c10::string_view,
-                                         int64_t)>();
-  return op.call(x, weight, bias, layer, mode);
+                                         int64_t, bool)>();
+  return op.call(x, weight, bias, layer, mode, scan_grad);
+}
+
+void call_guard_values(const at::Tensor& t, const std::string& layer, int64_t role, int64_t mode) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("cublas_guard::guard_values", "")
+          .typed<void(const at::Tensor&, c10::string_view, int64_t, int64_t)>();
+  op.call(t, layer, role, mode);
 }
 
 at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weight,
@@ -61,13 +69,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias, const std::string& layer,
-                            int64_t mode) {
+                            int64_t mode, bool scan_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({x, weight});
     ctx->saved_data["layer"] = layer;
     // needs_input_grad counts tensor arguments only: an absent bias has no index.
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    return call_linear(x, weight, bias, layer, mode);
+    ctx->saved_data["grad_mode"] = scan_grad ? mode : static_cast<int64_t>(GuardMode::kOff);
+    return call_linear(x, weight, bias, layer, mode, scan_grad);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -76,11 +85,16 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor& weight = saved[1];
     const std::string layer = ctx->saved_data["layer"].toStringRef();
     const at::Tensor& grad = grads[0];
+    // The gradient arriving at this layer, scanned under the layer's mode when asked.
+    const int64_t grad_mode = ctx->saved_data["grad_mode"].toInt();
+    if (grad_mode != static_cast<int64_t>(GuardMode::kOff)) {
+      call_guard_values(grad, layer, kRoleGradOutput, grad_mode);
+    }
     at::Tensor grad_x, grad_w, grad_b;
     if (ctx->needs_input_grad(0)) grad_x = call_grad_input(grad, weight, layer);
     if (ctx->needs_input_grad(1)) grad_w = call_grad_weight(grad, x, layer);
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_b = bias_grad(grad);
-    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -101,7 +115,8 @@ class GradInputFunction : public torch::autograd::Function<GradInputFunction> {
     const at::Tensor& dgi = grads[0];
     at::Tensor grad_g, grad_w;
     if (ctx->needs_input_grad(0)) {
-      grad_g = call_linear(dgi, saved[1], c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff));
+      grad_g = call_linear(dgi, saved[1], c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff),
+                            false);
     }
     if (ctx->needs_input_grad(1)) grad_w = call_grad_weight(saved[0], dgi, layer);
     return {grad_g, grad_w, at::Tensor()};
@@ -125,7 +140,8 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
     const at::Tensor& dgw = grads[0];
     at::Tensor grad_g, grad_x;
     if (ctx->needs_input_grad(0)) {
-      grad_g = call_linear(saved[1], dgw, c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff));
+      grad_g = call_linear(saved[1], dgw, c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff),
+                            false);
     }
     if (ctx->needs_input_grad(1)) grad_x = call_grad_input(saved[0], dgw, layer);
     return {grad_g, grad_x, at::Tensor()};
@@ -134,8 +150,8 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                           int64_t mode) {
-  return LinearFunction::apply(x, weight, bias, std::string(layer), mode);
+                           int64_t mode, bool scan_grad) {
+  return LinearFunction::apply(x, weight, bias, std::string(layer), mode, scan_grad);
 }
 
 at::Tensor grad_input_autograd(const at::Tensor& grad_output, const at::Tensor& weight,

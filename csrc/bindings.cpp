@@ -28,7 +28,7 @@ at::Tensor scan_meta(const at::Tensor& x) {
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                       int64_t mode) {
+                       int64_t mode, bool /*scan_grad*/) {
   parse_mode(mode);
   check_linear_args(x, weight, bias, std::string(layer));
   return at::empty(linear_output_shape(x, weight.size(0)), weight.options());
@@ -50,6 +50,11 @@ void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_v
   check_input(x, in_features, std::string(layer));
 }
 
+void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/,
+                       int64_t mode) {
+  parse_mode(mode);
+}
+
 void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
 
 void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
@@ -64,10 +69,13 @@ int64_t set_size_limit_op(int64_t limit) { return set_size_limit_for_testing(lim
 TORCH_LIBRARY(cublas_guard, m) {
   using namespace cublas_guard;
   m.def("scan(Tensor x) -> Tensor");
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1) -> Tensor");
+  m.def(
+      "linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1, "
+      "bool scan_grad=False) -> Tensor");
   m.def("linear_grad_input(Tensor grad_output, Tensor weight, str layer=\"\") -> Tensor");
   m.def("linear_grad_weight(Tensor grad_output, Tensor x, str layer=\"\") -> Tensor");
   m.def("check_features(Tensor x, int in_features, str layer=\"\") -> ()");
+  m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
   m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
   m.def("_set_fault(str site, int code, int times) -> ()", &set_fault_op);
   m.def("_set_size_limit(int limit) -> int", &set_size_limit_op);
@@ -80,6 +88,7 @@ TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
   m.impl("linear_grad_input", &grad_input_meta);
   m.impl("linear_grad_weight", &grad_weight_meta);
   m.impl("check_features", &check_features_meta);
+  m.impl("guard_values", &guard_values_meta);
 }
 
 extern "C" {

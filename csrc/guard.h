@@ -181,6 +181,10 @@ struct LinearBackend {
 at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x,
                           const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           const std::string& layer, int64_t mode);
+// The value scan of any float32 tensor under a mode (sync raises now, async
+// records, off does nothing); `role` is a TensorRole for the report.
+void guard_tensor(const LinearBackend& backend, const at::Tensor& t, const std::string& layer,
+                  int64_t role, int64_t mode);
 at::Tensor linear_grad_input(const LinearBackend& backend, const at::Tensor& grad_output,
                              const at::Tensor& weight, const std::string& layer);
 at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& grad_output,

@@ -74,15 +74,16 @@ CleanParameterCache& clean_parameters() {
 class LayerRegistry {
  public:
   // Returns (layer id, this call's number for the layer, counting from 1).
-  std::pair<int64_t, int64_t> next_call(const std::string& layer) {
+  // Forward and backward calls are counted apart.
+  std::pair<int64_t, int64_t> next_call(const std::string& layer, bool backward) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = ids_.find(layer);
     if (it == ids_.end()) {
       it = ids_.emplace(layer, static_cast<int64_t>(names_.size())).first;
       names_.push_back(layer);
-      calls_.push_back(0);
+      calls_.push_back({0, 0});
     }
-    return {it->second, ++calls_[it->second]};
+    return {it->second, ++calls_[it->second][backward ? 1 : 0]};
   }
   std::string name(int64_t id) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -93,7 +94,7 @@ class LayerRegistry {
   std::mutex mutex_;
   std::unordered_map<std::string, int64_t> ids_;
   std::vector<std::string> names_;
-  std::vector<int64_t> calls_;
+  std::vector<std::array<int64_t, 2>> calls_;
 };
 
 LayerRegistry& layers() {
@@ -148,6 +149,7 @@ const char* role_name(int64_t role) {
   }
   report.add("numel", rec.numel);
   report.add("deferred", true).add("call", rec.call_id).add("device", device.str());
+  report.add("pass", rec.role == kRoleGradOutput ? "backward" : "forward");
   report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + "): " +
                            role_name(rec.role) + " had " + std::to_string(rec.nan_count) +
                            " NaN, " + std::to_string(rec.posinf_count) + " +Inf, " +
@@ -175,6 +177,10 @@ void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int6
   }
 }
 
+bool first_role_is_backward(const std::vector<ScanJob>& jobs) {
+  return !jobs.empty() && jobs.front().role == kRoleGradOutput;
+}
+
 // Scans the jobs. Sync: one host synchronization for all of them, then raise
 // for the first bad one. Async: enqueue scans that fill the record if needed.
 void guard_values(const LinearBackend& be, GuardMode mode, const std::string& layer,
@@ -195,7 +201,7 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
     AsyncRecord* record = nullptr;
     int* claim = nullptr;
     be.async_slot(first.device(), &record, &claim);
-    const auto ids = layers().next_call(layer);
+    const auto ids = layers().next_call(layer, first_role_is_backward(jobs));
     for (int64_t i = 0; i < n; ++i) {
       AsyncTarget target;
       fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
@@ -347,6 +353,24 @@ at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_ou
   matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight",
               {"grad_output^T", "input", "grad_weight"}, layer);
   return grad_weight;
+}
+
+void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::string& layer,
+                  int64_t role, int64_t mode_value) {
+  const GuardMode mode = parse_mode(mode_value);
+  TORCH_CHECK_VALUE(role >= kRoleInput && role <= kRoleGradOutput,
+                    "cublas_guard_ext: unknown tensor role ", role);
+  if (mode == GuardMode::kOff) return;
+  raise_if_async_recorded(/*synchronize=*/false);
+  if (t.scalar_type() != at::kFloat) {
+    ErrorReport report("dtype");
+    report.add("layer", layer).add("role", role_name(role));
+    report.add("dtype", std::string(c10::toString(t.scalar_type()))).add("expected", "Float");
+    describe_tensor(report, "tensor", t);
+    report.raise_type_error("layer '" + layer + "': " + role_name(role) + " is not float32");
+  }
+  if (mode == GuardMode::kSync) be.check_pending_error(layer);
+  guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}});
 }
 
 void check_features(const LinearBackend& be, const at::Tensor& x, int64_t in_features,

@@ -57,7 +57,8 @@ const LinearBackend& cpu_backend() {
 at::Tensor scan_op(const at::Tensor& x) { return scan(cpu_backend(), x); }
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
-                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode) {
+                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
+                     bool /*scan_grad: autograd's business*/) {
   return linear_forward(cpu_backend(), x, weight, bias, std::string(layer), mode);
 }
 
@@ -75,6 +76,10 @@ void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_vie
   check_features(cpu_backend(), x, in_features, std::string(layer));
 }
 
+void guard_values_op(const at::Tensor& t, c10::string_view layer, int64_t role, int64_t mode) {
+  guard_tensor(cpu_backend(), t, std::string(layer), role, mode);
+}
+
 }  // namespace
 }  // namespace cublas_guard
 
@@ -85,4 +90,5 @@ TORCH_LIBRARY_IMPL(cublas_guard, CPU, m) {
   m.impl("linear_grad_input", &grad_input_op);
   m.impl("linear_grad_weight", &grad_weight_op);
   m.impl("check_features", &check_features_op);
+  m.impl("guard_values", &guard_values_op);
 }

@@ -1,9 +1,11 @@
 // The CPU scan: one pass, all cores (at::parallel_reduce over OpenMP), in
 // logical element order so the first bad index means the same as on CUDA.
 //
-// The hot loop only asks "is any exponent all ones?" with integer ops the
-// compiler vectorizes (and, add, or); the counting pass runs only over the
-// blocks where that answer is yes.
+// The hot loop only asks "is any exponent all ones?" with integer ops (and,
+// add, or) on explicit vectors with four independent accumulators; the
+// counting pass runs only over the blocks where that answer is yes. On x86 an
+// AVX2 copy of the hot loop is picked at run time (the build targets baseline
+// x86-64, i.e. SSE2); see benchmarks/NOTES.md for why and what it gains.
 #include "guard.h"
 
 #include <ATen/Parallel.h>
@@ -42,11 +44,75 @@ inline uint32_t bits_of(float v) {
 
 // Bit 31 of the result is set iff some element's exponent is all ones: the
 // masked exponent plus one exponent step carries into bit 31 only then.
-inline uint32_t any_non_finite(const float* data, int64_t n) {
+inline uint32_t any_non_finite_scalar(const float* data, int64_t n) {
   uint32_t acc = 0;
   for (int64_t i = 0; i < n; ++i) acc |= (bits_of(data[i]) & kExponentMask) + 0x00800000u;
   return acc & 0x80000000u;
 }
+
+#if defined(__GNUC__)
+// The same test on GCC/Clang vectors of 4 (16 bytes: SSE2, NEON) or 8 (32
+// bytes: AVX2) lanes. Four independent accumulators: one accumulator makes
+// every iteration wait for the previous `or`, which held the old loop to
+// about 16 bytes per cycle, below what one core can pull from L3.
+typedef uint32_t U32x4 __attribute__((vector_size(16)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+
+template <typename V>
+__attribute__((always_inline)) inline uint32_t any_non_finite_vec(const float* data, int64_t n) {
+  constexpr int kLanes = sizeof(V) / sizeof(uint32_t);
+  constexpr int64_t kStep = 4 * kLanes;
+  V mask, step;
+  for (int l = 0; l < kLanes; ++l) {
+    mask[l] = kExponentMask;
+    step[l] = 0x00800000u;
+  }
+  V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    V x0, x1, x2, x3;  // memcpy: unaligned loads without aliasing questions
+    std::memcpy(&x0, data + i, sizeof(V));
+    std::memcpy(&x1, data + i + kLanes, sizeof(V));
+    std::memcpy(&x2, data + i + 2 * kLanes, sizeof(V));
+    std::memcpy(&x3, data + i + 3 * kLanes, sizeof(V));
+    a0 |= (x0 & mask) + step;
+    a1 |= (x1 & mask) + step;
+    a2 |= (x2 & mask) + step;
+    a3 |= (x3 & mask) + step;
+  }
+  const V a = (a0 | a1) | (a2 | a3);
+  uint32_t acc = 0;
+  for (int l = 0; l < kLanes; ++l) acc |= a[l];
+  return (acc | any_non_finite_scalar(data + i, n - i)) & 0x80000000u;
+}
+
+uint32_t any_non_finite_generic(const float* data, int64_t n) {
+  return any_non_finite_vec<U32x4>(data, n);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CUBLAS_GUARD_SCAN_AVX2 1
+__attribute__((target("avx2"))) uint32_t any_non_finite_avx2(const float* data, int64_t n) {
+  return any_non_finite_vec<U32x8>(data, n);
+}
+#endif
+
+using BlockTest = uint32_t (*)(const float*, int64_t);
+
+BlockTest pick_block_test() {
+#if defined(CUBLAS_GUARD_SCAN_AVX2)
+  if (__builtin_cpu_supports("avx2")) return any_non_finite_avx2;
+#endif
+  return any_non_finite_generic;
+}
+
+// Chosen once, at load time.
+const BlockTest any_non_finite = pick_block_test();
+#else
+inline uint32_t any_non_finite(const float* data, int64_t n) {
+  return any_non_finite_scalar(data, n);
+}
+#endif
 
 inline void classify(float v, int64_t index, Partial& p) {
   const uint32_t b = bits_of(v);

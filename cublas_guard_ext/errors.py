@@ -314,7 +314,8 @@ class NonFiniteInputError(GuardError, ValueError):
         f = self.fields
         where = f"layer {_layer(f.get('layer'))}"
         if f.get("deferred"):
-            where += f", call {f.get('call')}"
+            backward = "backward " if f.get("pass") == "backward" else ""
+            where += f", {backward}call {f.get('call')}"
         return (
             f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
             f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"

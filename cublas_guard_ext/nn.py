@@ -25,6 +25,8 @@ class SafeLinear(nn.Linear):
       (see :mod:`cublas_guard_ext.modes`).
     * ``name``: the name errors use; :func:`replace_linear` and
       :func:`name_layers` set it to the module's qualified name.
+    * ``scan_grad``: also scan the gradient arriving at this layer in backward
+      (exploding or NaN gradients), under the layer's mode.
     """
 
     def __init__(
@@ -37,10 +39,12 @@ class SafeLinear(nn.Linear):
         *,
         mode: str | None = None,
         name: str | None = None,
+        scan_grad: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.mode = modes.validate(mode) if mode is not None else None
         self.guard_name = name
+        self.scan_grad = bool(scan_grad)
 
     @property
     def guard_label(self) -> str:
@@ -50,15 +54,25 @@ class SafeLinear(nn.Linear):
         return f"<unnamed SafeLinear({self.in_features}->{self.out_features})>"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
-        return _guarded_linear(input, self.weight, self.bias, layer=self.guard_label, mode=self.mode)
+        return _guarded_linear(
+            input, self.weight, self.bias, layer=self.guard_label, mode=self.mode,
+            scan_grad=self.scan_grad,
+        )
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
-        return text if self.mode is None else f"{text}, mode={self.mode!r}"
+        if self.mode is not None:
+            text += f", mode={self.mode!r}"
+        return text + (", scan_grad=True" if self.scan_grad else "")
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, mode: str | None = None, name: str | None = None
+        cls,
+        linear: nn.Linear,
+        *,
+        mode: str | None = None,
+        name: str | None = None,
+        scan_grad: bool = False,
     ) -> SafeLinear:
         """A SafeLinear sharing ``linear``'s Parameter objects (no copy, no re-init).
 
@@ -74,6 +88,7 @@ class SafeLinear(nn.Linear):
             device="meta",  # no allocation and no init: the parameters come from `linear`
             mode=mode,
             name=name,
+            scan_grad=scan_grad,
         )
         safe.weight = linear.weight
         if linear.bias is not None:
@@ -112,6 +127,7 @@ def replace_linear(
     which: str | Iterable[str] = "all",
     *,
     mode: str | None = None,
+    scan_grad: bool = False,
     example_inputs: tuple | None = None,
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules for ``SafeLinear`` in place; return the model.
@@ -127,7 +143,9 @@ def replace_linear(
     if mode is not None:
         modes.validate(mode)
     if type(model) is nn.Linear:
-        return SafeLinear.from_linear(model, mode=mode, name=type(model).__name__)
+        return SafeLinear.from_linear(
+            model, mode=mode, name=type(model).__name__, scan_grad=scan_grad
+        )
     linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if isinstance(which, str):
         if which == "all":
@@ -151,5 +169,9 @@ def replace_linear(
         parent_name, _, child = qualified.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
-        setattr(parent, child, SafeLinear.from_linear(old, mode=mode, name=qualified))
+        setattr(
+            parent,
+            child,
+            SafeLinear.from_linear(old, mode=mode, name=qualified, scan_grad=scan_grad),
+        )
     return name_layers(model)

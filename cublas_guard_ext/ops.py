@@ -93,11 +93,16 @@ def linear(
     *,
     layer: str = "",
     mode: str | None = None,
+    scan_grad: bool = False,
 ) -> torch.Tensor:
-    """``F.linear`` through the guard: checks, the value scan (per ``mode``), checked cuBLAS."""
+    """``F.linear`` through the guard: checks, the value scan (per ``mode``), checked cuBLAS.
+
+    ``scan_grad``: in backward, scan the gradient arriving at this layer too,
+    under the same mode (reported with role ``grad_output``).
+    """
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
-    return _ops.linear.default(x, weight, bias, layer, code)
+    return _ops.linear.default(x, weight, bias, layer, code, scan_grad)
 
 
 def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -> None:

@@ -170,8 +170,11 @@ at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
 }
 
 void check_pending_error_cuda(const std::string& layer) {
+  cudaError_t err = cudaPeekAtLastError();
+  if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture));
+  err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture);
+  if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
   if (capture != cudaStreamCaptureStatusNone) {
     ErrorReport report("graph_capture");
     report.add("layer", layer);
@@ -179,8 +182,22 @@ void check_pending_error_cuda(const std::string& layer) {
                                "': sync mode reads scan results on the host, which a CUDA graph "
                                "capture cannot do; use mode='async' or mode='off' inside graphs");
   }
-  const cudaError_t err = cudaPeekAtLastError();
-  if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
+}
+
+// A CUDA error torch raised inside a guarded call (an allocation, a copy)
+// after an earlier kernel broke the context: report it as what it is.
+template <typename Fn>
+auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    const std::string what = e.what_without_backtrace();
+    if (what.find(kPayloadMarker) != std::string::npos) throw;  // already one of ours
+    cudaError_t err = cudaPeekAtLastError();
+    if (err == cudaSuccess) err = cudaStreamQuery(at::cuda::getCurrentCUDAStream());
+    if (is_sticky_context_error(err)) raise_pending_cuda_error(err, "during the guarded call", layer);
+    throw;
+  }
 }
 
 struct DeviceRecord {
@@ -248,26 +265,40 @@ at::Tensor scan_op(const at::Tensor& x) {
 }
 
 at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
-                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode) {
+                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
+                     bool /*scan_grad: autograd's business*/) {
   const c10::cuda::CUDAGuard guard(guard_device(weight, x));
-  return linear_forward(cuda_backend(), x, weight, bias, std::string(layer), mode);
+  const std::string name(layer);
+  return attributing_cuda_errors(
+      name, [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
 }
 
 at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
                          c10::string_view layer) {
   const c10::cuda::CUDAGuard guard(guard_device(weight, grad_output));
-  return linear_grad_input(cuda_backend(), grad_output, weight, std::string(layer));
+  const std::string name(layer);
+  return attributing_cuda_errors(
+      name, [&] { return linear_grad_input(cuda_backend(), grad_output, weight, name); });
 }
 
 at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x,
                           c10::string_view layer) {
   const c10::cuda::CUDAGuard guard(guard_device(x, grad_output));
-  return linear_grad_weight(cuda_backend(), grad_output, x, std::string(layer));
+  const std::string name(layer);
+  return attributing_cuda_errors(
+      name, [&] { return linear_grad_weight(cuda_backend(), grad_output, x, name); });
 }
 
 void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
   const c10::cuda::CUDAGuard guard(x.device());
-  check_features(cuda_backend(), x, in_features, std::string(layer));
+  const std::string name(layer);
+  attributing_cuda_errors(name, [&] { check_features(cuda_backend(), x, in_features, name); });
+}
+
+void guard_values_op(const at::Tensor& t, c10::string_view layer, int64_t role, int64_t mode) {
+  const c10::cuda::CUDAGuard guard(t.device());
+  const std::string name(layer);
+  attributing_cuda_errors(name, [&] { guard_tensor(cuda_backend(), t, name, role, mode); });
 }
 
 }  // namespace
@@ -280,4 +311,5 @@ TORCH_LIBRARY_IMPL(cublas_guard, CUDA, m) {
   m.impl("linear_grad_input", &grad_input_op);
   m.impl("linear_grad_weight", &grad_weight_op);
   m.impl("check_features", &check_features_op);
+  m.impl("guard_values", &guard_values_op);
 }

@@ -1,0 +1,176 @@
+"""CUDA-only tests: they skip without a GPU and run in benchmarks/gpu_check.sh.
+
+(The device-parametrized tests in the other files also run on CUDA there.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cublas_guard_ext as cg
+from conftest import HAS_CUDA, assert_matches
+
+pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build")
+
+NAN, INF = float("nan"), float("inf")
+
+
+def scan_tuple(x: torch.Tensor) -> tuple[int, int, int, int]:
+    r = cg.scan(x)
+    return (r.nan_count, r.posinf_count, r.neginf_count, r.first_bad_index)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4097, 32768, 32769, 1 << 22, (1 << 24) + 3])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_scan_matches_cpu_across_grid_sizes_and_alignments(n: int, offset: int) -> None:
+    """Single- and multi-block grids, and the scalar head before the 16-byte boundary."""
+    base = torch.randn(n + offset)
+    gen = torch.Generator().manual_seed(n + offset)
+    positions = torch.randint(0, n + offset, (7,), generator=gen)
+    base[positions] = torch.tensor([NAN, INF, -INF, NAN, INF, -INF, NAN])
+    cpu_view = base[offset:]
+    gpu_view = base.cuda()[offset:]
+    assert scan_tuple(gpu_view) == scan_tuple(cpu_view)
+
+
+def test_scan_strided_on_gpu_matches_cpu() -> None:
+    base = torch.randn(300, 500)
+    base[17, 400] = NAN
+    base[250, 3] = -INF
+    for view_fn in (lambda t: t.t(), lambda t: t[::3, 5:300], lambda t: t[:, 1::2].t()):
+        assert scan_tuple(view_fn(base.cuda())) == scan_tuple(view_fn(base))
+
+
+def test_scan_runs_on_the_current_stream() -> None:
+    stream = torch.cuda.Stream()
+    x = torch.randn(1 << 20, device="cuda")
+    with torch.cuda.stream(stream):
+        x.mul_(2.0)
+        x[12345] = NAN  # enqueued on `stream`: the scan must see it
+        result = cg.scan(x)
+    stream.synchronize()
+    assert result.first_bad_index == 12345
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1024, 1024), (32, 1024, 1024), (512, 4096, 4096), (257, 300, 77)])
+def test_linear_matches_f_linear_tf32_off(m: int, k: int, n: int) -> None:
+    layer = cg.SafeLinear(k, n, device="cuda")
+    x = torch.randn(m, k, device="cuda")
+    assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=1e-5)
+
+
+def test_math_mode_is_reported(inject_fault) -> None:
+    layer = cg.SafeLinear(64, 32, device="cuda", name="tf32")
+    x = torch.randn(8, 64, device="cuda")
+    for allow, expected in ((False, "CUBLAS_DEFAULT_MATH"), (True, "CUBLAS_TF32_TENSOR_OP_MATH")):
+        torch.backends.cuda.matmul.allow_tf32 = allow
+        inject_fault("gemm", 13)
+        with pytest.raises(cg.CublasError) as info:
+            layer(x)
+        assert expected in info.value.math_mode
+        assert "sm_" in info.value.device
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_handle_failure_is_reported(inject_fault) -> None:
+    inject_fault("handle", 1)
+    with pytest.raises(cg.CublasError) as info:
+        cg.SafeLinear(16, 8, device="cuda", name="h")(torch.randn(2, 16, device="cuda"))
+    assert info.value.status_name == "CUBLAS_STATUS_NOT_INITIALIZED"
+    assert "creating the cuBLAS handle" in str(info.value)
+
+
+def test_launch_failure_is_reported(inject_fault) -> None:
+    inject_fault("launch", 209)  # cudaErrorNoKernelImageForDevice
+    with pytest.raises(cg.CudaLaunchError) as info:
+        cg.SafeLinear(16, 8, device="cuda", name="k")(torch.randn(2, 16, device="cuda"))
+    assert info.value.cuda_error == "cudaErrorNoKernelImageForDevice"
+    assert "TORCH_CUDA_ARCH_LIST=" in str(info.value)
+    cg.SafeLinear(16, 8, device="cuda")(torch.randn(2, 16, device="cuda"))  # next call works
+
+
+def test_async_forward_backward_never_syncs() -> None:
+    model = cg.replace_linear(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)),
+        mode="async",
+    ).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    model(x).sum().backward()  # warm-up: the record's one-time allocation syncs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cg.check()
+
+
+def test_async_mode_in_a_cuda_graph_reports_bad_replays() -> None:
+    layer = cg.SafeLinear(128, 64, device="cuda", mode="async", name="graphed")
+    static_x = torch.randn(32, 128, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph wants
+        for _ in range(3):
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(torch.randn(32, 128, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(static_y, F.linear(static_x, layer.weight, layer.bias))
+    cg.check()  # clean replays: nothing recorded
+    static_x[4, 9] = NAN
+    graph.replay()
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        cg.check()
+    assert info.value.layer == "graphed" and info.value.first_bad_coords == [4, 9]
+
+
+def test_sync_mode_refuses_graph_capture() -> None:
+    layer = cg.SafeLinear(32, 16, device="cuda", mode="sync", name="s")
+    x = torch.randn(4, 32, device="cuda")
+    layer(x)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(cg.GraphCaptureError, match="mode='async'"):
+        with torch.cuda.graph(graph):
+            layer(x)
+    assert_matches(layer(x), F.linear(x, layer.weight, layer.bias))  # eager still fine
+
+
+PENDING = textwrap.dedent(
+    """
+    import torch, cublas_guard_ext as cg
+    emb = torch.nn.Embedding(10, 32).cuda()
+    layer = cg.SafeLinear(32, 8, device="cuda", name="after_embedding")
+    idx = torch.tensor([1, 2, 99], device="cuda")  # 99 >= 10: a device-side assert
+    h = emb(idx)
+    try:
+        layer(h)
+    except cg.PendingCudaError as err:
+        print("PENDING", err.cuda_error, err.layer)
+        print(err)
+    """
+)
+
+
+def test_earlier_async_error_is_attributed_to_the_earlier_kernel() -> None:
+    """In a subprocess: a device-side assert leaves the CUDA context unusable."""
+    env = dict(os.environ)
+    env.pop("CUDA_LAUNCH_BLOCKING", None)
+    result = subprocess.run(
+        [sys.executable, "-c", PENDING], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert "PENDING cudaErrorAssert after_embedding" in result.stdout, result.stdout + result.stderr
+    assert "EARLIER CUDA kernel failed" in result.stdout
+    assert "CUDA_LAUNCH_BLOCKING=1" in result.stdout and "nn.Embedding" in result.stdout

@@ -61,9 +61,37 @@ void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
   set_fault_for_testing(std::string(site), code, times);
 }
 
-int64_t set_size_limit_op(int64_t limit) { return set_size_limit_for_testing(limit); }
+int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
+  return set_size_limit_for_testing(limit, allow_64bit);
+}
+
+std::string build_info_op() { return build_info_json(); }
+
+std::string (*&cuda_build_info_provider())() {
+  static std::string (*provider)() = nullptr;
+  return provider;
+}
+
+#define CUBLAS_GUARD_STRINGIFY2(...) #__VA_ARGS__
+#define CUBLAS_GUARD_STRINGIFY(...) CUBLAS_GUARD_STRINGIFY2(__VA_ARGS__)
 
 }  // namespace
+
+void set_cuda_build_info(std::string (*provider)()) { cuda_build_info_provider() = provider; }
+
+std::string build_info_json() {
+  std::string out = "{\"built_with_torch\": \"";
+#ifdef CUBLAS_GUARD_TORCH_VERSION
+  out += CUBLAS_GUARD_STRINGIFY(CUBLAS_GUARD_TORCH_VERSION);
+#else
+  out += "unknown";
+#endif
+  out += "\", \"cuda_compiled\": ";
+  const auto provider = cuda_build_info_provider();
+  out += provider != nullptr ? "true, " + provider() : std::string("false");
+  return out + "}";
+}
+
 }  // namespace cublas_guard
 
 TORCH_LIBRARY(cublas_guard, m) {
@@ -78,7 +106,8 @@ TORCH_LIBRARY(cublas_guard, m) {
   m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
   m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
   m.def("_set_fault(str site, int code, int times) -> ()", &set_fault_op);
-  m.def("_set_size_limit(int limit) -> int", &set_size_limit_op);
+  m.def("_set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
+  m.def("build_info() -> str", &build_info_op);
 }
 
 TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {

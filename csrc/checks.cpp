@@ -126,23 +126,7 @@ void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const
                            std::to_string(first) + " " + c10::str(c10::IntArrayRef(coords)));
 }
 
-void validate_gemm_call(const GemmCall& call, const std::string& layer) {
-  const int64_t limit = gemm_size_limit();
-  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},
-                                                  {"k", call.k},     {"lda", call.lda},
-                                                  {"ldb", call.ldb}, {"ldc", call.ldc}};
-  for (const auto& arg : args) {
-    if (arg.second > limit) {
-      ErrorReport report("size_limit");
-      report.add("layer", layer).add("argument", arg.first).add("value", arg.second);
-      report.add("limit", limit).add("purpose", call.purpose);
-      report.add("m", call.m).add("n", call.n).add("k", call.k);
-      report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-      report.raise_value_error("layer '" + layer + "': cublasSgemm argument " + arg.first + " = " +
-                               std::to_string(arg.second) + " exceeds cuBLAS's 32-bit limit " +
-                               std::to_string(limit));
-    }
-  }
+void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer) {
   // cuBLAS's own INVALID_VALUE rules, checked here so the message can say which one failed.
   const int64_t rows_a = call.trans_a ? call.k : call.m;
   const int64_t rows_b = call.trans_b ? call.n : call.k;
@@ -168,6 +152,27 @@ void validate_gemm_call(const GemmCall& call, const std::string& layer) {
     report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
     report.raise_runtime_error("layer '" + layer + "': cublasSgemm arguments break the rule " +
                                broken);
+  }
+  // The caller splits n and k into pieces within the limit; m and the leading
+  // dimensions cannot be split (ldc >= m, and a leading dimension is a stride).
+  const int64_t limit = gemm_size_limit();
+  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},
+                                                  {"k", call.k},     {"lda", call.lda},
+                                                  {"ldb", call.ldb}, {"ldc", call.ldc}};
+  for (const auto& arg : args) {
+    if (arg.second <= limit) continue;
+    if (has_64bit_api && gemm_64bit_allowed()) {
+      call.use_64bit = true;
+      return;
+    }
+    ErrorReport report("size_limit");
+    report.add("layer", layer).add("argument", arg.first).add("value", arg.second);
+    report.add("limit", limit).add("purpose", call.purpose);
+    report.add("m", call.m).add("n", call.n).add("k", call.k);
+    report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+    report.raise_value_error("layer '" + layer + "': cublasSgemm argument " + arg.first + " = " +
+                             std::to_string(arg.second) + " exceeds cuBLAS's 32-bit limit " +
+                             std::to_string(limit) + " and this cuBLAS has no 64-bit API");
   }
 }
 

@@ -155,6 +155,11 @@ std::atomic<int64_t>& size_limit() {
   return limit;
 }
 
+std::atomic<bool>& allow_64bit() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
 void require_testing_env(const char* what) {
   const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
   TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
@@ -195,13 +200,16 @@ void set_fault_for_testing(const std::string& site, int64_t code, int64_t times)
   any_fault_armed().store(armed);
 }
 
-int64_t set_size_limit_for_testing(int64_t limit) {
+int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
   require_testing_env("the size limit override");
   TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
                     "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
+  allow_64bit().store(allow_64bit_api);
   return size_limit().exchange(limit);
 }
 
 int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed); }
+
+bool gemm_64bit_allowed() { return allow_64bit().load(std::memory_order_relaxed); }
 
 }  // namespace cublas_guard

@@ -97,6 +97,9 @@ void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts,
 // Largest value cuBLAS's 32-bit int arguments (m, n, k, lda, ldb, ldc) may take.
 // Lowered only by tests (set_size_limit_for_testing) so the limit logic runs on CPU.
 int64_t gemm_size_limit();
+// Whether a call beyond the limit may use the 64-bit API (tests can forbid it
+// to exercise the SizeLimitError path a cuBLAS older than 12 would take).
+bool gemm_64bit_allowed();
 
 // ---------------------------------------------------------------------------
 // Column-major GEMM, with exactly cublasSgemm's arguments:
@@ -112,6 +115,10 @@ struct GemmCall {
   const float* b = nullptr;
   float* c = nullptr;
   const char* purpose = "forward";  // forward | grad_input | grad_weight
+  // Set by plan_gemm_call: an argument exceeds the 32-bit limit, so the call
+  // goes through cuBLAS's 64-bit API (cublasSgemm_64).
+  bool use_64bit = false;
+  std::string chunk;  // "n 0..2147483647 of 3000000000" when the GEMM was split
 };
 
 // Row-major matrices as cuBLAS sees them. A row-major [rows x cols] matrix whose
@@ -130,7 +137,10 @@ ColumnMajorView as_column_major(const at::Tensor& matrix2d);
 // Checks the arguments of a GEMM against cuBLAS's rules (the limit, m/n/k >= 0,
 // ld >= max(1, rows)) before it is sent; raises SizeLimitError / a cublas
 // INVALID_VALUE report that names the rule.
-void validate_gemm_call(const GemmCall& call, const std::string& layer);
+// Before a (sub-)GEMM is sent: checks cuBLAS's INVALID_VALUE rules (raising a
+// report that names the broken rule) and the 32-bit limit: beyond it the call
+// is marked use_64bit when the backend has the 64-bit API, else SizeLimitError.
+void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer);
 
 // Raises the CublasError report for a failed status (never returns).
 struct GemmContext {
@@ -142,6 +152,9 @@ struct GemmContext {
   const at::Tensor* operand_b = nullptr;
   const at::Tensor* operand_c = nullptr;
   const char* roles[3] = {"", "", ""};    // what A, B, C are to the user ("weight^T", ...)
+  // Memory at the time of a failure (CUDA; -1 = unknown).
+  int64_t free_bytes = -1, total_bytes = -1, torch_allocated = -1, torch_reserved = -1;
+  int64_t workspace_bytes = -1;
 };
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
 
@@ -154,7 +167,7 @@ enum class FaultSite : int { kGemmStatus = 0, kLaunch = 1, kHandle = 2, kCount =
 // Returns the injected code for `site` and consumes one use, or 0 (no fault).
 int take_injected_fault(FaultSite site);
 void set_fault_for_testing(const std::string& site, int64_t code, int64_t times);
-int64_t set_size_limit_for_testing(int64_t limit);
+int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit);
 
 // ---------------------------------------------------------------------------
 // The parts of the linear op that differ between devices. The orchestration
@@ -176,7 +189,16 @@ struct LinearBackend {
   void (*check_pending_error)(const std::string& layer);
   // The async record and claim word for `device` (allocated once, then reused).
   void (*async_slot)(c10::Device device, AsyncRecord** record, int** claim);
+  // Adds free/total device memory and torch's allocated/reserved bytes to a report.
+  void (*memory_info)(ErrorReport& report, c10::Device device);
+  // Whether gemm() can take calls beyond the 32-bit limit (use_64bit).
+  bool has_64bit_api;
 };
+
+// Build facts of this library, as JSON (the doctor's source). The CUDA
+// translation unit adds its part through set_cuda_build_info.
+std::string build_info_json();
+void set_cuda_build_info(std::string (*provider)());
 
 at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x,
                           const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

@@ -213,36 +213,47 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
   }
 }
 
+std::string chunk_text(int64_t n0, int64_t n_len, int64_t n, int64_t k0, int64_t k_len, int64_t k) {
+  return "n " + std::to_string(n0) + ".." + std::to_string(n0 + n_len) + " of " +
+         std::to_string(n) + ", k " + std::to_string(k0) + ".." + std::to_string(k0 + k_len) +
+         " of " + std::to_string(k);
+}
+
 // out[P x Q] (contiguous, row-major) = beta * out + L[P x R] * Rm[R x Q], as the
 // column-major product out^T = Rm^T * L^T that cuBLAS computes.
 // `roles` names left, right and out for error reports.
+//
+// Beyond cuBLAS's 32-bit limit: n (the rows of the row-major output, i.e. the
+// batch in forward) is split into independent pieces and k (the reduction,
+// the batch in grad_weight) into pieces accumulated with beta = 1. m and the
+// leading dimensions cannot be split (ldc >= m; a leading dimension is a
+// stride), so a call still beyond the limit uses cuBLAS's 64-bit API.
 void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
                  const at::Tensor& right, float beta, const char* purpose,
                  const std::array<const char*, 3>& roles, const std::string& layer) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
-  if (R == 0) {  // an empty sum: cuBLAS must not see k = 0 with beta = 0 semantics questions
+  if (R == 0) {  // an empty sum: nothing for cuBLAS to do
     if (beta == 0.0f) out.zero_();
     return;
   }
   const ColumnMajorView lv = as_column_major(left);
   const ColumnMajorView rv = as_column_major(right);
-  GemmCall call;
-  call.trans_a = !rv.transposed;
-  call.trans_b = !lv.transposed;
-  call.m = Q;
-  call.n = P;
-  call.k = R;
-  call.a = rv.data;
-  call.lda = rv.ld;
-  call.b = lv.data;
-  call.ldb = lv.ld;
-  call.c = out.data_ptr<float>();
-  call.ldc = Q;
-  call.alpha = 1.0f;
-  call.beta = beta;
-  call.purpose = purpose;
-  validate_gemm_call(call, layer);
+  GemmCall whole;
+  whole.trans_a = !rv.transposed;
+  whole.trans_b = !lv.transposed;
+  whole.m = Q;
+  whole.n = P;
+  whole.k = R;
+  whole.a = rv.data;
+  whole.lda = rv.ld;
+  whole.b = lv.data;
+  whole.ldb = lv.ld;
+  whole.c = out.data_ptr<float>();
+  whole.ldc = Q;
+  whole.alpha = 1.0f;
+  whole.beta = beta;
+  whole.purpose = purpose;
 
   GemmContext ctx;
   ctx.layer = layer;
@@ -252,8 +263,44 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
   ctx.roles[0] = roles[1];  // A is the right factor, B the left one (out^T = R^T L^T)
   ctx.roles[1] = roles[0];
   ctx.roles[2] = roles[2];
-  const int status = be.gemm(call, ctx);
-  if (status != 0) raise_gemm_failure(status, call, ctx);
+
+  const int64_t limit = gemm_size_limit();
+  const int64_t n_step = std::min(whole.n, limit), k_step = std::min(whole.k, limit);
+  const bool split = whole.n > limit || whole.k > limit;
+  for (int64_t n0 = 0; n0 < whole.n; n0 += n_step) {
+    for (int64_t k0 = 0; k0 < whole.k; k0 += k_step) {
+      GemmCall piece = whole;
+      piece.n = std::min(n_step, whole.n - n0);
+      piece.k = std::min(k_step, whole.k - k0);
+      piece.a = whole.a + (whole.trans_a ? k0 : k0 * whole.lda);  // op(A): columns k0..
+      piece.b = whole.b + (whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
+                                         : k0 + n0 * whole.ldb);  //        columns n0..
+      piece.c = whole.c + n0 * whole.ldc;
+      piece.beta = k0 == 0 ? whole.beta : 1.0f;  // later k pieces accumulate
+      if (split) piece.chunk = chunk_text(n0, piece.n, whole.n, k0, piece.k, whole.k);
+      plan_gemm_call(piece, be.has_64bit_api, layer);
+      const int status = be.gemm(piece, ctx);
+      if (status != 0) raise_gemm_failure(status, piece, ctx);
+    }
+  }
+}
+
+// Allocations in a guarded call that run out of memory are reported with the
+// device's numbers and the request (torch raises its own OOM otherwise).
+template <typename Fn>
+auto reporting_oom(const LinearBackend& be, c10::Device device, const std::string& layer,
+                   const char* stage, int64_t bytes, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::OutOfMemoryError& e) {
+    ErrorReport report("out_of_memory");
+    report.add("layer", layer).add("stage", stage).add("bytes_requested", bytes);
+    std::string detail = e.what_without_backtrace();
+    detail = detail.substr(0, detail.find('\n'));
+    report.add("detail", detail);
+    if (be.memory_info != nullptr) be.memory_info(report, device);
+    report.raise_out_of_memory("layer '" + layer + "': out of memory during " + stage);
+  }
 }
 
 // [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
@@ -315,26 +362,32 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
 
   const int64_t in_features = weight.size(1), out_features = weight.size(0);
   const at::Tensor x2d = flatten_rows(x, in_features);
-  at::Tensor out = at::empty({x2d.size(0), out_features}, weight.options());
-  float beta = 0.0f;
-  if (has_bias && out.numel() > 0) {
-    // The bias enters through beta = 1 on an output pre-filled with it, as
-    // torch's own addmm fallback does: one broadcast copy, no extra kernel of ours.
-    out.copy_(bias->expand_as(out));
-    beta = 1.0f;
-  }
-  matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
-  return out.view(with_last(x.sizes(), out_features));
+  const int64_t bytes = x2d.size(0) * out_features * static_cast<int64_t>(sizeof(float));
+  return reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
+    at::Tensor out = at::empty({x2d.size(0), out_features}, weight.options());
+    float beta = 0.0f;
+    if (has_bias && out.numel() > 0) {
+      // The bias enters through beta = 1 on an output pre-filled with it, as
+      // torch's own addmm fallback does: one broadcast copy, no kernel of ours.
+      out.copy_(bias->expand_as(out));
+      beta = 1.0f;
+    }
+    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
+    return out.view(with_last(x.sizes(), out_features));
+  });
 }
 
 at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
                              const at::Tensor& weight, const std::string& layer) {
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
   const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
-  at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
-  matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input",
-              {"grad_output", "weight", "grad_input"}, layer);
-  return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
+  const int64_t bytes = g2d.size(0) * weight.size(1) * static_cast<int64_t>(sizeof(float));
+  return reporting_oom(be, weight.device(), layer, "the input gradient", bytes, [&] {
+    at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
+    matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input",
+                {"grad_output", "weight", "grad_input"}, layer);
+    return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
+  });
 }
 
 at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output,
@@ -349,10 +402,13 @@ at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_ou
   TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer,
                     "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
                     " disagree on the batch size");
-  at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
-  matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight",
-              {"grad_output^T", "input", "grad_weight"}, layer);
-  return grad_weight;
+  const int64_t bytes = out_features * in_features * static_cast<int64_t>(sizeof(float));
+  return reporting_oom(be, x.device(), layer, "the weight gradient", bytes, [&] {
+    at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
+    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight",
+                {"grad_output^T", "input", "grad_weight"}, layer);
+    return grad_weight;
+  });
 }
 
 void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::string& layer,
@@ -397,6 +453,15 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
   report.add("m", call.m).add("n", call.n).add("k", call.k);
   report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
   report.add("alpha", static_cast<double>(call.alpha)).add("beta", static_cast<double>(call.beta));
+  report.add("api", call.use_64bit ? "cublasSgemm_64" : "cublasSgemm");
+  if (!call.chunk.empty()) report.add("chunk", call.chunk);
+  const std::pair<const char*, int64_t> memory[] = {
+      {"free_bytes", ctx.free_bytes}, {"total_bytes", ctx.total_bytes},
+      {"torch_allocated_bytes", ctx.torch_allocated}, {"torch_reserved_bytes", ctx.torch_reserved},
+      {"workspace_bytes", ctx.workspace_bytes}};
+  for (const auto& entry : memory) {
+    if (entry.second >= 0) report.add(entry.first, entry.second);
+  }
   if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
   if (!ctx.device.empty()) report.add("device", ctx.device);
   const std::pair<const char*, const at::Tensor*> operands[] = {

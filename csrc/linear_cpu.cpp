@@ -49,8 +49,10 @@ void async_slot_cpu(c10::Device /*device*/, AsyncRecord** record, int** claim) {
 }
 
 const LinearBackend& cpu_backend() {
-  static const LinearBackend backend{scan_cpu_into, fetch_cpu, gemm_cpu, no_pending_error,
-                                     async_slot_cpu};
+  // torch's CPU addmm has no 32-bit limit: the "64-bit API" is the same call.
+  static const LinearBackend backend{scan_cpu_into,  fetch_cpu,      gemm_cpu, no_pending_error,
+                                     async_slot_cpu, /*memory_info=*/nullptr,
+                                     /*has_64bit_api=*/true};
   return backend;
 }
 

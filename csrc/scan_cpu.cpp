@@ -101,6 +101,7 @@ using BlockTest = uint32_t (*)(const float*, int64_t);
 
 BlockTest pick_block_test() {
 #if defined(CUBLAS_GUARD_SCAN_AVX2)
+  __builtin_cpu_init();  // this runs from a static initializer: make sure the CPU model is read
   if (__builtin_cpu_supports("avx2")) return any_non_finite_avx2;
 #endif
   return any_non_finite_generic;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .errors import (
     CublasError,
+    CublasOutOfMemoryError,
     CudaLaunchError,
     DeviceMismatchError,
     DTypeError,
@@ -26,7 +27,7 @@ from .errors import (
 )
 from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
-from .ops import ScanResult, check, check_features, linear, scan
+from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
 
 __version__ = "0.1.0"
 
@@ -47,9 +48,11 @@ __all__ = [
     "NonFiniteInputError",
     "SizeLimitError",
     "CublasError",
+    "CublasOutOfMemoryError",
     "PendingCudaError",
     "CudaLaunchError",
     "GraphCaptureError",
     "OutOfMemoryError",
     "ExtensionBuildError",
+    "DTYPE_POLICIES",
 ]

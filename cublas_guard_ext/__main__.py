@@ -1,4 +1,4 @@
-"""``python -m cublas_guard_ext {demo,bench}``."""
+"""``python -m cublas_guard_ext {demo,doctor,bench}``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--no-bench", action="store_true", help="skip the timing section")
     sub.add_parser("bench", help="a short SafeLinear vs nn.Linear timing on this machine")
+    doctor = sub.add_parser("doctor", help="report the CUDA/cuBLAS environment and what is wrong with it")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--no-probe", action="store_true", help="skip the live GEMM on the GPU")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -27,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(bench.quick(_device()))
         return 0
+    if args.command == "doctor":
+        from . import doctor as doctor_module
+
+        return doctor_module.main(as_json=args.json, probe=not args.no_probe)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -144,6 +144,48 @@ _NAN_STORY = (
 )
 
 
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "?"
+    value = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+def _memory_line(f: dict[str, Any]) -> str | None:
+    if f.get("free_bytes") is None and f.get("torch_allocated_bytes") is None:
+        return None
+    parts = []
+    if f.get("free_bytes") is not None:
+        parts.append(f"{_bytes(f['free_bytes'])} free of {_bytes(f.get('total_bytes'))} on the device")
+    if f.get("torch_allocated_bytes") is not None:
+        parts.append(
+            f"torch: {_bytes(f['torch_allocated_bytes'])} allocated, "
+            f"{_bytes(f.get('torch_reserved_bytes'))} reserved"
+        )
+    if f.get("workspace_bytes") is not None:
+        parts.append(f"cuBLAS workspace {_bytes(f['workspace_bytes'])}")
+    return "memory: " + "; ".join(parts)
+
+
+def _environment_line(env: dict[str, Any]) -> str:
+    parts = [f"torch {env.get('torch')} (CUDA {env.get('torch_cuda') or 'none'})"]
+    if env.get("driver"):
+        parts.append(f"driver {env['driver']} / runtime {env.get('runtime')}")
+    if env.get("cublas"):
+        libs = env.get("cublas_libraries") or []
+        parts.append(f"cuBLAS {env['cublas']}" + (f" ({', '.join(libs)})" if libs else ""))
+    if env.get("gpu"):
+        parts.append(f"GPU {env['gpu']} ({env.get('arch_check')})")
+    parts.append("TF32 on" if env.get("allow_tf32") else "TF32 off")
+    for name, value in (env.get("env") or {}).items():
+        parts.append(f"{name}={value}")
+    return "; ".join(parts)
+
+
 def _layer(name: Any) -> str:
     return f"'{name}'" if name else "(unnamed layer)"
 
@@ -176,8 +218,14 @@ class GuardError(Exception):
     """
 
     kind: ClassVar[str] = "guard"
+    # Errors about the CUDA/cuBLAS runtime also describe the environment.
+    with_environment: ClassVar[bool] = False
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
+        if self.with_environment and message is None and "environment" not in fields:
+            from .diagnostics import error_context  # late: diagnostics imports the package
+
+            fields["environment"] = error_context()
         self.fields: dict[str, Any] = fields
         super().__init__(message if message is not None else self._format())
 
@@ -200,6 +248,8 @@ class GuardError(Exception):
     def _format(self) -> str:
         lines = [self._headline()]
         lines += [f"  {d}" for d in self._details()]
+        if self.fields.get("environment"):
+            lines.append(f"  environment: {_environment_line(self.fields['environment'])}")
         steps = self._next_steps()
         if steps:
             lines.append("Next: " + steps[0])
@@ -228,10 +278,14 @@ class DTypeError(GuardError, TypeError, RuntimeError):
     def _next_steps(self) -> list[str]:
         role = self.fields.get("role", "input")
         if role == "input":
-            return [
-                "convert the input: x = x.float()",
-                "or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)",
-            ]
+            steps = ["convert the input: x = x.float()"]
+            if self.fields.get("dtype") in ("Half", "BFloat16"):
+                steps.append(
+                    "or let the layer upcast: SafeLinear(..., dtype_policy='cast') (a float32 copy "
+                    "of the input and output per call)"
+                )
+            steps.append("or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)")
+            return steps
         return [f"convert the layer's parameters: layer.float() (its {role} is not float32)"]
 
 
@@ -375,18 +429,20 @@ class SizeLimitError(GuardError, ValueError):
         return [
             f"{f.get('purpose')} GEMM: m={f.get('m')} n={f.get('n')} k={f.get('k')} "
             f"lda={f.get('lda')} ldb={f.get('ldb')} ldc={f.get('ldc')}",
-            "cuBLAS takes m, n, k and the leading dimensions as 32-bit int; passing more "
-            "would overflow silently or fail",
+            "cuBLAS's classic API takes m, n, k and the leading dimensions as 32-bit int; "
+            "the batch is split automatically, but m (out_features) and the leading "
+            "dimensions cannot be, and this cuBLAS has no 64-bit API (cuBLAS 12+)",
         ]
 
     def _next_steps(self) -> list[str]:
-        return ["split the batch into smaller chunks (torch.split(x, chunk) and torch.cat)"]
+        return ["use a torch built with CUDA 12 or newer (cuBLAS 12 has cublasSgemm_64)"]
 
 
 class CublasError(GuardError, RuntimeError):
     """A cuBLAS call returned a failure status."""
 
     kind = "cublas"
+    with_environment = True
 
     @property
     def status(self) -> int:
@@ -423,12 +479,15 @@ class CublasError(GuardError, RuntimeError):
             lines.append("likely causes, most likely first:")
             lines += [f"  {i}. {c}" for i, c in enumerate(entry[2], 1)]
         if "m" in f:
+            api = f" via {f['api']}" if f.get("api") else ""
             lines.append(
-                f"call ({f.get('purpose')}): transa={f.get('transa')} transb={f.get('transb')} "
+                f"call ({f.get('purpose')}{api}): transa={f.get('transa')} transb={f.get('transb')} "
                 f"m={f.get('m')} n={f.get('n')} k={f.get('k')} lda={f.get('lda')} "
                 f"ldb={f.get('ldb')} ldc={f.get('ldc')}"
                 + (f" alpha={f.get('alpha')} beta={f.get('beta')}" if "alpha" in f else "")
             )
+        if f.get("chunk"):
+            lines.append(f"piece of a split GEMM: {f['chunk']}")
         if f.get("math_mode"):
             lines.append(f"math mode: {f.get('math_mode')}")
         for op in ("a", "b", "c"):
@@ -441,6 +500,9 @@ class CublasError(GuardError, RuntimeError):
                 )
         if f.get("device"):
             lines.append(f"device: {f.get('device')}")
+        memory = _memory_line(f)
+        if memory:
+            lines.append(memory)
         if f.get("detail"):
             lines.append(f"detail: {f.get('detail')}")
         return lines
@@ -454,6 +516,7 @@ class PendingCudaError(GuardError, RuntimeError):
     """An earlier kernel's asynchronous CUDA error, seen before this layer's GEMM."""
 
     kind = "pending_cuda"
+    with_environment = True
 
     def _headline(self) -> str:
         f = self.fields
@@ -492,6 +555,7 @@ class CudaLaunchError(GuardError, RuntimeError):
     """A guard kernel failed to launch (e.g. no kernel image for this GPU)."""
 
     kind = "cuda_launch"
+    with_environment = True
 
     def _headline(self) -> str:
         f = self.fields
@@ -550,16 +614,19 @@ class OutOfMemoryError(GuardError, torch.OutOfMemoryError):
     """GPU memory ran out where cuBLAS or the guard needed it."""
 
     kind = "out_of_memory"
+    with_environment = True
 
     def _headline(self) -> str:
-        return (
-            f"layer {_layer(self.fields.get('layer'))}: out of GPU memory during "
-            f"{self.fields.get('stage')}"
-        )
+        f = self.fields
+        request = f" ({_bytes(f['bytes_requested'])} requested)" if f.get("bytes_requested") else ""
+        return f"layer {_layer(f.get('layer'))}: out of GPU memory for {f.get('stage')}{request}"
 
     def _details(self) -> list[str]:
         f = self.fields
         lines = []
+        memory = _memory_line(f)
+        if memory:
+            lines.append(memory)
         if f.get("device"):
             lines.append(f"device: {f.get('device')}")
         if f.get("detail"):
@@ -569,9 +636,30 @@ class OutOfMemoryError(GuardError, torch.OutOfMemoryError):
     def _next_steps(self) -> list[str]:
         return [
             "lower the batch size",
-            "call torch.cuda.empty_cache() before the failing step",
+            "call torch.cuda.empty_cache() before the failing step (cuBLAS allocates outside "
+            "torch's cache)",
             "give cuBLAS a smaller workspace: CUBLAS_WORKSPACE_CONFIG=:4096:8",
+            "look for other processes on the GPU: nvidia-smi",
         ]
+
+
+class CublasOutOfMemoryError(OutOfMemoryError, CublasError):
+    """cuBLAS failed for memory: ALLOC_FAILED, or NOT_INITIALIZED creating its handle.
+
+    Both an :class:`OutOfMemoryError` (so ``torch.OutOfMemoryError`` handlers
+    catch it) and a :class:`CublasError` (``.status``, the call's arguments).
+    """
+
+    kind = "cublas_out_of_memory"
+
+    def _headline(self) -> str:
+        return CublasError._headline(self)
+
+    def _details(self) -> list[str]:
+        return CublasError._details(self)
+
+    def _next_steps(self) -> list[str]:
+        return OutOfMemoryError._next_steps(self)
 
 
 class ExtensionBuildError(GuardError, ImportError):
@@ -602,6 +690,7 @@ _BY_KIND: dict[str, type[GuardError]] = {
         CudaLaunchError,
         GraphCaptureError,
         OutOfMemoryError,
+        CublasOutOfMemoryError,
     )
 }
 
@@ -622,6 +711,10 @@ def from_payload(payload: dict[str, Any]) -> GuardError:
     """Build the typed error for a payload dict (``kind`` selects the class)."""
     fields = dict(payload)
     kind = fields.pop("kind", "guard")
+    if kind == "cublas" and (
+        fields.get("status") == 3 or (fields.get("status") == 1 and fields.get("stage") == "handle")
+    ):
+        kind = "cublas_out_of_memory"  # ALLOC_FAILED, or NOT_INITIALIZED creating the handle
     cls = _BY_KIND.get(kind, GuardError)
     return cls(**fields)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import modes
+from .ops import DTYPE_POLICIES
 from .ops import linear as _guarded_linear
 
 __all__ = ["SafeLinear", "replace_linear", "name_layers"]
@@ -27,6 +28,9 @@ class SafeLinear(nn.Linear):
       :func:`name_layers` set it to the module's qualified name.
     * ``scan_grad``: also scan the gradient arriving at this layer in backward
       (exploding or NaN gradients), under the layer's mode.
+    * ``dtype_policy``: ``"strict"`` (default: fp16/bf16 input raises
+      :class:`DTypeError`) or ``"cast"`` (upcast fp16/bf16 input to float32,
+      cast the output back; see :data:`cublas_guard_ext.ops.DTYPE_POLICIES`).
     """
 
     def __init__(
@@ -40,11 +44,15 @@ class SafeLinear(nn.Linear):
         mode: str | None = None,
         name: str | None = None,
         scan_grad: bool = False,
+        dtype_policy: str = "strict",
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
         self.mode = modes.validate(mode) if mode is not None else None
         self.guard_name = name
         self.scan_grad = bool(scan_grad)
+        self.dtype_policy = dtype_policy
 
     @property
     def guard_label(self) -> str:
@@ -56,14 +64,15 @@ class SafeLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         return _guarded_linear(
             input, self.weight, self.bias, layer=self.guard_label, mode=self.mode,
-            scan_grad=self.scan_grad,
+            scan_grad=self.scan_grad, dtype_policy=self.dtype_policy,
         )
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
         if self.mode is not None:
             text += f", mode={self.mode!r}"
-        return text + (", scan_grad=True" if self.scan_grad else "")
+        text += ", scan_grad=True" if self.scan_grad else ""
+        return text + (f", dtype_policy={self.dtype_policy!r}" if self.dtype_policy != "strict" else "")
 
     @classmethod
     def from_linear(
@@ -73,6 +82,7 @@ class SafeLinear(nn.Linear):
         mode: str | None = None,
         name: str | None = None,
         scan_grad: bool = False,
+        dtype_policy: str = "strict",
     ) -> SafeLinear:
         """A SafeLinear sharing ``linear``'s Parameter objects (no copy, no re-init).
 
@@ -89,6 +99,7 @@ class SafeLinear(nn.Linear):
             mode=mode,
             name=name,
             scan_grad=scan_grad,
+            dtype_policy=dtype_policy,
         )
         safe.weight = linear.weight
         if linear.bias is not None:
@@ -128,6 +139,7 @@ def replace_linear(
     *,
     mode: str | None = None,
     scan_grad: bool = False,
+    dtype_policy: str = "strict",
     example_inputs: tuple | None = None,
 ) -> nn.Module:
     """Swap ``nn.Linear`` modules for ``SafeLinear`` in place; return the model.
@@ -144,7 +156,8 @@ def replace_linear(
         modes.validate(mode)
     if type(model) is nn.Linear:
         return SafeLinear.from_linear(
-            model, mode=mode, name=type(model).__name__, scan_grad=scan_grad
+            model, mode=mode, name=type(model).__name__, scan_grad=scan_grad,
+            dtype_policy=dtype_policy,
         )
     linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     if isinstance(which, str):
@@ -172,6 +185,8 @@ def replace_linear(
         setattr(
             parent,
             child,
-            SafeLinear.from_linear(old, mode=mode, name=qualified, scan_grad=scan_grad),
+            SafeLinear.from_linear(
+                old, mode=mode, name=qualified, scan_grad=scan_grad, dtype_policy=dtype_policy
+            ),
         )
     return name_layers(model)

@@ -12,12 +12,19 @@ from typing import Any
 
 import torch
 
-from . import _loader, modes
+from . import _loader, diagnostics, modes
 
 _loader.load()
 _ops = torch.ops.cublas_guard
 
-__all__ = ["ScanResult", "scan", "linear", "check_features", "check"]
+__all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
+
+# "strict": fp16/bf16 input raises DTypeError (cublasSgemm is float32-only).
+# "cast": fp16/bf16 input is upcast to float32 (exact) and the output cast back:
+#         one extra read of the input and a float32 copy of it, and the same for
+#         the output; the GEMM itself runs in float32, not at half-precision speed.
+DTYPE_POLICIES = ("strict", "cast")
+_CASTABLE = (torch.float16, torch.bfloat16)
 
 
 def _require_tensor(value: Any, what: str) -> None:
@@ -94,14 +101,25 @@ def linear(
     layer: str = "",
     mode: str | None = None,
     scan_grad: bool = False,
+    dtype_policy: str = "strict",
 ) -> torch.Tensor:
     """``F.linear`` through the guard: checks, the value scan (per ``mode``), checked cuBLAS.
 
     ``scan_grad``: in backward, scan the gradient arriving at this layer too,
     under the same mode (reported with role ``grad_output``).
+    ``dtype_policy``: see :data:`DTYPE_POLICIES`; float64 and integer inputs are
+    refused under both policies (casting them would lose information silently).
     """
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
+    if x.is_cuda and not torch.compiler.is_compiling():
+        diagnostics.first_cuda_use(x.device)
+    if dtype_policy != "strict":
+        if dtype_policy not in DTYPE_POLICIES:
+            raise ValueError(f"cublas_guard_ext: dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
+        if x.dtype in _CASTABLE:
+            out = _ops.linear.default(x.float(), weight, bias, layer, code, scan_grad)
+            return out.to(x.dtype)
     return _ops.linear.default(x, weight, bias, layer, code, scan_grad)
 
 

@@ -53,12 +53,12 @@ def size_limit():
     """Lower cuBLAS's 32-bit limit for one test; restore it afterwards."""
     previous: list[int] = []
 
-    def set_limit(limit: int) -> None:
-        previous.append(torch.ops.cublas_guard._set_size_limit(limit))
+    def set_limit(limit: int, allow_64bit: bool = True) -> None:
+        previous.append(torch.ops.cublas_guard._set_size_limit(limit, allow_64bit))
 
     yield set_limit
     if previous:
-        torch.ops.cublas_guard._set_size_limit(previous[0])
+        torch.ops.cublas_guard._set_size_limit(previous[0], True)
 
 
 @pytest.fixture

@@ -150,18 +150,17 @@ def test_meta_device_mismatch_is_typed() -> None:
         cg.linear(torch.randn(2, 8), safe.weight, safe.bias, layer="m")
 
 
-def test_size_limit(device: str, size_limit) -> None:
-    safe = layer(device, in_features=4, out_features=3)
-    size_limit(6)  # pretend cuBLAS's int were 6: a 7-row batch must not reach it
-    still_works(safe)  # m=3, n=3, k=4: within the limit
+def test_beyond_the_limit_without_a_64bit_api(device: str, size_limit) -> None:
+    """What a cuBLAS older than 12 (no cublasSgemm_64) gets: a clear refusal."""
+    safe = layer(device, in_features=8, out_features=3)
+    size_limit(6, allow_64bit=False)  # pretend cuBLAS's int were 6 and there were no _64 API
     with pytest.raises(cg.SizeLimitError) as info:
-        safe(torch.randn(7, 4, device=device))
+        safe(torch.randn(2, 8, device=device))  # k splits, but lda = 8 > 6 cannot
     err = info.value
     assert isinstance(err, ValueError)
-    assert (err.argument, err.value, err.limit) == ("n", 7, 6)
-    assert "cublasSgemm argument n = 7 exceeds cuBLAS's 32-bit limit 6" in str(err)
-    assert "m=3 n=7 k=4 lda=4 ldb=4 ldc=3" in str(err)
-    still_works(safe)
+    assert (err.argument, err.value, err.limit) == ("lda", 8, 6)
+    assert "cublasSgemm argument lda = 8 exceeds cuBLAS's 32-bit limit 6" in str(err)
+    assert "m=3 n=2 k=6 lda=8 ldb=8 ldc=3" in str(err)
 
 
 def test_invalid_mode_values() -> None:

@@ -150,3 +150,40 @@ def test_no_grad_and_inference_mode(device: str) -> None:
     with torch.inference_mode():
         xi = torch.randn(4, 13, device=device)
         assert_matches(safe(xi), ref(xi))
+
+
+# --------------------------------------------------------------------------
+# Beyond cuBLAS's 32-bit limit (lowered by a test hook so it runs on CPU):
+# the batch is split (forward, grad_input) or accumulated in pieces
+# (grad_weight); what cannot be split goes to the 64-bit API.
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [13, 18, 6, 7])
+def test_batch_beyond_the_limit_is_split(device: str, size_limit, rows: int) -> None:
+    ref, safe = pair(5, 4, True, device)
+    size_limit(6)  # m = out_features = 4, k = in_features = 5 fit; the batch does not
+    check_against_reference(ref, safe, torch.randn(rows, 5, device=device))
+    check_against_reference(ref, safe, torch.randn(rows, 5, device=device).t().contiguous().t())
+    check_against_reference(ref, safe, torch.randn(3, rows, 5, device=device))
+
+
+def test_unsplittable_dims_use_the_64bit_api(device: str, size_limit, inject_fault) -> None:
+    ref, safe = pair(9, 8, True, device)
+    size_limit(6)  # in_features 9 = k = lda, out_features 8 = m = ldc: only the 64-bit API fits
+    check_against_reference(ref, safe, torch.randn(11, 9, device=device))
+    inject_fault("gemm", 13)
+    with pytest.raises(cg.CublasError) as info:
+        safe(torch.randn(11, 9, device=device))
+    assert info.value.api == "cublasSgemm_64"
+    assert "chunk" in info.value.fields and "n 0..6 of 11" in info.value.chunk
+
+
+def test_split_pieces_are_reported(device: str, size_limit, inject_fault) -> None:
+    _, safe = pair(5, 4, True, device)
+    size_limit(6)
+    x = torch.randn(13, 5, device=device)
+    safe(x)
+    inject_fault("gemm", 14)
+    with pytest.raises(cg.CublasError) as info:
+        safe(x)
+    assert info.value.api == "cublasSgemm" and info.value.chunk == "n 0..6 of 13, k 0..5 of 5"
+    assert "n=6" in str(info.value)

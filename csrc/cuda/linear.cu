@@ -7,6 +7,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
 #include <torch/library.h>
@@ -17,6 +18,12 @@
 #include <mutex>
 
 namespace cublas_guard {
+
+#ifdef __CUDA_ARCH_LIST__
+#define CUBLAS_GUARD_ARCHS_STR2(...) #__VA_ARGS__
+#define CUBLAS_GUARD_ARCHS_STR(...) CUBLAS_GUARD_ARCHS_STR2(__VA_ARGS__)
+#define CUBLAS_GUARD_ARCHS CUBLAS_GUARD_ARCHS_STR(__CUDA_ARCH_LIST__)
+#endif
 
 bool is_sticky_context_error(cudaError_t err) {
   switch (err) {
@@ -63,9 +70,7 @@ void check_launch(const char* kernel, const std::string& layer) {
   report.add("cuda_error", cudaGetErrorName(err)).add("cuda_error_code", static_cast<int64_t>(err));
   report.add("cuda_error_string", cudaGetErrorString(err));
 #ifdef __CUDA_ARCH_LIST__
-#define CUBLAS_GUARD_STR2(...) #__VA_ARGS__
-#define CUBLAS_GUARD_STR(...) CUBLAS_GUARD_STR2(__VA_ARGS__)
-  report.add("built_archs", CUBLAS_GUARD_STR(__CUDA_ARCH_LIST__));
+  report.add("built_archs", CUBLAS_GUARD_ARCHS);
 #endif
   if (props != nullptr) {
     report.add("device_name", props->name);
@@ -76,6 +81,45 @@ void check_launch(const char* kernel, const std::string& layer) {
 }
 
 namespace {
+
+struct MemorySnapshot {
+  int64_t free_bytes = -1, total_bytes = -1, allocated = -1, reserved = -1, workspace = -1;
+};
+
+// Best effort: in a broken context these calls fail too, and the fields stay -1.
+MemorySnapshot memory_snapshot(int device) {
+  MemorySnapshot m;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    m.free_bytes = static_cast<int64_t>(free_bytes);
+    m.total_bytes = static_cast<int64_t>(total_bytes);
+  } else {
+    (void)cudaGetLastError();  // do not leave our probe's error for the next caller
+  }
+  try {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+    m.allocated = stats.allocated_bytes[0].current;
+    m.reserved = stats.reserved_bytes[0].current;
+    m.workspace = static_cast<int64_t>(at::cuda::getChosenWorkspaceSize());
+  } catch (const c10::Error&) {
+  }
+  return m;
+}
+
+void add_memory(ErrorReport& report, const MemorySnapshot& m) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"free_bytes", m.free_bytes}, {"total_bytes", m.total_bytes},
+      {"torch_allocated_bytes", m.allocated}, {"torch_reserved_bytes", m.reserved},
+      {"workspace_bytes", m.workspace}};
+  for (const auto& f : fields) {
+    if (f.second >= 0) report.add(f.first, f.second);
+  }
+}
+
+void memory_info_cuda(ErrorReport& report, c10::Device device) {
+  add_memory(report, memory_snapshot(device.index()));
+  report.add("device", "cuda:" + std::to_string(device.index()));
+}
 
 std::string describe_device(int device) {
   cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
@@ -109,6 +153,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.add("layer", ctx.layer).add("status", static_cast<int64_t>(injected));
     report.add("status_name", ctx.status_name).add("stage", "handle");
     report.add("device", ctx.device).add("purpose", call.purpose);
+    add_memory(report, memory_snapshot(device));
     report.raise_runtime_error("layer '" + ctx.layer + "': creating the cuBLAS handle failed with " +
                                ctx.status_name);
   }
@@ -118,7 +163,9 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     // torch allocates the handle's workspace through its caching allocator.
     ErrorReport report("out_of_memory");
     report.add("layer", ctx.layer).add("stage", "cuBLAS handle/workspace creation");
-    report.add("device", ctx.device).add("detail", e.what_without_backtrace());
+    report.add("detail", e.what_without_backtrace());
+    add_memory(report, memory_snapshot(device));
+    report.add("device", ctx.device);
     report.raise_out_of_memory("layer '" + ctx.layer +
                                "': out of GPU memory while creating the cuBLAS handle/workspace");
   } catch (const c10::Error& e) {
@@ -136,6 +183,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.add("status_name", cublasGetStatusName(static_cast<cublasStatus_t>(status)));
     report.add("stage", "handle").add("device", ctx.device).add("detail", what);
     report.add("purpose", call.purpose);
+    add_memory(report, memory_snapshot(device));
     report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
                                what);
   }
@@ -143,17 +191,41 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) ctx.math_mode = math_mode_name(math);
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
+    const MemorySnapshot m = memory_snapshot(device);
+    ctx.free_bytes = m.free_bytes;
+    ctx.total_bytes = m.total_bytes;
+    ctx.torch_allocated = m.allocated;
+    ctx.torch_reserved = m.reserved;
+    ctx.workspace_bytes = m.workspace;
     return injected;  // as if cublasSgemm had returned it (tests only)
   }
 
-  // validate_gemm_call has checked every argument against the int limit.
-  const cublasStatus_t status =
-      cublasSgemm(handle, call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                  call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(call.m),
-                  static_cast<int>(call.n), static_cast<int>(call.k), &call.alpha, call.a,
-                  static_cast<int>(call.lda), call.b, static_cast<int>(call.ldb), &call.beta,
-                  call.c, static_cast<int>(call.ldc));
+  const cublasOperation_t op_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasStatus_t status;
+  if (call.use_64bit) {
+#if CUBLAS_VER_MAJOR >= 12
+    status = cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &call.alpha, call.a,
+                            call.lda, call.b, call.ldb, &call.beta, call.c, call.ldc);
+#else
+    TORCH_INTERNAL_ASSERT(false, "cublas_guard_ext: 64-bit GEMM planned without cuBLAS 12+");
+#endif
+  } else {
+    // plan_gemm_call has checked every argument against the 32-bit limit.
+    status = cublasSgemm(handle, op_a, op_b, static_cast<int>(call.m), static_cast<int>(call.n),
+                         static_cast<int>(call.k), &call.alpha, call.a, static_cast<int>(call.lda),
+                         call.b, static_cast<int>(call.ldb), &call.beta, call.c,
+                         static_cast<int>(call.ldc));
+  }
   ctx.status_name = cublasGetStatusName(status);
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    const MemorySnapshot m = memory_snapshot(device);
+    ctx.free_bytes = m.free_bytes;
+    ctx.total_bytes = m.total_bytes;
+    ctx.torch_allocated = m.allocated;
+    ctx.torch_reserved = m.reserved;
+    ctx.workspace_bytes = m.workspace;
+  }
   return static_cast<int>(status);
 }
 
@@ -248,10 +320,38 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
 namespace {
 
 const LinearBackend& cuda_backend() {
-  static const LinearBackend backend{scan_cuda_into, fetch_cuda, gemm_cuda,
-                                     check_pending_error_cuda, async_slot_cuda};
+  static const LinearBackend backend{scan_cuda_into,   fetch_cuda,
+                                     gemm_cuda,        check_pending_error_cuda,
+                                     async_slot_cuda,  memory_info_cuda,
+                                     /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12};
   return backend;
 }
+
+// Compile-time facts and, when a GPU is visible, the runtime versions.
+std::string cuda_build_info() {
+  std::string out = "\"cuda_compiled_version\": " + std::to_string(CUDART_VERSION) +
+                    ", \"cublas_header_version\": " + std::to_string(CUBLAS_VERSION);
+#ifdef __CUDA_ARCH_LIST__
+  out += ", \"built_archs\": \"" CUBLAS_GUARD_ARCHS "\"";
+#endif
+  int runtime = 0, driver = 0, major = 0, minor = 0, patch = 0;
+  if (cudaRuntimeGetVersion(&runtime) == cudaSuccess) {
+    out += ", \"cudart_runtime_version\": " + std::to_string(runtime);
+  }
+  if (cudaDriverGetVersion(&driver) == cudaSuccess) {
+    out += ", \"driver_version\": " + std::to_string(driver);
+  }
+  if (cublasGetProperty(MAJOR_VERSION, &major) == CUBLAS_STATUS_SUCCESS &&
+      cublasGetProperty(MINOR_VERSION, &minor) == CUBLAS_STATUS_SUCCESS &&
+      cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS) {
+    out += ", \"cublas_runtime_version\": \"" + std::to_string(major) + "." +
+           std::to_string(minor) + "." + std::to_string(patch) + "\"";
+  }
+  (void)cudaGetLastError();  // a failed query (no driver) must not linger
+  return out;
+}
+
+const bool cuda_build_info_registered = (set_cuda_build_info(&cuda_build_info), true);
 
 // The layer's device when it is a CUDA device; else the input's (the checks
 // then report the mismatch).

@@ -1,0 +1,222 @@
+"""The doctor, the environment checks, the memory and version parts of errors,
+and the fp16/bf16 cast policy."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cublas_guard_ext as cg
+from cublas_guard_ext import diagnostics, doctor, errors
+from conftest import assert_matches
+
+STATUSES = {"OK", "WARN", "FAIL", "SKIP"}
+
+
+def run_doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "doctor", *args],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_doctor_json_is_valid_and_complete() -> None:
+    result = run_doctor("--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == {"checks", "environment"}
+    names = [c["name"] for c in report["checks"]]
+    for item in ("extension build", "TF32", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG"):
+        assert item in names
+    # the seed's checklist: versions, arch, memory; unknowable without a GPU -> SKIP
+    if not torch.cuda.is_available():
+        for item in ("driver vs runtime", "GPU arch vs torch", "GPU memory", "live cuBLAS probe"):
+            check = next(c for c in report["checks"] if c["name"] == item)
+            assert check["status"] == "SKIP" and "could not check" in check["reason"]
+    for check in report["checks"]:
+        assert set(check) == {"name", "status", "reason", "fix"}
+        assert check["status"] in STATUSES and check["reason"]
+    env = report["environment"]
+    for key in ("torch", "torch_cuda", "torch_arch_list", "tf32", "env", "extension", "libraries", "devices"):
+        assert key in env
+    assert env["extension"]["built_with_torch"].split("+")[0] == torch.__version__.split("+")[0]
+
+
+def test_doctor_text_output() -> None:
+    result = run_doctor()
+    assert result.returncode == 0, result.stderr
+    assert "cublas_guard_ext doctor" in result.stdout
+    assert "[ok  ] TF32" in result.stdout and "0 failed" in result.stdout
+
+
+def gpu_env(**changes) -> dict:
+    """A synthetic environment of a machine with one GPU, for the GPU-side checks."""
+    env = {
+        "python": "3.11", "platform": "linux", "torch": torch.__version__, "torch_cuda": "13.0",
+        "torch_arch_list": ["sm_80", "sm_90"], "cuda_available": True,
+        "tf32": {"torch.backends.cuda.matmul.allow_tf32": False,
+                 "torch.get_float32_matmul_precision()": "highest"},
+        "env": {name: None for name in diagnostics.ENV_VARS},
+        "extension": {"built_with_torch": torch.__version__, "cuda_compiled": True,
+                      "built_archs": "800,900", "cudart_runtime_version": 13000,
+                      "driver_version": 13000, "kind": "prebuilt", "path": "/x/_C.so"},
+        "libraries": ["/nv/lib/libcublas.so.13.1.1", "/nv/lib/libcublasLt.so.13.1.1"],
+        "devices": [{"index": 0, "name": "NVIDIA H200", "compute_capability": "9.0",
+                     "free_memory": 100 << 30, "total_memory": 140 << 30,
+                     "torch_allocated": 0, "torch_reserved": 0}],
+    }
+    for path, value in changes.items():
+        target = env
+        keys = path.split(".")
+        for key in keys[:-1]:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[keys[-1]] = value
+    return env
+
+
+def status_of(items, prefix: str) -> str:
+    return next(c.status for c in items if c.name.startswith(prefix))
+
+
+def test_healthy_gpu_environment_passes() -> None:
+    items = diagnostics.checks(gpu_env(), probe=False)
+    assert all(c.status in ("OK", "WARN") for c in items), [c for c in items if c.status == "FAIL"]
+    assert status_of(items, "GPU arch vs torch") == "OK"
+    assert status_of(items, "cuBLAS libraries") == "OK"
+
+
+@pytest.mark.parametrize(
+    "changes,item,status,text",
+    [
+        ({"devices.0.compute_capability": "12.0"}, "GPU arch vs torch", "FAIL", "sm_120 is not in"),
+        ({"torch_arch_list": ["sm_80", "compute_80"]}, "GPU arch vs torch", "WARN", "PTX"),
+        ({"extension.built_archs": "800"}, "GPU arch vs extension", "FAIL", "TORCH_CUDA_ARCH_LIST=9.0"),
+        ({"extension.driver_version": 12020}, "driver vs runtime", "FAIL", "driver supports CUDA 12.2"),
+        ({"devices.0.free_memory": 10 << 20}, "GPU memory", "FAIL", "0.01 GiB free"),
+        ({"devices.0.free_memory": 2 << 30}, "GPU memory", "WARN", "2.00 GiB free"),
+        ({"libraries": ["/a/libcublas.so.13", "/b/libcublas.so.12", "/a/libcublasLt.so.13"]},
+         "cuBLAS libraries", "FAIL", "several copies"),
+        ({"libraries": ["/a/libcublas.so.13.1", "/b/libcublasLt.so.12.8"]},
+         "cuBLAS libraries", "WARN", "mismatched pair"),
+        ({"extension.built_with_torch": "1.13.0"}, "extension build", "FAIL", "rebuild"),
+        ({"extension.cuda_compiled": False}, "extension CUDA kernels", "FAIL", "without CUDA"),
+        ({"tf32": {"torch.backends.cuda.matmul.allow_tf32": True,
+                   "torch.get_float32_matmul_precision()": "high"}}, "TF32", "WARN", "allow_tf32 = False"),
+    ],
+)
+def test_each_gpu_problem_is_named(changes, item, status, text) -> None:
+    items = diagnostics.checks(gpu_env(**changes), probe=False)
+    check = next(c for c in items if c.name.startswith(item))
+    assert check.status == status, check
+    assert text in check.reason + " " + check.fix
+
+
+def test_doctor_exit_status_is_non_zero_on_fail(monkeypatch, capsys) -> None:
+    bad = gpu_env(**{"devices.0.compute_capability": "12.0"})
+    monkeypatch.setattr(diagnostics, "environment", lambda: copy.deepcopy(bad))
+    assert doctor.main(as_json=False, probe=False) == 1
+    assert "[FAIL] GPU arch vs torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "cc,archs,status",
+    [((9, 0), ["sm_90"], "OK"), ((8, 6), ["sm_80"], "OK"), ((8, 0), ["sm_86"], "FAIL"),
+     ((9, 0), ["sm_80", "compute_80"], "WARN"), ((10, 0), ["sm_90"], "FAIL"), ((7, 5), [], "FAIL")],
+)
+def test_arch_support(cc, archs, status) -> None:
+    assert diagnostics.arch_support(cc, archs)[0] == status
+
+
+def test_first_cuda_use_warns_once_for_an_unsupported_gpu(monkeypatch) -> None:
+    props = SimpleNamespace(name="Future GPU", major=12, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    monkeypatch.setattr(diagnostics, "_checked_devices", set())
+    with pytest.warns(RuntimeWarning, match="sm_120 is not in sm_80, sm_90"):
+        diagnostics.first_cuda_use(torch.device("cuda", 3))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diagnostics.first_cuda_use(torch.device("cuda", 3))  # once per device
+
+
+def test_cublas_errors_carry_the_environment(device: str, inject_fault) -> None:
+    inject_fault("gemm", 14)
+    with pytest.raises(cg.CublasError) as info:
+        cg.SafeLinear(8, 4, device=device, name="env")(torch.randn(2, 8, device=device))
+    env = info.value.environment
+    assert env["torch"] == torch.__version__ and env["allow_tf32"] is False
+    assert "environment: torch " in str(info.value) and "TF32 off" in str(info.value)
+
+
+@pytest.mark.parametrize("status", [3])
+def test_alloc_failed_is_an_out_of_memory_error(device: str, inject_fault, status: int) -> None:
+    inject_fault("gemm", status)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        cg.SafeLinear(8, 4, device=device, name="mem")(torch.randn(2, 8, device=device))
+    err = info.value
+    assert isinstance(err, cg.CublasOutOfMemoryError) and isinstance(err, cg.CublasError)
+    assert err.status_name == "CUBLAS_STATUS_ALLOC_FAILED"
+    assert "lower the batch size" in str(err) and "CUBLAS_WORKSPACE_CONFIG" in str(err)
+
+
+def test_memory_fields_are_formatted() -> None:
+    err = errors.from_payload({
+        "kind": "out_of_memory", "layer": "big", "stage": "the forward GEMM's output",
+        "bytes_requested": 3 << 30, "free_bytes": 1536 << 20, "total_bytes": 80 << 30,
+        "torch_allocated_bytes": 70 << 30, "torch_reserved_bytes": 75 << 30,
+        "workspace_bytes": 32 << 20, "device": "cuda:0", "environment": {"torch": "x"},
+    })
+    assert isinstance(err, torch.OutOfMemoryError) and isinstance(err, cg.OutOfMemoryError)
+    text = str(err)
+    assert "(3.00 GiB requested)" in text
+    assert "1.50 GiB free of 80.00 GiB on the device" in text
+    assert "70.00 GiB allocated, 75.00 GiB reserved" in text and "workspace 32.00 MiB" in text
+
+
+def test_handle_not_initialized_is_an_out_of_memory_error() -> None:
+    err = errors.from_payload({"kind": "cublas", "status": 1, "stage": "handle", "layer": "h"})
+    assert isinstance(err, cg.CublasOutOfMemoryError)
+    assert "creating the cuBLAS handle" in str(err)
+    assert isinstance(errors.from_payload({"kind": "cublas", "status": 1}), cg.CublasError)
+    assert not isinstance(errors.from_payload({"kind": "cublas", "status": 13}), torch.OutOfMemoryError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cast_policy_upcasts_half_precision(device: str, dtype: torch.dtype) -> None:
+    layer = cg.SafeLinear(16, 8, device=device, dtype_policy="cast")
+    x = torch.randn(4, 16, device=device).to(dtype).requires_grad_(True)
+    y = layer(x)
+    assert y.dtype == dtype
+    assert_matches(y.float(), F.linear(x.float(), layer.weight, layer.bias).to(dtype).float(), rel=1e-2)
+    y.float().sum().backward()
+    assert x.grad.dtype == dtype and layer.weight.grad is not None
+    bad = x.detach().clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(cg.NonFiniteInputError, match=r"x\[1, 2\]"):
+        layer(bad)
+
+
+def test_cast_policy_still_refuses_float64_and_ints() -> None:
+    layer = cg.SafeLinear(4, 2, dtype_policy="cast")
+    for dtype in (torch.float64, torch.int32):
+        with pytest.raises(cg.DTypeError):
+            layer(torch.ones(2, 4, dtype=dtype))
+    with pytest.raises(ValueError, match="dtype_policy"):
+        cg.SafeLinear(4, 2, dtype_policy="loose")
+    with pytest.raises(cg.DTypeError, match="dtype_policy='cast'"):
+        cg.SafeLinear(4, 2)(torch.ones(2, 4, dtype=torch.float16))
+
+
+def test_replace_linear_passes_the_policy() -> None:
+    model = cg.replace_linear(torch.nn.Sequential(torch.nn.Linear(4, 2)), dtype_policy="cast")
+    assert model[0].dtype_policy == "cast"
+    assert model(torch.randn(3, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16

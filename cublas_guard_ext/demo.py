@@ -39,6 +39,33 @@ def _show(label: str, action) -> bool:
     return False
 
 
+_EARLIER_FAILURE = """
+import torch, cublas_guard_ext as cg
+emb = torch.nn.Embedding(10, 32).cuda()
+head = cg.SafeLinear(32, 8, device="cuda", name="head_after_embedding")
+tokens = torch.tensor([1, 2, 99], device="cuda")   # 99 >= num_embeddings: device-side assert
+try:
+    head(emb(tokens))
+except cg.GuardError as err:
+    print(type(err).__name__ + ": " + str(err))
+"""
+
+
+def _earlier_kernel_failure() -> bool:
+    """The real cause behind most EXECUTION_FAILED reports, in a subprocess: a
+    device-side assert leaves the CUDA context unusable for the rest of a process."""
+    import subprocess
+    import sys
+
+    print("\n--- an out-of-range nn.Embedding index before a SafeLinear (in a subprocess)")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_LAUNCH_BLOCKING"}
+    result = subprocess.run([sys.executable, "-c", _EARLIER_FAILURE], capture_output=True,
+                            text=True, timeout=300, env=env)
+    text = result.stdout.strip()
+    print(textwrap.indent(text, "  ").lstrip() if text else result.stderr[-2000:])
+    return text.startswith("PendingCudaError")
+
+
 class Classifier(nn.Module):
     """A plain model written with nn.Linear, as users have them."""
 
@@ -125,6 +152,11 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
         "CUBLAS_STATUS_EXECUTION_FAILED (SIMULATED with the fault-injection hook)",
         simulated_execution_failed,
     )
+    if device.type == "cuda":
+        caught += _earlier_kernel_failure()
+    else:
+        print("\n--- an earlier kernel's device-side assert: skipped (needs a GPU; it is the most "
+              "common real cause of EXECUTION_FAILED)")
     out = model(good)
     print(f"\nafter all of that the model still works: output {tuple(out.shape)}, "
           f"finite: {bool(torch.isfinite(out).all())}")

@@ -30,6 +30,18 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
                            ", expected " + expected);
 }
 
+// `t` (playing `role`) is not on the device of `anchor` (the layer's `anchor_name`).
+[[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role,
+                                        const at::Tensor& anchor, const char* anchor_name,
+                                        const std::string& layer) {
+  ErrorReport report("device_mismatch");
+  report.add("layer", layer).add("role", role).add("anchor", anchor_name);
+  report.add("input_device", t.device().str()).add("weight_device", anchor.device().str());
+  report.add("shape", t.sizes());
+  report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + t.device().str() +
+                             " but " + anchor_name + " is on " + anchor.device().str());
+}
+
 }  // namespace
 
 void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer) {
@@ -51,28 +63,14 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
   if (weight.scalar_type() != at::kFloat) raise_dtype(weight, "weight", layer);
   if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
   check_input(x, weight.size(1), layer);
-  if (x.device() != weight.device()) {
-    ErrorReport report("device_mismatch");
-    report.add("layer", layer).add("role", "input");
-    report.add("input_device", x.device().str()).add("weight_device", weight.device().str());
-    report.add("shape", x.sizes());
-    report.raise_runtime_error("layer '" + layer + "': input is on " + x.device().str() +
-                               " but the layer's weight is on " + weight.device().str());
-  }
+  if (x.device() != weight.device()) raise_device_mismatch(x, "input", weight, "weight", layer);
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
     if (b.scalar_type() != at::kFloat) raise_dtype(b, "bias", layer);
     if (b.dim() != 1 || b.size(0) != weight.size(0)) {
       raise_shape(b, "bias", "[" + std::to_string(weight.size(0)) + "] (out_features)", layer);
     }
-    if (b.device() != weight.device()) {
-      ErrorReport report("device_mismatch");
-      report.add("layer", layer).add("role", "bias");
-      report.add("input_device", b.device().str()).add("weight_device", weight.device().str());
-      report.add("shape", b.sizes());
-      report.raise_runtime_error("layer '" + layer + "': bias is on " + b.device().str() +
-                                 " but the layer's weight is on " + weight.device().str());
-    }
+    if (b.device() != weight.device()) raise_device_mismatch(b, "bias", weight, "weight", layer);
   }
 }
 
@@ -84,14 +82,7 @@ void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
     raise_shape(grad_output, "grad_output", "[..., " + std::to_string(expected_last) + "]", layer);
   }
   if (grad_output.device() != other.device()) {
-    ErrorReport report("device_mismatch");
-    report.add("layer", layer).add("role", "grad_output");
-    report.add("input_device", grad_output.device().str());
-    report.add("weight_device", other.device().str());
-    report.add("shape", grad_output.sizes());
-    report.raise_runtime_error("layer '" + layer + "': grad_output is on " +
-                               grad_output.device().str() + " but " + other_name + " is on " +
-                               other.device().str());
+    raise_device_mismatch(grad_output, "grad_output", other, other_name, layer);
   }
 }
 

@@ -121,6 +121,16 @@ void ErrorReport::raise_out_of_memory(const std::string& summary) const {
   C10_THROW_ERROR(OutOfMemoryError, message(summary));
 }
 
+void add_memory_fields(ErrorReport& report, const MemoryFacts& m) {
+  const std::pair<const char*, int64_t> fields[] = {
+      {"free_bytes", m.free_bytes}, {"total_bytes", m.total_bytes},
+      {"torch_allocated_bytes", m.torch_allocated}, {"torch_reserved_bytes", m.torch_reserved},
+      {"workspace_bytes", m.workspace_bytes}};
+  for (const auto& f : fields) {
+    if (f.second >= 0) report.add(f.first, f.second);
+  }
+}
+
 void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t) {
   const std::string p(prefix);
   report.add((p + "_shape").c_str(), t.sizes());

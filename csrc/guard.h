@@ -73,6 +73,14 @@ class ErrorReport {
 // (python_errors.cpp); otherwise returns and the caller throws the c10 error.
 void throw_python_error_if_possible(const std::string& message);
 
+// Device memory at some moment (-1 = unknown), and the fields it adds to a report.
+struct MemoryFacts {
+  int64_t free_bytes = -1, total_bytes = -1;
+  int64_t torch_allocated = -1, torch_reserved = -1;  // torch's caching allocator
+  int64_t workspace_bytes = -1;                       // cuBLAS workspace torch attaches
+};
+void add_memory_fields(ErrorReport& report, const MemoryFacts& memory);
+
 // Fields every report about a tensor carries: its shape, strides, dtype, device.
 void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t);
 
@@ -152,9 +160,7 @@ struct GemmContext {
   const at::Tensor* operand_b = nullptr;
   const at::Tensor* operand_c = nullptr;
   const char* roles[3] = {"", "", ""};    // what A, B, C are to the user ("weight^T", ...)
-  // Memory at the time of a failure (CUDA; -1 = unknown).
-  int64_t free_bytes = -1, total_bytes = -1, torch_allocated = -1, torch_reserved = -1;
-  int64_t workspace_bytes = -1;
+  MemoryFacts memory;  // at the time of a failure (CUDA)
 };
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
 

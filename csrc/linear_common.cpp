@@ -455,13 +455,7 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
   report.add("alpha", static_cast<double>(call.alpha)).add("beta", static_cast<double>(call.beta));
   report.add("api", call.use_64bit ? "cublasSgemm_64" : "cublasSgemm");
   if (!call.chunk.empty()) report.add("chunk", call.chunk);
-  const std::pair<const char*, int64_t> memory[] = {
-      {"free_bytes", ctx.free_bytes}, {"total_bytes", ctx.total_bytes},
-      {"torch_allocated_bytes", ctx.torch_allocated}, {"torch_reserved_bytes", ctx.torch_reserved},
-      {"workspace_bytes", ctx.workspace_bytes}};
-  for (const auto& entry : memory) {
-    if (entry.second >= 0) report.add(entry.first, entry.second);
-  }
+  add_memory_fields(report, ctx.memory);
   if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
   if (!ctx.device.empty()) report.add("device", ctx.device);
   const std::pair<const char*, const at::Tensor*> operands[] = {

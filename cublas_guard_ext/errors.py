@@ -344,8 +344,8 @@ class DeviceMismatchError(GuardError, ValueError, RuntimeError):
     def _headline(self) -> str:
         return (
             f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} is on "
-            f"{self.fields.get('input_device')} but the layer's weight is on "
-            f"{self.fields.get('weight_device')}"
+            f"{self.fields.get('input_device')} but the layer's {self.fields.get('anchor', 'weight')} "
+            f"is on {self.fields.get('weight_device')}"
         )
 
     def _details(self) -> list[str]:

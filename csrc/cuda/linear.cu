@@ -82,13 +82,9 @@ void check_launch(const char* kernel, const std::string& layer) {
 
 namespace {
 
-struct MemorySnapshot {
-  int64_t free_bytes = -1, total_bytes = -1, allocated = -1, reserved = -1, workspace = -1;
-};
-
 // Best effort: in a broken context these calls fail too, and the fields stay -1.
-MemorySnapshot memory_snapshot(int device) {
-  MemorySnapshot m;
+MemoryFacts memory_snapshot(int device) {
+  MemoryFacts m;
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
     m.free_bytes = static_cast<int64_t>(free_bytes);
@@ -98,26 +94,16 @@ MemorySnapshot memory_snapshot(int device) {
   }
   try {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-    m.allocated = stats.allocated_bytes[0].current;
-    m.reserved = stats.reserved_bytes[0].current;
-    m.workspace = static_cast<int64_t>(at::cuda::getChosenWorkspaceSize());
+    m.torch_allocated = stats.allocated_bytes[0].current;
+    m.torch_reserved = stats.reserved_bytes[0].current;
+    m.workspace_bytes = static_cast<int64_t>(at::cuda::getChosenWorkspaceSize());
   } catch (const c10::Error&) {
   }
   return m;
 }
 
-void add_memory(ErrorReport& report, const MemorySnapshot& m) {
-  const std::pair<const char*, int64_t> fields[] = {
-      {"free_bytes", m.free_bytes}, {"total_bytes", m.total_bytes},
-      {"torch_allocated_bytes", m.allocated}, {"torch_reserved_bytes", m.reserved},
-      {"workspace_bytes", m.workspace}};
-  for (const auto& f : fields) {
-    if (f.second >= 0) report.add(f.first, f.second);
-  }
-}
-
 void memory_info_cuda(ErrorReport& report, c10::Device device) {
-  add_memory(report, memory_snapshot(device.index()));
+  add_memory_fields(report, memory_snapshot(device.index()));
   report.add("device", "cuda:" + std::to_string(device.index()));
 }
 
@@ -153,7 +139,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.add("layer", ctx.layer).add("status", static_cast<int64_t>(injected));
     report.add("status_name", ctx.status_name).add("stage", "handle");
     report.add("device", ctx.device).add("purpose", call.purpose);
-    add_memory(report, memory_snapshot(device));
+    add_memory_fields(report, memory_snapshot(device));
     report.raise_runtime_error("layer '" + ctx.layer + "': creating the cuBLAS handle failed with " +
                                ctx.status_name);
   }
@@ -164,7 +150,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     ErrorReport report("out_of_memory");
     report.add("layer", ctx.layer).add("stage", "cuBLAS handle/workspace creation");
     report.add("detail", e.what_without_backtrace());
-    add_memory(report, memory_snapshot(device));
+    add_memory_fields(report, memory_snapshot(device));
     report.add("device", ctx.device);
     report.raise_out_of_memory("layer '" + ctx.layer +
                                "': out of GPU memory while creating the cuBLAS handle/workspace");
@@ -183,7 +169,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.add("status_name", cublasGetStatusName(static_cast<cublasStatus_t>(status)));
     report.add("stage", "handle").add("device", ctx.device).add("detail", what);
     report.add("purpose", call.purpose);
-    add_memory(report, memory_snapshot(device));
+    add_memory_fields(report, memory_snapshot(device));
     report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
                                what);
   }
@@ -191,12 +177,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) ctx.math_mode = math_mode_name(math);
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
-    const MemorySnapshot m = memory_snapshot(device);
-    ctx.free_bytes = m.free_bytes;
-    ctx.total_bytes = m.total_bytes;
-    ctx.torch_allocated = m.allocated;
-    ctx.torch_reserved = m.reserved;
-    ctx.workspace_bytes = m.workspace;
+    ctx.memory = memory_snapshot(device);
     return injected;  // as if cublasSgemm had returned it (tests only)
   }
 
@@ -218,14 +199,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
                          static_cast<int>(call.ldc));
   }
   ctx.status_name = cublasGetStatusName(status);
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    const MemorySnapshot m = memory_snapshot(device);
-    ctx.free_bytes = m.free_bytes;
-    ctx.total_bytes = m.total_bytes;
-    ctx.torch_allocated = m.allocated;
-    ctx.torch_reserved = m.reserved;
-    ctx.workspace_bytes = m.workspace;
-  }
+  if (status != CUBLAS_STATUS_SUCCESS) ctx.memory = memory_snapshot(device);
   return static_cast<int>(status);
 }
 

@@ -1,13 +1,29 @@
-"""Quick side-by-side timings of SafeLinear against nn.Linear (the demo's and
-``python -m cublas_guard_ext bench``'s). The full suite is in ``benchmarks/``.
+"""Side-by-side timing of SafeLinear against nn.Linear and of the scan against
+the naive checks: the timing core of ``benchmarks/`` and the quick bench that
+``python -m cublas_guard_ext bench`` and the demo print.
 
-Every comparison is measured in one run, interleaved, and reported as a ratio:
-absolute times on shared machines drift, ratios measured together do not.
+Every comparison is measured in one run, interleaved (round 1: A, B, C; round
+2: A, B, C; ...) and reported from the medians of the rounds, as a ratio:
+absolute times on shared machines drift, ratios measured together much less.
+
+Timing:
+
+* CPU: ``torch.utils.benchmark.Timer.blocked_autorange`` with all of torch's
+  threads (the Timer's own default is one thread).
+* CUDA: CUDA events around a batch of back-to-back calls, per-call time = batch
+  time / calls. A batch measures the steady cost of a call as a training loop
+  sees it: device time, or host time when the host is the bottleneck (small
+  shapes), and for calls that synchronize (``mode="sync"``, ``bool(...)``) the
+  synchronization too.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +32,22 @@ from torch.utils import benchmark
 
 from . import ops
 from .nn import SafeLinear
+
+__all__ = [
+    "Row",
+    "time_per_call",
+    "interleaved",
+    "rotating",
+    "rotation_pool",
+    "scan_decision",
+    "isfinite_decision",
+    "scan_bandwidth",
+    "linear_forward",
+    "scan_vs_isfinite",
+    "format_table",
+    "quick",
+    "seed_check",
+]
 
 
 @dataclass
@@ -29,29 +61,126 @@ class Row:
         return self.guarded_us / self.baseline_us
 
 
-def _median_us(fn, min_run_time: float) -> float:
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
+# ---------------------------------------------------------------------------
+# Timing core
+# ---------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _interleaved(base, guarded, device: torch.device, rounds: int, min_run_time: float) -> tuple[float, float]:
-    """Alternate the two measurements so drift hits both alike; medians of the rounds."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def _cpu_per_call(fn: Callable[[], object], min_run_time: float) -> float:
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
-    def timed(fn):
-        def run():
+
+def _cuda_per_call(fn: Callable[[], object], device: torch.device, min_run_time: float) -> float:
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    # One call to size the batch (and as a warm-up).
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-7)
+    batch_target = max(min_run_time / 5, 1e-3)
+    inner = max(1, min(20_000, int(batch_target / one)))
+    per_call: list[float] = []
+    total = 0.0
+    while total < min_run_time or len(per_call) < 3:
+        start.record()
+        for _ in range(inner):
             fn()
-            sync()
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end) / 1e3
+        per_call.append(elapsed / inner)
+        total += elapsed
+        if len(per_call) >= 50:
+            break
+    return statistics.median(per_call)
 
-        return run
 
-    base_t, guarded_t = [], []
+def time_per_call(fn: Callable[[], object], device: torch.device, min_run_time: float = 0.2) -> float:
+    """Median seconds per call of ``fn`` on ``device`` (see the module docstring)."""
+    if device.type == "cuda":
+        return _cuda_per_call(fn, device, min_run_time)
+    return _cpu_per_call(fn, min_run_time)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    rounds: int = 3,
+    min_run_time: float = 0.2,
+    warmup: int = 2,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, one value per round; rounds interleave all of them.
+
+    Each function is called ``warmup`` times first (lazy init, caches, cuBLAS
+    handles). Take ``statistics.median`` of each list; compare medians.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        base_t.append(_median_us(timed(base), min_run_time))
-        guarded_t.append(_median_us(timed(guarded), min_run_time))
-    return statistics.median(base_t), statistics.median(guarded_t)
+        for name, fn in fns.items():
+            out[name].append(time_per_call(fn, device, min_run_time))
+    return out
 
 
+def rotating(tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], object]) -> Callable[[], object]:
+    """A no-argument function that applies ``fn`` to the next tensor of ``tensors`` each call.
+
+    Rotating over buffers larger than the cache together keeps a scan from
+    reading its input out of the cache on repeated calls.
+    """
+    if len(tensors) == 1:
+        only = tensors[0]
+        return lambda: fn(only)
+    state = {"i": 0}
+    count = len(tensors)
+
+    def call() -> object:
+        i = state["i"]
+        state["i"] = i + 1 if i + 1 < count else 0
+        return fn(tensors[i])
+
+    return call
+
+
+def rotation_pool(numel: int, device: torch.device, min_total_bytes: int, max_buffers: int = 256) -> list[torch.Tensor]:
+    """Views of one allocation: enough n-element float32 buffers to cover ``min_total_bytes``."""
+    count = max(1, min(max_buffers, math.ceil(min_total_bytes / max(1, 4 * numel))))
+    base = torch.randn(count * numel, device=device)
+    return [base[i * numel : (i + 1) * numel] for i in range(count)]
+
+
+# ---------------------------------------------------------------------------
+# The checks being compared (each returns only once it has decided)
+# ---------------------------------------------------------------------------
+def scan_decision(x: torch.Tensor) -> bool:
+    """The fused scan plus the host read that decides (a sync on CUDA)."""
+    return ops.scan(x).all_finite
+
+
+def isfinite_decision(x: torch.Tensor) -> bool:
+    """``torch.isfinite(x).all()`` and its ``bool()`` (a sync on CUDA)."""
+    return bool(torch.isfinite(x).all())
+
+
+def seed_check(x: torch.Tensor) -> None:
+    """The seed's ``check_input_feature`` value checks: two passes, two host reads."""
+    assert not torch.isnan(x).any(), "NaN in input feature"
+    assert not torch.isinf(x).any(), "Inf in input feature"
+
+
+# ---------------------------------------------------------------------------
+# The quick bench (demo and ``python -m cublas_guard_ext bench``)
+# ---------------------------------------------------------------------------
 def linear_forward(
     shapes: list[tuple[int, int, int]],
     modes: list[str],
@@ -59,18 +188,23 @@ def linear_forward(
     rounds: int = 3,
     min_run_time: float = 0.2,
 ) -> list[Row]:
-    """SafeLinear vs nn.Linear forward (same parameters), per (M, K, N) and mode."""
+    """SafeLinear vs nn.Linear forward (same parameters, no_grad), per (M, K, N) and mode.
+
+    All modes of one shape are measured interleaved with the baseline.
+    """
     rows = []
     for m, k, n in shapes:
         x = torch.randn(m, k, device=device)
         ref = nn.Linear(k, n, device=device)
         with torch.no_grad():
+            fns: dict[str, Callable[[], object]] = {"nn.Linear": lambda: ref(x)}
             for mode in modes:
                 safe = SafeLinear.from_linear(ref, mode=mode, name="bench")
-                base, guarded = _interleaved(
-                    lambda: ref(x), lambda safe=safe: safe(x), device, rounds, min_run_time
-                )
-                rows.append(Row(f"forward M={m} K={k} N={n} {mode}", base, guarded))
+                fns[mode] = lambda safe=safe: safe(x)
+            times = interleaved(fns, device, rounds, min_run_time)
+        base = statistics.median(times["nn.Linear"]) * 1e6
+        for mode in modes:
+            rows.append(Row(f"forward M={m} K={k} N={n} {mode}", base, statistics.median(times[mode]) * 1e6))
     return rows
 
 
@@ -79,36 +213,88 @@ def scan_vs_isfinite(sizes: list[int], device: torch.device, rounds: int = 3, mi
     rows = []
     for n in sizes:
         x = torch.randn(n, device=device)
-        base, guarded = _interleaved(
-            lambda: bool(torch.isfinite(x).all()),
-            lambda: ops.scan(x).all_finite,
+        times = interleaved(
+            {"isfinite": lambda: isfinite_decision(x), "scan": lambda: scan_decision(x)},
             device,
             rounds,
             min_run_time,
         )
-        rows.append(Row(f"scan n={n:,} vs isfinite().all()", base, guarded))
+        rows.append(
+            Row(
+                f"scan n={n:,} vs isfinite().all(), with decisions",
+                statistics.median(times["isfinite"]) * 1e6,
+                statistics.median(times["scan"]) * 1e6,
+            )
+        )
     return rows
 
 
-def format_table(rows: list[Row], baseline_name: str = "baseline") -> str:
+def scan_bandwidth(n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2) -> tuple[float, float]:
+    """(scan GB/s with its decision, reference GB/s) measured side by side.
+
+    The reference is ``x.sum()`` (reads x once) on CPU and a device-to-device
+    copy (bytes read + written) on CUDA.
+    """
+    x = torch.randn(n, device=device)
+    fns: dict[str, Callable[[], object]] = {"scan": lambda: scan_decision(x)}
+    if device.type == "cuda":
+        dst = torch.empty_like(x)
+        fns["ref"] = lambda: dst.copy_(x)
+        ref_bytes = 8 * n
+    else:
+        fns["ref"] = lambda: x.sum()
+        ref_bytes = 4 * n
+    times = interleaved(fns, device, rounds, min_run_time)
+    scan_s, ref_s = statistics.median(times["scan"]), statistics.median(times["ref"])
+    return 4 * n / scan_s / 1e9, ref_bytes / ref_s / 1e9
+
+
+def format_table(rows: list[Row], baseline_name: str = "baseline", guarded_name: str = "guarded",
+                 speedup: bool = False) -> str:
+    """One line per row; ``speedup`` shows baseline/guarded ("x faster") instead of guarded/baseline."""
     width = max(len(r.label) for r in rows)
-    lines = [f"{'case':<{width}}  {baseline_name:>12}  {'guarded':>12}  {'ratio':>7}"]
+    last = "faster" if speedup else "ratio"
+    lines = [f"{'case':<{width}}  {baseline_name:>12}  {guarded_name:>12}  {last:>7}"]
     for r in rows:
+        value = r.baseline_us / r.guarded_us if speedup else r.ratio
         lines.append(
-            f"{r.label:<{width}}  {r.baseline_us:>10.1f}us  {r.guarded_us:>10.1f}us  {r.ratio:>6.2f}x"
+            f"{r.label:<{width}}  {r.baseline_us:>10.1f}us  {r.guarded_us:>10.1f}us  {value:>6.2f}x"
         )
     return "\n".join(lines)
 
 
 def quick(device: torch.device) -> str:
-    """The short benchmark the demo prints."""
+    """The short benchmark the demo prints (well under a minute on a 2-core CPU)."""
+    started = time.perf_counter()
     if device.type == "cuda":
         shapes = [(32, 1024, 1024), (8192, 4096, 4096)]
         sizes = [1 << 20, 1 << 26]
+        bw_size = 1 << 26
     else:
         shapes = [(32, 1024, 1024), (1024, 1024, 1024)]
         sizes = [1 << 20, 1 << 24]
-    rows = linear_forward(shapes, ["sync", "off"], device)
-    text = format_table(rows, "nn.Linear")
-    text += "\n\n" + format_table(scan_vs_isfinite(sizes, device), "isfinite")
+        bw_size = 1 << 24
+    rows = linear_forward(shapes, ["sync", "async", "off"], device, rounds=3, min_run_time=0.1)
+    text = format_table(rows, "nn.Linear", "SafeLinear")
+    text += "\n\n" + format_table(
+        scan_vs_isfinite(sizes, device, rounds=3, min_run_time=0.1), "isfinite", "scan", speedup=True
+    )
+    scan_gbs, ref_gbs = scan_bandwidth(bw_size, device, rounds=3, min_run_time=0.1)
+    ref_name = "device-to-device copy (read+write)" if device.type == "cuda" else "x.sum() (read)"
+    text += (
+        f"\n\nscan of {bw_size:,} float32 with its decision: {scan_gbs:.1f} GB/s = "
+        f"{scan_gbs / ref_gbs:.0%} of {ref_name} at {ref_gbs:.1f} GB/s, measured side by side"
+    )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if device.type == "cpu" and load > 0.75 * (os.cpu_count() or 1):
+        text += (
+            f"\nNOTE: other work is running (load average {load:.1f} on {os.cpu_count()} cores): "
+            "CPU figures are noisy, small cases wait for scheduler quanta"
+        )
+    text += (
+        f"\n({device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"{time.perf_counter() - started:.0f} s. Full suite: python benchmarks/run.py --preset "
+        f"{'gpu' if device.type == 'cuda' else 'cpu'})"
+    )
     return text
+

@@ -1,0 +1,396 @@
+"""The benchmark cases, the presets that choose them, and the measuring loop.
+
+Every case is one *group*: all the functions compared in it are measured
+interleaved, round after round, in one process (cublas_guard_ext.bench.interleaved).
+Reports use the medians of the rounds and ratios within a group only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cublas_guard_ext as cg
+from cublas_guard_ext import bench
+
+MODES = ("sync", "async", "off")
+GRID_M = (1, 32, 512, 4096, 8192)
+GRID_KN = ((256, 256), (1024, 1024), (4096, 4096), (4096, 11008))
+
+
+@dataclass
+class Preset:
+    name: str
+    device: str  # "cpu" | "cuda" | "auto"
+    linear_shapes: list[tuple[int, int, int]]
+    directions: list[str]  # "fwd" (no_grad) | "fwd+bwd"
+    tf32: list[bool]
+    scan_sizes: list[int]
+    slow_baseline_max: int  # largest numel for isfinite()/seed check (they are slow on CPU)
+    rounds: int
+    min_run_time: float
+    budget_s: float
+    target_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # measured first
+    gemm_nobias: bool = False
+    note: str = ""
+
+    def describe(self) -> dict:
+        return asdict(self)
+
+
+def _pow2_sizes(lo_log2: int, hi_log2: int, step: int = 2) -> list[int]:
+    return [1 << e for e in range(lo_log2, hi_log2 + 1, step)]
+
+
+def _cpu_mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+CPU_SUBSET_NOTE = (
+    "CPU subset of the issue's grid (the 2-core CPU runs fp32 GEMMs at roughly 50-100 GFLOP/s, so "
+    "M >= 4096 or M = 512 with K = 4096 would take seconds per call): M in {1, 32, 512} x (K, N) in "
+    "{(256, 256), (1024, 1024)}; M in {1, 32} x (4096, 4096); M = 1 x (4096, 11008); plus the CPU "
+    "target shape M = K = N = 1024. TF32 is a CUDA tensor-core mode: it does not exist on the CPU, "
+    "so only TF32 off is measured here."
+)
+
+
+def preset(name: str) -> Preset:
+    if name == "cpu":
+        shapes = [(m, k, n) for m in (1, 32, 512) for k, n in ((256, 256), (1024, 1024))]
+        shapes += [(1024, 1024, 1024), (1, 4096, 4096), (32, 4096, 4096), (1, 4096, 11008)]
+        top = 28 if _cpu_mem_available() >= (10 << 30) else 26
+        return Preset(
+            name="cpu",
+            device="cpu",
+            linear_shapes=shapes,
+            directions=["fwd", "fwd+bwd"],
+            tf32=[False],
+            scan_sizes=_pow2_sizes(10, top),
+            slow_baseline_max=1 << 28,
+            rounds=5,
+            min_run_time=0.1,
+            budget_s=540.0,
+            target_shapes=[(1024, 1024, 1024)],
+            note=CPU_SUBSET_NOTE,
+        )
+    if name == "gpu":
+        shapes = [(m, k, n) for m in GRID_M for k, n in GRID_KN]
+        return Preset(
+            name="gpu",
+            device="cuda",
+            linear_shapes=shapes,
+            directions=["fwd", "fwd+bwd"],
+            tf32=[False, True],
+            scan_sizes=_pow2_sizes(10, 30),
+            slow_baseline_max=1 << 30,
+            rounds=3,
+            min_run_time=0.04,
+            budget_s=150.0,
+            target_shapes=[(8192, 4096, 4096), (32, 1024, 1024)],
+            gemm_nobias=True,
+            note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
+            "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
+        )
+    if name == "quick":
+        return Preset(
+            name="quick",
+            device="auto",
+            linear_shapes=[(32, 1024, 1024), (1024, 1024, 1024)],
+            directions=["fwd", "fwd+bwd"],
+            tf32=[False],
+            scan_sizes=[1 << 10, 1 << 16, 1 << 20, 1 << 24],
+            slow_baseline_max=1 << 24,
+            rounds=3,
+            min_run_time=0.05,
+            budget_s=120.0,
+            target_shapes=[(1024, 1024, 1024)],
+            note="A small subset for a fast look; the targets need the cpu or gpu preset.",
+        )
+    if name == "smoke":
+        return Preset(
+            name="smoke",
+            device="auto",
+            linear_shapes=[(4, 16, 8), (32, 64, 32)],
+            directions=["fwd", "fwd+bwd"],
+            tf32=[False, True],
+            scan_sizes=[1 << 10, 1 << 14],
+            slow_baseline_max=1 << 14,
+            rounds=1,
+            min_run_time=0.005,
+            budget_s=60.0,
+            target_shapes=[(32, 64, 32)],
+            gemm_nobias=True,
+            note="Exercises every code path with tiny sizes (tests the suite, measures nothing useful).",
+        )
+    raise ValueError(f"unknown preset {name!r}")
+
+
+PRESETS = ("cpu", "gpu", "quick", "smoke")
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+@dataclass
+class Group:
+    kind: str  # "linear" | "scan"
+    params: dict
+    members: list[str]
+
+    def key(self) -> str:
+        return self.kind + " " + " ".join(f"{k}={v}" for k, v in self.params.items())
+
+
+def linear_flops(m: int, k: int, n: int, direction: str) -> int:
+    gemms = 1 if direction == "fwd" else 3  # forward; + grad_input + grad_weight
+    return 2 * m * k * n * gemms
+
+
+def plan(p: Preset, device: torch.device) -> list[Group]:
+    """The groups in the order they run: target cases first, then the rest by cost."""
+    tf32s = p.tf32 if device.type == "cuda" else [False]
+    linear: list[Group] = []
+    for m, k, n in p.linear_shapes:
+        for tf32 in tf32s:
+            for direction in p.directions:
+                members = ["nn.Linear", *MODES]
+                if direction == "fwd":
+                    members += ["F.linear", "gemm_off"]
+                    if p.gemm_nobias:
+                        members += ["F.linear_nobias", "gemm_off_nobias"]
+                linear.append(
+                    Group("linear", {"M": m, "K": k, "N": n, "tf32": tf32, "direction": direction}, members)
+                )
+    first = [
+        g
+        for g in linear
+        if (g.params["M"], g.params["K"], g.params["N"]) in p.target_shapes
+        and g.params["direction"] == "fwd"
+        and not g.params["tf32"]
+    ]
+    rest = [g for g in linear if g not in first]
+    rest.sort(key=lambda g: linear_flops(g.params["M"], g.params["K"], g.params["N"], g.params["direction"]))
+    scan: list[Group] = []
+    for numel in p.scan_sizes:
+        members = ["scan", "scan_op"]
+        if numel <= p.slow_baseline_max:
+            members += ["isfinite", "seed"]
+        members += ["sum"]
+        if device.type == "cuda":
+            members += ["copy"]
+        scan.append(Group("scan", {"numel": numel}, members))
+    return first + scan + rest
+
+
+# ---------------------------------------------------------------------------
+# Running one group
+# ---------------------------------------------------------------------------
+def _linear_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    m, k, n, direction = g.params["M"], g.params["K"], g.params["N"], g.params["direction"]
+    ref = nn.Linear(k, n, device=device)
+    safe = {mode: cg.SafeLinear.from_linear(ref, mode=mode, name=f"bench.{mode}") for mode in MODES}
+    w, b = ref.weight, ref.bias
+    fns: dict[str, Callable[[], object]] = {}
+    if direction == "fwd":
+        x = torch.randn(m, k, device=device)
+        grad_ctx = torch.no_grad
+        fns["nn.Linear"] = lambda: ref(x)
+        for mode in MODES:
+            fns[mode] = lambda layer=safe[mode]: layer(x)
+        fns["F.linear"] = lambda: F.linear(x, w, b)
+        fns["gemm_off"] = lambda: cg.linear(x, w, b, layer="bench.gemm", mode="off")
+        fns["F.linear_nobias"] = lambda: F.linear(x, w)
+        fns["gemm_off_nobias"] = lambda: cg.linear(x, w, None, layer="bench.gemm", mode="off")
+    else:
+        x = torch.randn(m, k, device=device, requires_grad=True)
+        grad_out = torch.randn(m, n, device=device)
+        inputs = (x, w, b)
+        grad_ctx = torch.enable_grad
+
+        def step(layer: nn.Module) -> object:
+            return torch.autograd.grad(layer(x), inputs, grad_out)
+
+        fns["nn.Linear"] = lambda: step(ref)
+        for mode in MODES:
+            fns[mode] = lambda layer=safe[mode]: step(layer)
+    chosen = {name: fns[name] for name in g.members}
+
+    def wrap(fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            with grad_ctx():
+                return fn()
+
+        return call
+
+    def cleanup() -> None:
+        cg.check()  # nothing should be recorded; raises if a scan found something
+
+    return {name: wrap(fn) for name, fn in chosen.items()}, cleanup
+
+
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or (60 << 20))
+
+
+def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], object]], dict]:
+    numel = g.params["numel"]
+    ops = torch.ops.cublas_guard
+    if device.type == "cuda":
+        pool = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
+        dst = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device)) if "copy" in g.members else []
+    else:
+        pool = [torch.randn(numel, device=device)]
+        dst = []
+    fns: dict[str, Callable[[], object]] = {
+        "scan": bench.rotating(pool, bench.scan_decision),
+        "scan_op": bench.rotating(pool, lambda x: ops.scan.default(x)),
+        "isfinite": bench.rotating(pool, bench.isfinite_decision),
+        "seed": bench.rotating(pool, bench.seed_check),
+        "sum": bench.rotating(pool, lambda x: x.sum()),
+    }
+    if dst:
+        pairs = list(zip(dst, pool))
+        state = {"i": 0}
+
+        def copy() -> object:
+            i = state["i"]
+            state["i"] = (i + 1) % len(pairs)
+            d, s = pairs[i]
+            return d.copy_(s)
+
+        fns["copy"] = copy
+    info = {"buffers": len(pool), "buffer_bytes": 4 * numel, "rotated_bytes": 4 * numel * len(pool)}
+    if device.type == "cuda" and numel >= (1 << 26):
+        info["do_bench_ms"] = _do_bench_crosscheck(pool[0], dst[0] if dst else None)
+    return {name: fns[name] for name in g.members}, info
+
+
+def _do_bench_crosscheck(x: torch.Tensor, dst: torch.Tensor | None) -> dict | None:
+    """triton.testing.do_bench (its own L2 flush, one call per event pair) for the scan kernel and
+    the copy: a cross-check of the batched CUDA-event timer at the large sizes. None without triton."""
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001 (optional)
+        return None
+    ops = torch.ops.cublas_guard
+    try:
+        out = {"scan_op": float(do_bench(lambda: ops.scan.default(x), warmup=10, rep=40, return_mode="median"))}
+        if dst is not None:
+            out["copy"] = float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median"))
+    except Exception as err:  # noqa: BLE001 (a cross-check must not cost the run)
+        return {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def _fits(g: Group, device: torch.device) -> str | None:
+    """None if the group fits in memory, else why it is skipped."""
+    if g.kind != "scan":
+        return None
+    nbytes = 4 * g.params["numel"]
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        need = nbytes * (2 if "copy" in g.members else 1) + max(nbytes, 3 * _l2_bytes(device)) + nbytes // 2
+        if need > 0.9 * free:
+            return f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    else:
+        need = int(nbytes * 1.6) + (256 << 20)
+        avail = _cpu_mem_available()
+        if need > 0.8 * avail:
+            return f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+    return None
+
+
+def run_group(g: Group, device: torch.device, p: Preset) -> dict:
+    started = time.perf_counter()
+    record: dict = {"kind": g.kind, "params": dict(g.params), "members": list(g.members)}
+    skip = _fits(g, device)
+    if skip:
+        record["skipped"] = skip
+        return record
+    old_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        if g.kind == "linear":
+            tf32 = bool(g.params["tf32"])
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.set_float32_matmul_precision("high" if tf32 else "highest")
+            fns, cleanup = _linear_fns(g, device)
+            rounds = p.rounds
+            times = bench.interleaved(fns, device, rounds=rounds, min_run_time=p.min_run_time)
+            cleanup()
+        else:
+            fns, info = _scan_fns(g, device)
+            record.update(info)
+            numel = g.params["numel"]
+            # The CPU baselines take seconds per call at the largest sizes: fewer rounds there
+            # (still interleaved) keep the preset inside its budget.
+            rounds = p.rounds if (device.type == "cuda" or numel < (1 << 26)) else max(3, p.rounds - 2)
+            times = bench.interleaved(fns, device, rounds=rounds, min_run_time=p.min_run_time)
+        record["rounds"] = rounds
+        record["times_s"] = times
+        record["median_s"] = {name: statistics.median(v) for name, v in times.items()}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32[0]
+        torch.set_float32_matmul_precision(old_tf32[1])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["wall_s"] = time.perf_counter() - started
+    return record
+
+
+def run(p: Preset, device: torch.device, budget_s: float | None = None, log=print) -> list[dict]:
+    budget = p.budget_s if budget_s is None else budget_s
+    groups = plan(p, device)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    records: list[dict] = []
+    for i, g in enumerate(groups, 1):
+        elapsed = time.perf_counter() - started
+        if elapsed > budget:
+            records.append({"kind": g.kind, "params": dict(g.params), "members": g.members,
+                            "skipped": f"time budget of {budget:.0f} s spent"})
+            continue
+        try:
+            rec = run_group(g, device, p)
+        except Exception as err:  # noqa: BLE001 (one failing case must not cost the whole run)
+            traceback.print_exc()
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            rec = {"kind": g.kind, "params": dict(g.params), "members": g.members,
+                   "skipped": f"ERROR {type(err).__name__}: {first}"}
+        records.append(rec)
+        log(f"[{i:3d}/{len(groups)} {time.perf_counter() - started:6.1f}s] {g.key()}"
+            + (f"  SKIPPED: {rec['skipped']}" if "skipped" in rec else f"  ({rec['wall_s']:.1f}s)"))
+    return records
+
+
+def resolve_device(p: Preset, override: str | None) -> torch.device:
+    want = override or p.device
+    if want == "auto":
+        has_cuda_ops = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "cublas_guard::linear", "CUDA"
+        )
+        want = "cuda" if has_cuda_ops else "cpu"
+    return torch.device(want)
+
+
+def thread_info() -> str:
+    return f"{torch.get_num_threads()} torch threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
+

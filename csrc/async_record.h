@@ -12,7 +12,7 @@
 
 namespace cublas_guard {
 
-constexpr int kRecordMaxDims = 8;
+constexpr int kRecordMaxDims = 16;  // a tensor with more dims is reported without its shape
 
 enum TensorRole : int64_t { kRoleInput = 0, kRoleWeight = 1, kRoleBias = 2, kRoleGradOutput = 3 };
 

@@ -3,6 +3,7 @@
 #include "guard.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 namespace cublas_guard {
@@ -167,25 +168,39 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
   }
 }
 
-ColumnMajorView as_column_major(const at::Tensor& matrix) {
+ColumnMajorView as_column_major(const at::Tensor& matrix, bool fit_limit) {
   ColumnMajorView view;
   const int64_t rows = matrix.size(0), cols = matrix.size(1);
   const int64_t row_stride = matrix.stride(0), col_stride = matrix.stride(1);
   // For a dim of size <= 1 its stride is meaningless; cuBLAS only needs ld >= the stored rows.
+  // A leading dimension beyond cuBLAS's 32-bit limit (a huge batch stored as the
+  // stride) cannot be split away: copy into the other layout when that one fits.
+  const int64_t limit = fit_limit ? gemm_size_limit() : std::numeric_limits<int64_t>::max();
   const bool rows_contiguous =
       (cols <= 1 || col_stride == 1) && (rows <= 1 || row_stride >= std::max<int64_t>(1, cols));
   const bool cols_contiguous =
       (rows <= 1 || row_stride == 1) && (cols <= 1 || col_stride >= std::max<int64_t>(1, rows));
-  if (rows_contiguous) {
+  const int64_t row_ld = rows <= 1 ? std::max<int64_t>(1, cols) : row_stride;
+  const int64_t col_ld = cols <= 1 ? std::max<int64_t>(1, rows) : col_stride;
+  // Keep a layout unless its ld is beyond the limit and the other layout's
+  // (rows for column-major, cols for row-major) would fit.
+  if (rows_contiguous && (row_ld <= limit || rows > limit)) {
     view.storage = matrix;
     view.transposed = true;  // stored as the column-major [cols x rows] matrix, i.e. R^T
-    view.ld = rows <= 1 ? std::max<int64_t>(1, cols) : row_stride;
-  } else if (cols_contiguous) {
+    view.ld = row_ld;
+  } else if (cols_contiguous && (col_ld <= limit || cols > limit)) {
     view.storage = matrix;
     view.transposed = false;
-    view.ld = cols <= 1 ? std::max<int64_t>(1, rows) : col_stride;
+    view.ld = col_ld;
+  } else if (rows <= cols) {
+    // Zero strides (expand), overlapping or doubly strided views: one copy, in
+    // the layout whose leading dimension is the smaller dim, so that a huge
+    // batch dimension never becomes a leading dimension (32-bit limit).
+    view.storage = matrix.t().contiguous().t();
+    view.transposed = false;
+    view.ld = std::max<int64_t>(1, rows);
+    view.copied = true;
   } else {
-    // Zero strides (expand), overlapping or doubly strided views: one copy.
     view.storage = matrix.contiguous();
     view.transposed = true;
     view.ld = std::max<int64_t>(1, cols);

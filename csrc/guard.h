@@ -140,7 +140,9 @@ struct ColumnMajorView {
   int64_t ld = 1;
   bool copied = false;
 };
-ColumnMajorView as_column_major(const at::Tensor& matrix2d);
+// With `fit_limit` (no 64-bit API to fall back on), a layout whose leading
+// dimension is beyond the 32-bit limit is copied into the other one if that fits.
+ColumnMajorView as_column_major(const at::Tensor& matrix2d, bool fit_limit);
 
 // Checks the arguments of a GEMM against cuBLAS's rules (the limit, m/n/k >= 0,
 // ld >= max(1, rows)) before it is sent; raises SizeLimitError / a cublas

@@ -147,7 +147,7 @@ const char* role_name(int64_t role) {
     report.add("first_bad_coords", coords);
     report.add("shape", shape);
   }
-  report.add("numel", rec.numel);
+  report.add("ndim", rec.ndim).add("numel", rec.numel);
   report.add("deferred", true).add("call", rec.call_id).add("device", device.str());
   report.add("pass", rec.role == kRoleGradOutput ? "backward" : "forward");
   report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + "): " +
@@ -237,8 +237,9 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
     if (beta == 0.0f) out.zero_();
     return;
   }
-  const ColumnMajorView lv = as_column_major(left);
-  const ColumnMajorView rv = as_column_major(right);
+  const bool fit_limit = !(be.has_64bit_api && gemm_64bit_allowed());
+  const ColumnMajorView lv = as_column_major(left, fit_limit);
+  const ColumnMajorView rv = as_column_major(right, fit_limit);
   GemmCall whole;
   whole.trans_a = !rv.transposed;
   whole.trans_b = !lv.transposed;
@@ -334,11 +335,11 @@ void raise_if_async_recorded(bool synchronize) {
   for (const auto& reg : snapshot) {
     if (synchronize && reg.hooks.synchronize != nullptr) reg.hooks.synchronize(reg.device);
     // The writer stores the fields, fences, then the flag: seeing the flag
-    // means the fields are complete.
-    if (reinterpret_cast<volatile int64_t*>(&reg.record->flag)[0] == 0) continue;
-    std::atomic_thread_fence(std::memory_order_acquire);
+    // means the fields are complete. Taking the flag atomically makes one
+    // reader (thread) the owner of the report; the claim stays set, so no new
+    // writer touches the fields until they are copied.
+    if (__atomic_exchange_n(&reg.record->flag, int64_t{0}, __ATOMIC_ACQ_REL) == 0) continue;
     const AsyncRecord copy = *reg.record;
-    reg.record->flag = 0;
     reg.hooks.reset_claim(reg.claim, reg.device);
     clean_parameters().clear();  // a recorded parameter must be scanned again
     raise_recorded(copy, reg.device);

@@ -186,6 +186,23 @@ def _environment_line(env: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _distributed_rank() -> dict[str, int]:
+    """This process's rank when it is one of several (torch.distributed or torchrun's env)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    except Exception:  # the error path must not fail
+        pass
+    import os
+
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and rank.isdigit() and world.isdigit() and int(world) > 1:
+        return {"rank": int(rank), "world_size": int(world)}
+    return {}
+
+
 def _layer(name: Any) -> str:
     return f"'{name}'" if name else "(unnamed layer)"
 
@@ -222,6 +239,8 @@ class GuardError(Exception):
     with_environment: ClassVar[bool] = False
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
+        if message is None and "rank" not in fields:
+            fields.update(_distributed_rank())
         if self.with_environment and message is None and "environment" not in fields:
             from .diagnostics import error_context  # late: diagnostics imports the package
 
@@ -246,7 +265,9 @@ class GuardError(Exception):
         return []
 
     def _format(self) -> str:
-        lines = [self._headline()]
+        rank = self.fields.get("rank")
+        prefix = f"[rank {rank}/{self.fields.get('world_size', '?')}] " if rank is not None else ""
+        lines = [prefix + self._headline()]
         lines += [f"  {d}" for d in self._details()]
         if self.fields.get("environment"):
             lines.append(f"  environment: {_environment_line(self.fields['environment'])}")
@@ -278,13 +299,16 @@ class DTypeError(GuardError, TypeError, RuntimeError):
     def _next_steps(self) -> list[str]:
         role = self.fields.get("role", "input")
         if role == "input":
+            dtype = _dtype(self.fields.get("dtype"))
             steps = ["convert the input: x = x.float()"]
-            if self.fields.get("dtype") in ("Half", "BFloat16"):
+            if dtype in ("torch.float16", "torch.bfloat16"):
                 steps.append(
                     "or let the layer upcast: SafeLinear(..., dtype_policy='cast') (a float32 copy "
                     "of the input and output per call)"
                 )
-            steps.append("or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)")
+                steps.append("or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)")
+            elif not dtype.startswith("torch.float") and not dtype.startswith("torch.complex"):
+                steps.append("integer/bool features are usually indices: did you mean an nn.Embedding?")
             return steps
         return [f"convert the layer's parameters: layer.float() (its {role} is not float32)"]
 
@@ -384,7 +408,10 @@ class NonFiniteInputError(GuardError, ValueError):
             first += f" = {role}[{', '.join(str(c) for c in coords)}]"
         if f.get("first_bad_value") is not None:
             first += f" ({_value_name(f.get('first_bad_value'))})"
-        lines = [first, f"shape {_shape(f.get('shape'))}, {f.get('numel')} elements"]
+        if f.get("shape") is not None:
+            lines = [first, f"shape {_shape(f.get('shape'))}, {f.get('numel')} elements"]
+        else:  # async records keep at most 16 dims
+            lines = [first, f"{f.get('ndim')}-d tensor (shape not recorded), {f.get('numel')} elements"]
         if f.get("deferred"):
             lines.append(
                 f"recorded asynchronously on {f.get('device')} at that call and reported now: "
@@ -429,13 +456,17 @@ class SizeLimitError(GuardError, ValueError):
         return [
             f"{f.get('purpose')} GEMM: m={f.get('m')} n={f.get('n')} k={f.get('k')} "
             f"lda={f.get('lda')} ldb={f.get('ldb')} ldc={f.get('ldc')}",
-            "cuBLAS's classic API takes m, n, k and the leading dimensions as 32-bit int; "
-            "the batch is split automatically, but m (out_features) and the leading "
-            "dimensions cannot be, and this cuBLAS has no 64-bit API (cuBLAS 12+)",
+            "cuBLAS's classic API takes m, n, k and the leading dimensions as 32-bit int; the "
+            "batch is split and badly strided operands are copied automatically, but m (the "
+            "output's width: out_features in forward, in_features in backward) cannot be "
+            "split, and this cuBLAS has no 64-bit API (cuBLAS 12+)",
         ]
 
     def _next_steps(self) -> list[str]:
-        return ["use a torch built with CUDA 12 or newer (cuBLAS 12 has cublasSgemm_64)"]
+        steps = ["use a torch built with CUDA 12 or newer (cuBLAS 12 has cublasSgemm_64)"]
+        if self.fields.get("argument") in ("lda", "ldb"):
+            steps.append("a strided input's row stride is a leading dimension: x.contiguous() may fit")
+        return steps
 
 
 class CublasError(GuardError, RuntimeError):
@@ -711,6 +742,9 @@ def from_payload(payload: dict[str, Any]) -> GuardError:
     """Build the typed error for a payload dict (``kind`` selects the class)."""
     fields = dict(payload)
     kind = fields.pop("kind", "guard")
+    for key, value in fields.items():  # c10's dtype names -> torch's ("Double" -> "torch.float64")
+        if key == "dtype" or key.endswith("_dtype"):
+            fields[key] = _dtype(value)
     if kind == "cublas" and (
         fields.get("status") == 3 or (fields.get("status") == 1 and fields.get("stage") == "handle")
     ):

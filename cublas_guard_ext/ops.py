@@ -112,6 +112,10 @@ def linear(
     """
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
+    if x.layout != torch.strided:
+        # nn.Linear accepts sparse input and returns a dense output; so do we, from
+        # a dense copy of the input (as large as the output's [.., in_features] twin).
+        x = x.to_dense()
     if x.is_cuda and not torch.compiler.is_compiling():
         diagnostics.first_cuda_use(x.device)
     if dtype_policy != "strict":

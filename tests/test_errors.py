@@ -152,15 +152,28 @@ def test_meta_device_mismatch_is_typed() -> None:
 
 def test_beyond_the_limit_without_a_64bit_api(device: str, size_limit) -> None:
     """What a cuBLAS older than 12 (no cublasSgemm_64) gets: a clear refusal."""
-    safe = layer(device, in_features=8, out_features=3)
+    safe = layer(device, in_features=4, out_features=8)
     size_limit(6, allow_64bit=False)  # pretend cuBLAS's int were 6 and there were no _64 API
     with pytest.raises(cg.SizeLimitError) as info:
-        safe(torch.randn(2, 8, device=device))  # k splits, but lda = 8 > 6 cannot
+        safe(torch.randn(2, 4, device=device))  # m = out_features = ldc = 8: cannot be split
     err = info.value
     assert isinstance(err, ValueError)
-    assert (err.argument, err.value, err.limit) == ("lda", 8, 6)
-    assert "cublasSgemm argument lda = 8 exceeds cuBLAS's 32-bit limit 6" in str(err)
-    assert "m=3 n=2 k=6 lda=8 ldb=8 ldc=3" in str(err)
+    assert (err.argument, err.value, err.limit) == ("m", 8, 6)
+    assert "cublasSgemm argument m = 8 exceeds cuBLAS's 32-bit limit 6" in str(err)
+    assert "m=8 n=2 k=4 lda=4 ldb=4 ldc=8" in str(err)
+
+
+def test_in_features_beyond_the_limit_without_a_64bit_api(device: str, size_limit) -> None:
+    """Forward: k is split, and the operands whose row stride (in_features) is beyond
+    the limit are copied into the layout whose leading dimension fits. Backward: both
+    gradient GEMMs have m = in_features, which only the 64-bit API can take."""
+    safe = layer(device, in_features=8, out_features=3)
+    size_limit(6, allow_64bit=False)
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    y = safe(x)
+    assert_matches(y, torch.nn.functional.linear(x, safe.weight, safe.bias))
+    with pytest.raises(cg.SizeLimitError, match="argument m = 8"):
+        y.sum().backward()
 
 
 def test_invalid_mode_values() -> None:

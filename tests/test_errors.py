@@ -292,3 +292,18 @@ def test_class_hierarchy() -> None:
         assert issubclass(cls, RuntimeError) and issubclass(cls, cg.GuardError)
     for cls in (cg.NonFiniteInputError, cg.SizeLimitError, cg.ShapeMismatchError):
         assert issubclass(cls, ValueError)
+
+
+def test_errors_name_the_rank_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    x = torch.randn(2, 8)
+    x[0, 1] = NAN
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        layer("cpu")(x)
+    assert info.value.rank == 1 and info.value.world_size == 4
+    assert str(info.value).startswith("[rank 1/4] layer 'encoder.0.fc1'")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a single process: no prefix
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        layer("cpu")(x)
+    assert not str(info.value).startswith("[rank")

@@ -1,0 +1,83 @@
+# The README's two commands, `make demo` and `make test`, must work on a fresh
+# machine that has only python3, a C++ compiler and make: every target below
+# sets up the project venv itself, then runs from it.
+#
+#   make test  [PYTEST_ARGS=...]         run the test suite
+#   make demo                            run the demo
+#   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
+#   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
+#   make venv                            only set up .venv (deps + build of the extension)
+#   make clean / make distclean          remove build outputs / also the venvs and caches
+#
+# Override the torch build with e.g. `make test TORCH_SPEC=torch==2.14.1`; the venv
+# then reinstalls torch and rebuilds the extension against it.
+
+# The interpreter that creates the venv; everything after that uses the venv's.
+PYTHON ?= python3
+# Always pinned: an unpinned `torch` may pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+# setuptools/wheel: with --no-build-isolation the build backend comes from the venv
+# (pyproject.toml needs setuptools>=64 for editable installs).
+DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel
+PYTEST_ARGS ?=
+
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+# What the venv was set up with. Rewritten only when it changes (see below), so a new
+# TORCH_SPEC (or package list) reinstalls the deps and rebuilds the extension.
+VENV_SPEC := $(VENV)/.spec
+DEPS_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.ext-installed
+
+# Everything the compiled _C depends on: a change to any of these must rebuild it,
+# or a stale _C*.so would be tested.
+EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_build.py $(shell find csrc -type f 2>/dev/null)
+
+.DEFAULT_GOAL := venv
+.PHONY: venv demo test cuda-check cuda-build-check clean distclean FORCE
+
+venv: $(BUILD_STAMP)
+
+# FORCE makes this recipe run every time, but it only touches the file when the
+# spec differs, so targets depending on it rebuild only on a real change (make
+# re-reads the file's mtime after the recipe).
+$(VENV_SPEC): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC) $(DEV_PACKAGES)' | cmp -s - $@ \
+		|| { echo "venv spec: $(TORCH_SPEC) $(DEV_PACKAGES)"; echo '$(TORCH_SPEC) $(DEV_PACKAGES)' > $@; }
+
+$(DEPS_STAMP): $(VENV_SPEC)
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV_PY) -m pip install '$(TORCH_SPEC)'
+	$(VENV_PY) -m pip install $(foreach p,$(DEV_PACKAGES),'$(p)')
+	touch $@
+
+# --no-build-isolation is mandatory: with isolation pip builds against a different
+# torch (a CUDA build pulled into the build env) than the one the venv runs.
+$(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
+	$(VENV_PY) -m pip install --no-build-isolation --no-deps -e .
+	touch $@
+
+demo: $(BUILD_STAMP)
+	$(VENV_PY) -m cublas_guard_ext demo
+
+test: $(BUILD_STAMP)
+	$(VENV_PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# Needs only torch's headers from the venv, not the built extension.
+cuda-check: $(DEPS_STAMP)
+	PYTHON=$(abspath $(VENV_PY)) bash .ci/nvcc_check.sh
+
+# Uses its own venv (.ci-cache/venv-cu) and a temp copy of the tree; leaves .venv alone.
+cuda-build-check:
+	bash .ci/cuda_build_check.sh
+
+# Build outputs only; the next `make test` rebuilds the extension.
+clean:
+	rm -rf build *.egg-info cublas_guard_ext/_C*.so $(BUILD_STAMP) .pytest_cache .hypothesis
+	find . -path ./$(VENV) -prune -o -path ./.ci-cache -prune -o -name __pycache__ -type d -print \
+		| xargs rm -rf
+
+# Also the venvs and the downloaded CUDA headers (several GB).
+distclean: clean
+	rm -rf $(VENV) .ci-cache

@@ -174,3 +174,41 @@ def test_earlier_async_error_is_attributed_to_the_earlier_kernel() -> None:
     assert "PENDING cudaErrorAssert after_embedding" in result.stdout, result.stdout + result.stderr
     assert "EARLIER CUDA kernel failed" in result.stdout
     assert "CUDA_LAUNCH_BLOCKING=1" in result.stdout and "nn.Embedding" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["async", "off"])
+def test_torch_compile_fullgraph_on_cuda_matches_eager(mode: str) -> None:
+    model = cg.replace_linear(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)),
+        mode=mode,
+    ).cuda()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(16, 64, device="cuda", requires_grad=True)
+    eager = model(x)
+    eager.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad()
+    out = compiled(x)
+    out.square().sum().backward()
+    assert_matches(out, eager)
+    for got, want in zip([x.grad] + [p.grad for p in model.parameters()], grads):
+        assert_matches(got, want)
+
+
+def test_a_batch_beyond_int32_on_the_gpu() -> None:
+    """A real batch of 2^31 + 7 rows: split into pieces the 32-bit API takes."""
+    rows = 2**31 + 7
+    need = rows * (2 + 3) * 4 + (2 << 30)
+    free, _ = torch.cuda.mem_get_info()
+    if free < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} free")
+    layer = cg.SafeLinear(2, 3, device="cuda", mode="off")
+    x = torch.randn(rows, 2, device="cuda")
+    with torch.no_grad():
+        y = layer(x)
+    for start in (0, 2**31 - 5, rows - 4):  # across the split point
+        sl = slice(start, start + 4)
+        assert_matches(y[sl], F.linear(x[sl], layer.weight, layer.bias))
+    del x, y
+    torch.cuda.empty_cache()

@@ -21,8 +21,7 @@ std::vector<int64_t> linear_output_shape(const at::Tensor& x, int64_t out_featur
 // Meta kernels run the same rule functions as the real ones, so a traced or
 // compiled model refuses the same inputs with the same errors.
 at::Tensor scan_meta(const at::Tensor& x) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
-                   "cublas_guard_ext.scan: expected a float32 tensor, got ", x.scalar_type());
+  check_scannable(x);
   return at::empty({kScanFields}, x.options().dtype(at::kLong));
 }
 

@@ -12,15 +12,6 @@ namespace {
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 
-[[noreturn]] void raise_dtype(const at::Tensor& t, const char* role, const std::string& layer) {
-  ErrorReport report("dtype");
-  report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
-  report.add("expected", "Float");
-  describe_tensor(report, "tensor", t);
-  report.raise_type_error("layer '" + layer + "': " + role + " dtype is " +
-                          dtype_name(t.scalar_type()) +
-                          ", but cublasSgemm computes in float32 only");
-}
 
 [[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
                              const std::string& layer) {
@@ -45,8 +36,23 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 
 }  // namespace
 
+void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer) {
+  ErrorReport report("dtype");
+  report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
+  report.add("expected", "Float");
+  describe_tensor(report, "tensor", t);
+  report.raise_type_error("layer '" + layer + "': " + role + " dtype is " +
+                          dtype_name(t.scalar_type()) +
+                          ", but cublasSgemm computes in float32 only");
+}
+
+void check_scannable(const at::Tensor& t) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat,
+                   "cublas_guard_ext.scan: expected a float32 tensor, got ", t.scalar_type());
+}
+
 void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer) {
-  if (x.scalar_type() != at::kFloat) raise_dtype(x, "input", layer);
+  if (x.scalar_type() != at::kFloat) raise_dtype_error(x, "input", layer);
   if (x.dim() == 0 || x.size(-1) != in_features) {
     ErrorReport report("shape_mismatch");
     report.add("layer", layer).add("role", "input").add("shape", x.sizes());
@@ -61,13 +67,13 @@ void check_input(const at::Tensor& x, int64_t in_features, const std::string& la
 
 void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const std::string& layer) {
-  if (weight.scalar_type() != at::kFloat) raise_dtype(weight, "weight", layer);
+  if (weight.scalar_type() != at::kFloat) raise_dtype_error(weight, "weight", layer);
   if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
   check_input(x, weight.size(1), layer);
   if (x.device() != weight.device()) raise_device_mismatch(x, "input", weight, "weight", layer);
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
-    if (b.scalar_type() != at::kFloat) raise_dtype(b, "bias", layer);
+    if (b.scalar_type() != at::kFloat) raise_dtype_error(b, "bias", layer);
     if (b.dim() != 1 || b.size(0) != weight.size(0)) {
       raise_shape(b, "bias", "[" + std::to_string(weight.size(0)) + "] (out_features)", layer);
     }
@@ -77,8 +83,8 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
 
 void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
                      int64_t expected_last, const char* other_name, const std::string& layer) {
-  if (grad_output.scalar_type() != at::kFloat) raise_dtype(grad_output, "grad_output", layer);
-  if (other.scalar_type() != at::kFloat) raise_dtype(other, other_name, layer);
+  if (grad_output.scalar_type() != at::kFloat) raise_dtype_error(grad_output, "grad_output", layer);
+  if (other.scalar_type() != at::kFloat) raise_dtype_error(other, other_name, layer);
   if (grad_output.dim() < 1 || grad_output.size(-1) != expected_last) {
     raise_shape(grad_output, "grad_output", "[..., " + std::to_string(expected_last) + "]", layer);
   }

@@ -87,6 +87,12 @@ void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& 
 // ---------------------------------------------------------------------------
 // Argument checks: the one place each rule lives. Python never re-checks.
 // ---------------------------------------------------------------------------
+// The public scan's rule: a float32 tensor (TypeError otherwise).
+void check_scannable(const at::Tensor& t);
+
+// TypeError report: `t` (playing `role`) is not float32.
+[[noreturn]] void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer);
+
 // The input alone (what check_features needs): float32, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
 void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer);

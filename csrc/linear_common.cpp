@@ -419,13 +419,7 @@ void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::strin
                     "cublas_guard_ext: unknown tensor role ", role);
   if (mode == GuardMode::kOff) return;
   raise_if_async_recorded(/*synchronize=*/false);
-  if (t.scalar_type() != at::kFloat) {
-    ErrorReport report("dtype");
-    report.add("layer", layer).add("role", role_name(role));
-    report.add("dtype", std::string(c10::toString(t.scalar_type()))).add("expected", "Float");
-    describe_tensor(report, "tensor", t);
-    report.raise_type_error("layer '" + layer + "': " + role_name(role) + " is not float32");
-  }
+  if (t.scalar_type() != at::kFloat) raise_dtype_error(t, role_name(role), layer);
   if (mode == GuardMode::kSync) be.check_pending_error(layer);
   guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}});
 }
@@ -438,8 +432,7 @@ void check_features(const LinearBackend& be, const at::Tensor& x, int64_t in_fea
 }
 
 at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
-                   "cublas_guard_ext.scan: expected a float32 tensor, got ", x.scalar_type());
+  check_scannable(x);
   at::Tensor out = at::empty({kScanFields}, x.options().dtype(at::kLong));
   be.scan_into(x, out, nullptr, "scan");
   return out;

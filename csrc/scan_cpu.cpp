@@ -195,8 +195,7 @@ void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
 
 void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
                    const std::string& /*layer*/) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "cublas_guard_ext: scan expects float32, got ",
-                   t.scalar_type());
+  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat);  // callers check (check_scannable)
   Partial total;
   const int64_t n = t.numel();
   if (n > 0) {

@@ -18,6 +18,20 @@ HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispa
 )
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build")
 
+# Every cublasStatus_t failure value, written out independently of the product's own
+# table (cublas_api.h), so the tests check the names rather than trust them.
+CUBLAS_STATUSES = {
+    1: "CUBLAS_STATUS_NOT_INITIALIZED",
+    3: "CUBLAS_STATUS_ALLOC_FAILED",
+    7: "CUBLAS_STATUS_INVALID_VALUE",
+    8: "CUBLAS_STATUS_ARCH_MISMATCH",
+    11: "CUBLAS_STATUS_MAPPING_ERROR",
+    13: "CUBLAS_STATUS_EXECUTION_FAILED",
+    14: "CUBLAS_STATUS_INTERNAL_ERROR",
+    15: "CUBLAS_STATUS_NOT_SUPPORTED",
+    16: "CUBLAS_STATUS_LICENSE_ERROR",
+}
+
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
+from conftest import CUBLAS_STATUSES as STATUSES
 from conftest import HAS_CUDA, assert_matches
 
 NAN, INF = float("nan"), float("inf")
@@ -191,17 +192,6 @@ def test_non_tensor_input() -> None:
 # --------------------------------------------------------------------------
 # cuBLAS statuses through the fault-injection hook (the same code path on CPU)
 # --------------------------------------------------------------------------
-STATUSES = {
-    1: "CUBLAS_STATUS_NOT_INITIALIZED",
-    3: "CUBLAS_STATUS_ALLOC_FAILED",
-    7: "CUBLAS_STATUS_INVALID_VALUE",
-    8: "CUBLAS_STATUS_ARCH_MISMATCH",
-    11: "CUBLAS_STATUS_MAPPING_ERROR",
-    13: "CUBLAS_STATUS_EXECUTION_FAILED",
-    14: "CUBLAS_STATUS_INTERNAL_ERROR",
-    15: "CUBLAS_STATUS_NOT_SUPPORTED",
-    16: "CUBLAS_STATUS_LICENSE_ERROR",
-}
 
 
 @pytest.mark.parametrize("status", list(STATUSES))

@@ -21,21 +21,11 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+from conftest import CUBLAS_STATUSES as STATUSES
 from conftest import assert_matches, requires_cuda
 
 NAME = "dec.1.proj"
 
-STATUSES = {
-    1: "CUBLAS_STATUS_NOT_INITIALIZED",
-    3: "CUBLAS_STATUS_ALLOC_FAILED",
-    7: "CUBLAS_STATUS_INVALID_VALUE",
-    8: "CUBLAS_STATUS_ARCH_MISMATCH",
-    11: "CUBLAS_STATUS_MAPPING_ERROR",
-    13: "CUBLAS_STATUS_EXECUTION_FAILED",
-    14: "CUBLAS_STATUS_INTERNAL_ERROR",
-    15: "CUBLAS_STATUS_NOT_SUPPORTED",
-    16: "CUBLAS_STATUS_LICENSE_ERROR",
-}
 
 
 def expected_class(status: int, stage: str = "gemm") -> type[cg.CublasError]:

@@ -222,8 +222,7 @@ int multi_block_grid(long long work_items, int threads) {
 
 void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
                     const std::string& layer) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "cublas_guard_ext: scan expects float32, got ",
-                   t.scalar_type());
+  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat);  // callers check (check_scannable)
   TORCH_INTERNAL_ASSERT(out_slot.is_cuda() && out_slot.is_contiguous() &&
                         out_slot.scalar_type() == at::kLong);
   const c10::cuda::CUDAGuard device_guard(t.device());

@@ -189,8 +189,9 @@ int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit);
 // ---------------------------------------------------------------------------
 struct LinearBackend {
   // Enqueue a scan of `t` writing kScanFields int64 into out_slot (on t's
-  // device). With a target, a scan that finds non-finite values also fills
-  // the async record. Never synchronizes.
+  // device; may be undefined when only the record matters). With a target, a
+  // scan that finds non-finite values also fills the async record. Never
+  // synchronizes.
   void (*scan_into)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
                     const std::string& layer);
   // Copy scan results to the host (a stream synchronization on CUDA); an error

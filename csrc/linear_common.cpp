@@ -188,8 +188,8 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
   if (jobs.empty()) return;
   const at::Tensor& first = *jobs.front().tensor;
   const auto n = static_cast<int64_t>(jobs.size());
-  at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
   if (mode == GuardMode::kSync) {
+    at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
     for (int64_t i = 0; i < n; ++i) be.scan_into(*jobs[i].tensor, results[i], nullptr, layer);
     at::Tensor host = be.fetch(results, layer);
     const int64_t* counts = host.data_ptr<int64_t>();
@@ -205,7 +205,8 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
     for (int64_t i = 0; i < n; ++i) {
       AsyncTarget target;
       fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
-      be.scan_into(*jobs[i].tensor, results[i], &target, layer);
+      // No result tensor: nothing reads it; the record is the async report.
+      be.scan_into(*jobs[i].tensor, at::Tensor(), &target, layer);
     }
   }
   for (const auto& job : jobs) {

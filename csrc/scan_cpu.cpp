@@ -222,11 +222,13 @@ void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* 
           return a;
         });
   }
-  int64_t* out = out_slot.data_ptr<int64_t>();
-  out[kNanCount] = total.nan;
-  out[kPosInfCount] = total.posinf;
-  out[kNegInfCount] = total.neginf;
-  out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
+  if (out_slot.defined()) {
+    int64_t* out = out_slot.data_ptr<int64_t>();
+    out[kNanCount] = total.nan;
+    out[kPosInfCount] = total.posinf;
+    out[kNegInfCount] = total.neginf;
+    out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
+  }
   if (target != nullptr && total.first != kNone) fill_record_cpu(*target, total);
 }
 

@@ -89,6 +89,34 @@ def inject_fault():
         torch.ops.cublas_guard._set_fault(site, 0, 0)
 
 
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; psutil is not a dependency)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def allocated(device: str) -> int:
+    """torch's allocated GPU bytes after the queue drains (0 on the CPU)."""
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def memory_growth(call, warmup: int, steps: int, device: str) -> tuple[int, int, int, int]:
+    """Run call(i) warmup times, then steps times; (rss0, rss1, gpu0, gpu1) around the latter."""
+    import gc
+
+    for i in range(warmup):
+        call(i)
+    gc.collect()
+    rss0, gpu0 = rss_bytes(), allocated(device)
+    for i in range(warmup, warmup + steps):
+        call(i)
+    gc.collect()
+    return rss0, rss_bytes(), gpu0, allocated(device)
+
+
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e|: relative to the tensor's scale, not per element."""
     expected64 = expected.detach().double()

@@ -13,7 +13,6 @@ The injection counters are process-wide (not per thread): these tests are single
 from __future__ import annotations
 
 import gc
-import os
 import re
 
 import pytest
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 from conftest import CUBLAS_STATUSES as STATUSES
-from conftest import assert_matches, requires_cuda
+from conftest import allocated, assert_matches, memory_growth, requires_cuda
 
 NAME = "dec.1.proj"
 
@@ -34,12 +33,6 @@ def expected_class(status: int, stage: str = "gemm") -> type[cg.CublasError]:
     if status == 3 or (status == 1 and stage == "handle"):
         return cg.CublasOutOfMemoryError
     return cg.CublasError
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux /proc; psutil is not a dependency)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def layer(device: str, **kw) -> cg.SafeLinear:
@@ -61,13 +54,6 @@ def assert_works(safe: cg.SafeLinear) -> None:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def allocated(device: str) -> int:
-    if device != "cuda":
-        return 0
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
 
 
 # --------------------------------------------------------------------------
@@ -216,14 +202,8 @@ def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) 
 
     inject_fault("gemm", 0)  # registers the site for the fixture's cleanup
     for name, fail in (("forward", fail_forward), ("backward", fail_backward)):
-        for i in range(200):  # warm-up: allocator pools, lazy imports, the exception classes
-            fail(i)
-        gc.collect()
-        rss0, gpu0 = rss_bytes(), allocated(device)
-        for i in range(n):
-            fail(i)
-        gc.collect()
-        rss1, gpu1 = rss_bytes(), allocated(device)
+        # warm-up: allocator pools, lazy imports, the exception classes
+        rss0, rss1, gpu0, gpu1 = memory_growth(fail, 200, n, device)
         grown = rss1 - rss0
         print(f"\n[faults/{device}] {n} injected {name} failures: RSS {rss0 / 2**20:.1f} -> "
               f"{rss1 / 2**20:.1f} MiB ({grown / 2**10:+.0f} KiB); GPU allocated {gpu0} -> {gpu1} B")

@@ -9,7 +9,6 @@ The numbers are printed (run with ``-s`` to see them).
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from conftest import assert_matches, requires_cuda
+from conftest import allocated, assert_matches, memory_growth, requires_cuda, rss_bytes
 
 STEPS = 10_000
 WARMUP = 1_000
@@ -38,18 +37,6 @@ def steps_for(device: str) -> tuple[str, int, int]:
         return "cuda", QUICK_STEPS, 200
     return device, STEPS, WARMUP
 RSS_TOLERANCE = 2 * 2**20  # bytes; a leak of ~200 B per step would already exceed it (noise: ~0.1 MiB)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def allocated(device: str) -> int:
-    if device != "cuda":
-        return 0
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
 
 
 @pytest.fixture
@@ -138,19 +125,13 @@ def test_fresh_parameters_every_call_do_not_grow_the_cache(device: str, one_thre
     device, steps, _ = steps_for(device)
     x = torch.randn(4, 16, device=device)
 
-    def call() -> None:
+    def call(_: int) -> None:
         w = torch.randn(8, 16, device=device, requires_grad=True)
         b = torch.randn(8, device=device, requires_grad=True)
         cg.linear(x, w, b, layer="fresh").sum().backward()
 
-    for _ in range(5_000):  # past the cache's pruning threshold (4096 entries) at least once
-        call()
-    gc.collect()
-    rss0, gpu0 = rss_bytes(), allocated(device)
-    for _ in range(steps):
-        call()
-    gc.collect()
-    rss1, gpu1 = rss_bytes(), allocated(device)
+    # warm-up past the cache's pruning threshold (4096 entries) at least once
+    rss0, rss1, gpu0, gpu1 = memory_growth(call, 5_000, steps, device)
     print(f"\n[leaks/{device}/fresh-params] {steps} calls: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
           f"GPU {gpu1 - gpu0:+d} B")
     assert rss1 - rss0 < RSS_TOLERANCE
@@ -172,14 +153,7 @@ def test_scan_and_check_features_do_not_leak(device: str, one_thread) -> None:
         else:
             cg.check_features(x, 33, name="features")
 
-    for i in range(1_000):
-        call(i)
-    gc.collect()
-    rss0, gpu0 = rss_bytes(), allocated(device)
-    for i in range(steps):
-        call(i)
-    gc.collect()
-    rss1, gpu1 = rss_bytes(), allocated(device)
+    rss0, rss1, gpu0, gpu1 = memory_growth(call, 1_000, steps, device)
     print(f"\n[leaks/{device}/scan] {steps} scans + checks: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
           f"GPU {gpu1 - gpu0:+d} B")
     assert rss1 - rss0 < RSS_TOLERANCE

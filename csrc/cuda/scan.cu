@@ -113,10 +113,12 @@ __device__ Partial block_reduce(Partial p) {
 }
 
 __device__ void write_result(const Partial& p, long long* out, const AsyncTarget& target) {
-  out[kNanCount] = p.nan;
-  out[kPosInfCount] = p.posinf;
-  out[kNegInfCount] = p.neginf;
-  out[kFirstBadIndex] = p.first == kNone ? -1 : p.first;
+  if (out != nullptr) {  // async scans have no result tensor, only the record
+    out[kNanCount] = p.nan;
+    out[kPosInfCount] = p.posinf;
+    out[kNegInfCount] = p.neginf;
+    out[kFirstBadIndex] = p.first == kNone ? -1 : p.first;
+  }
   if (target.record == nullptr || p.first == kNone) return;
   // First writer wins; later bad calls before the host reads are dropped.
   if (atomicCAS(target.claim, 0, 1) != 0) return;
@@ -223,12 +225,13 @@ int multi_block_grid(long long work_items, int threads) {
 void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
                     const std::string& layer) {
   TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat);  // callers check (check_scannable)
-  TORCH_INTERNAL_ASSERT(out_slot.is_cuda() && out_slot.is_contiguous() &&
-                        out_slot.scalar_type() == at::kLong);
+  TORCH_INTERNAL_ASSERT(!out_slot.defined() || (out_slot.is_cuda() && out_slot.is_contiguous() &&
+                                                 out_slot.scalar_type() == at::kLong));
   const c10::cuda::CUDAGuard device_guard(t.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const AsyncTarget target = target_ptr != nullptr ? *target_ptr : AsyncTarget{};
-  auto* out = reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>());
+  auto* out = out_slot.defined() ? reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>())
+                                 : nullptr;
   const long long n = t.numel();
 
   ScanGeometry geometry;
@@ -258,7 +261,7 @@ void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget*
   Partial* partials_ptr = nullptr;
   if (grid > 1) {
     static_assert(sizeof(Partial) == 4 * sizeof(int64_t), "Partial is four int64");
-    partials = at::empty({grid, 4}, out_slot.options());
+    partials = at::empty({grid, 4}, t.options().dtype(at::kLong));
     partials_ptr = reinterpret_cast<Partial*>(partials.data_ptr<int64_t>());
   }
   if (geometry.contiguous) {

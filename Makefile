@@ -54,8 +54,9 @@ $(DEPS_STAMP): $(VENV_SPEC)
 
 # --no-build-isolation is mandatory: with isolation pip builds against a different
 # torch (a CUDA build pulled into the build env) than the one the venv runs.
+# -v lets the build's progress lines through (file, n of N, seconds; pip hides them otherwise).
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
-	$(VENV_PY) -m pip install --no-build-isolation --no-deps -e .
+	$(VENV_PY) -m pip install -v --no-build-isolation --no-deps -e .
 	touch $@
 
 demo: $(BUILD_STAMP)

@@ -35,7 +35,9 @@ extension = Extension(
     extra_link_args=plan.ldflags,
 )
 
-setup(
-    ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+# Progress lines (file, n of N, seconds) go to stderr; pip shows them with `pip install -v`.
+with _build.torch_build_hooks():
+    setup(
+        ext_modules=[extension],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )

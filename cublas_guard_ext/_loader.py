@@ -2,7 +2,10 @@
 
 The JIT build compiles the same sources with the same flags as ``setup.py``
 (see ``_build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
-``TORCH_EXTENSIONS_DIR`` (torch's default cache when unset).
+``TORCH_EXTENSIONS_DIR`` (torch's default cache when unset) / a directory named
+by ``_build.jit_name``: keyed by the environment's prefix, torch and its CUDA, the
+Python ABI and the flags, so two environments never rebuild over each other.
+The build prints its progress to stderr (file, n of N, seconds).
 """
 
 from __future__ import annotations
@@ -103,6 +106,14 @@ def _preflight(plan: _build.BuildPlan) -> None:
         )
 
 
+def jit_build_directory(plan: _build.BuildPlan, prefix: str | None = None) -> str:
+    """Where the JIT build of ``plan`` lives: ``TORCH_EXTENSIONS_DIR`` (or torch's default
+    cache) / a name keyed by everything that makes a build incompatible (``_build.jit_name``)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension._get_build_directory(_build.jit_name(plan, prefix), False)
+
+
 def _jit_build() -> NativeInfo:
     from torch.utils import cpp_extension
 
@@ -110,21 +121,24 @@ def _jit_build() -> NativeInfo:
     _preflight(plan)
     _build.apply_env(plan)
     flavour = "cuda" if plan.with_cuda else "cpu"
-    version = _build._torch_version_macro().replace(".", "_").replace("+", "_")
-    name = f"cublas_guard_ext_{flavour}_torch{version}"
+    name = _build.jit_name(plan)
+    build_directory = jit_build_directory(plan)
     verbose = os.environ.get("CUBLAS_GUARD_EXT_VERBOSE_BUILD") == "1"
+    title = f"no installed _C, JIT build ({flavour}, {plan.reason}), cached"
     try:
-        path = cpp_extension.load(
-            name=name,
-            sources=plan.sources,
-            extra_cflags=plan.cxx_flags,
-            extra_cuda_cflags=plan.nvcc_flags,
-            extra_ldflags=plan.ldflags,
-            extra_include_paths=plan.include_dirs,
-            with_cuda=plan.with_cuda,
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with _build.torch_build_hooks(title=title):
+            path = cpp_extension.load(
+                name=name,
+                sources=plan.sources,
+                extra_cflags=plan.cxx_flags,
+                extra_cuda_cflags=plan.nvcc_flags,
+                extra_ldflags=plan.ldflags,
+                extra_include_paths=plan.include_dirs,
+                build_directory=build_directory,
+                with_cuda=plan.with_cuda,
+                is_python_module=False,
+                verbose=verbose,
+            )
     except Exception as exc:  # the compiler's output is in the message: keep its tail
         text = str(exc)
         raise ExtensionBuildError(

@@ -42,6 +42,7 @@ __all__ = [
     "scan_decision",
     "isfinite_decision",
     "scan_bandwidth",
+    "scan_bandwidth_rounds",
     "linear_forward",
     "scan_vs_isfinite",
     "format_table",
@@ -52,13 +53,42 @@ __all__ = [
 
 @dataclass
 class Row:
+    """One comparison: medians over the rounds, and the per-round ratios (its noise)."""
+
     label: str
     baseline_us: float
     guarded_us: float
+    ratios: tuple[float, ...] = ()  # guarded / baseline, one per round (measured side by side)
 
     @property
     def ratio(self) -> float:
         return self.guarded_us / self.baseline_us
+
+    def value(self, speedup: bool = False) -> float:
+        """The reported effect: guarded/baseline, or baseline/guarded with ``speedup``."""
+        return 1.0 / self.ratio if speedup else self.ratio
+
+    def spread(self, speedup: bool = False) -> float:
+        """Half the range of the per-round values: how much this run's rounds disagree (nan: unknown)."""
+        values = [1.0 / r for r in self.ratios] if speedup else list(self.ratios)
+        if len(values) < 2:
+            return math.nan
+        return (max(values) - min(values)) / 2
+
+    def within_noise(self, speedup: bool = False) -> bool:
+        """True when the spread is at least the effect (the distance of the value from 1.00x)."""
+        spread = self.spread(speedup)
+        return math.isnan(spread) or spread >= abs(self.value(speedup) - 1.0)
+
+
+def _row(label: str, baseline: list[float], guarded: list[float]) -> Row:
+    """A Row from per-round seconds (the rounds of ``interleaved``)."""
+    return Row(
+        label,
+        statistics.median(baseline) * 1e6,
+        statistics.median(guarded) * 1e6,
+        tuple(g / b for b, g in zip(baseline, guarded)),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -202,9 +232,8 @@ def linear_forward(
                 safe = SafeLinear.from_linear(ref, mode=mode, name="bench")
                 fns[mode] = lambda safe=safe: safe(x)
             times = interleaved(fns, device, rounds, min_run_time)
-        base = statistics.median(times["nn.Linear"]) * 1e6
         for mode in modes:
-            rows.append(Row(f"forward M={m} K={k} N={n} {mode}", base, statistics.median(times[mode]) * 1e6))
+            rows.append(_row(f"forward M={m} K={k} N={n} {mode}", times["nn.Linear"], times[mode]))
     return rows
 
 
@@ -219,18 +248,13 @@ def scan_vs_isfinite(sizes: list[int], device: torch.device, rounds: int = 3, mi
             rounds,
             min_run_time,
         )
-        rows.append(
-            Row(
-                f"scan n={n:,} vs isfinite().all(), with decisions",
-                statistics.median(times["isfinite"]) * 1e6,
-                statistics.median(times["scan"]) * 1e6,
-            )
-        )
+        rows.append(_row(f"scan n={n:,} vs isfinite().all(), with decisions", times["isfinite"], times["scan"]))
     return rows
 
 
-def scan_bandwidth(n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2) -> tuple[float, float]:
-    """(scan GB/s with its decision, reference GB/s) measured side by side.
+def scan_bandwidth_rounds(n: int, device: torch.device, rounds: int = 3,
+                          min_run_time: float = 0.2) -> tuple[list[float], list[float]]:
+    """Per round: (scan GB/s with its decision, reference GB/s), measured side by side.
 
     The reference is ``x.sum()`` (reads x once) on CPU and a device-to-device
     copy (bytes read + written) on CUDA.
@@ -245,26 +269,46 @@ def scan_bandwidth(n: int, device: torch.device, rounds: int = 3, min_run_time: 
         fns["ref"] = lambda: x.sum()
         ref_bytes = 4 * n
     times = interleaved(fns, device, rounds, min_run_time)
-    scan_s, ref_s = statistics.median(times["scan"]), statistics.median(times["ref"])
-    return 4 * n / scan_s / 1e9, ref_bytes / ref_s / 1e9
+    return [4 * n / t / 1e9 for t in times["scan"]], [ref_bytes / t / 1e9 for t in times["ref"]]
+
+
+def scan_bandwidth(n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2) -> tuple[float, float]:
+    """(scan GB/s with its decision, reference GB/s): medians of :func:`scan_bandwidth_rounds`."""
+    scan, ref = scan_bandwidth_rounds(n, device, rounds, min_run_time)
+    return statistics.median(scan), statistics.median(ref)
 
 
 def format_table(rows: list[Row], baseline_name: str = "baseline", guarded_name: str = "guarded",
                  speedup: bool = False) -> str:
-    """One line per row; ``speedup`` shows baseline/guarded ("x faster") instead of guarded/baseline."""
+    """One line per row; ``speedup`` shows baseline/guarded ("x faster") instead of guarded/baseline.
+
+    A row whose rounds disagree by more than its effect (``Row.within_noise``)
+    shows ``~`` instead of a ratio: this run measured no difference.
+    """
     width = max(len(r.label) for r in rows)
     last = "faster" if speedup else "ratio"
-    lines = [f"{'case':<{width}}  {baseline_name:>12}  {guarded_name:>12}  {last:>7}"]
+    lines = [f"{'case':<{width}}  {baseline_name:>12}  {guarded_name:>12}  {last:>7}  {'noise':>6}"]
     for r in rows:
-        value = r.baseline_us / r.guarded_us if speedup else r.ratio
+        spread = r.spread(speedup)
+        noise = "    ?" if math.isnan(spread) else f"+-{spread:.2f}"
+        value = f"{'~':>6} " if r.within_noise(speedup) else f"{r.value(speedup):>6.2f}x"
         lines.append(
-            f"{r.label:<{width}}  {r.baseline_us:>10.1f}us  {r.guarded_us:>10.1f}us  {value:>6.2f}x"
+            f"{r.label:<{width}}  {r.baseline_us:>10.1f}us  {r.guarded_us:>10.1f}us  {value}  {noise:>6}"
         )
     return "\n".join(lines)
 
 
+QUICK_ROUNDS = 5
+LEGEND = (
+    "columns: the two times are medians of {rounds} interleaved rounds (microseconds per call);\n"
+    "  ratio = SafeLinear / nn.Linear (1.10x: 10% slower); faster = isfinite / scan (2.00x: scan twice as fast);\n"
+    "  noise = half the range of that ratio across the rounds, this run's own noise;\n"
+    "  ~ = the noise is at least the difference from 1.00x: this run measured no difference."
+)
+
+
 def quick(device: torch.device) -> str:
-    """The short benchmark the demo prints (well under a minute on a 2-core CPU)."""
+    """The short benchmark the demo prints (about 15-20 s on a 2-core CPU)."""
     started = time.perf_counter()
     if device.type == "cuda":
         shapes = [(32, 1024, 1024), (8192, 4096, 4096)]
@@ -274,17 +318,29 @@ def quick(device: torch.device) -> str:
         shapes = [(32, 1024, 1024), (1024, 1024, 1024)]
         sizes = [1 << 20, 1 << 24]
         bw_size = 1 << 24
-    rows = linear_forward(shapes, ["sync", "async", "off"], device, rounds=3, min_run_time=0.1)
+    rounds, run_time = QUICK_ROUNDS, 0.06
+    rows = linear_forward(shapes, ["sync", "async", "off"], device, rounds=rounds, min_run_time=run_time)
     text = format_table(rows, "nn.Linear", "SafeLinear")
     text += "\n\n" + format_table(
-        scan_vs_isfinite(sizes, device, rounds=3, min_run_time=0.1), "isfinite", "scan", speedup=True
+        scan_vs_isfinite(sizes, device, rounds=rounds, min_run_time=run_time), "isfinite", "scan", speedup=True
     )
-    scan_gbs, ref_gbs = scan_bandwidth(bw_size, device, rounds=3, min_run_time=0.1)
+    scan_rounds, ref_rounds = scan_bandwidth_rounds(bw_size, device, rounds=rounds, min_run_time=run_time)
+    scan_gbs, ref_gbs = statistics.median(scan_rounds), statistics.median(ref_rounds)
+    fractions = [s / r for s, r in zip(scan_rounds, ref_rounds)]
+    fraction_noise = (max(fractions) - min(fractions)) / 2
     ref_name = "device-to-device copy (read+write)" if device.type == "cuda" else "x.sum() (read)"
-    text += (
-        f"\n\nscan of {bw_size:,} float32 with its decision: {scan_gbs:.1f} GB/s = "
-        f"{scan_gbs / ref_gbs:.0%} of {ref_name} at {ref_gbs:.1f} GB/s, measured side by side"
-    )
+    text += f"\n\nscan of {bw_size:,} float32 with its decision: {scan_gbs:.1f} GB/s"
+    if fraction_noise > 0.1 * statistics.median(fractions):
+        text += (
+            f"; its share of {ref_name} varied by +-{fraction_noise:.0%} between rounds: "
+            "withheld (too noisy here, rerun on an idle machine)"
+        )
+    else:
+        text += (
+            f" = {statistics.median(fractions):.0%} +-{fraction_noise:.0%} of {ref_name} at "
+            f"{ref_gbs:.1f} GB/s, measured side by side"
+        )
+    text += "\n" + LEGEND.format(rounds=rounds)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if device.type == "cpu" and load > 0.75 * (os.cpu_count() or 1):
         text += (
@@ -297,4 +353,3 @@ def quick(device: torch.device) -> str:
         f"{'gpu' if device.type == 'cuda' else 'cpu'})"
     )
     return text
-

@@ -12,7 +12,7 @@ import textwrap
 import torch
 from torch import nn
 
-from . import _loader, bench
+from . import _loader, bench, modes, ops
 from .errors import GuardError
 from .nn import SafeLinear, replace_linear
 
@@ -28,12 +28,22 @@ def _section(title: str) -> None:
 
 
 def _show(label: str, action) -> bool:
-    """Run ``action``; print the guard's error as the user would see it."""
+    """Run ``action``, then drain this section's async findings; print what was caught.
+
+    Under ``CUBLAS_GUARD_MODE=async`` a NaN/Inf found by a call is raised by a
+    later guarded call or by :func:`cublas_guard_ext.check`: checking at the end
+    of each section keeps a finding in its own section instead of surfacing in
+    the next one.
+    """
     print(f"\n--- {label}")
+    where = "raised by the call"
     try:
         action()
+        where = "raised by cublas_guard_ext.check() at the end of this section (async mode)"
+        ops.check()
     except GuardError as err:
         print(f"{type(err).__name__}: " + textwrap.indent(str(err), "  ").lstrip())
+        print(f"[caught in this section: {type(err).__name__}, {where}]")
         return True
     print("(no error: the guard let it through)")
     return False
@@ -85,6 +95,7 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
     print(f"torch {torch.__version__}, device {device}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
     print(f"native library: {info.kind} ({info.detail}), CUDA kernels: {info.has_cuda_kernels}")
+    print(f"guard mode: {modes.current()} (CUBLAS_GUARD_MODE={os.environ.get(modes.ENV_VAR, '<unset>')})")
 
     torch.manual_seed(0)
     model = replace_linear(Classifier().to(device))
@@ -158,6 +169,7 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
         print("\n--- an earlier kernel's device-side assert: skipped (needs a GPU; it is the most "
               "common real cause of EXECUTION_FAILED)")
     out = model(good)
+    ops.check()
     print(f"\nafter all of that the model still works: output {tuple(out.shape)}, "
           f"finite: {bool(torch.isfinite(out).all())}")
 

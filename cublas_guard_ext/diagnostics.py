@@ -261,19 +261,21 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
         if probe:
             out.append(_probe_cuda())
 
-    allow_tf32 = env["tf32"]["torch.backends.cuda.matmul.allow_tf32"]
-    out.append(Check(
-        "TF32", WARN if allow_tf32 else OK,
-        "TF32 GEMMs are on (faster, ~10-bit mantissa)" if allow_tf32 else "TF32 GEMMs are off (exact float32)",
-        "to rule TF32 out: torch.backends.cuda.matmul.allow_tf32 = False" if allow_tf32 else "",
-    ))
+    out.append(_tf32_check(env))
     blocking = env["env"].get("CUDA_LAUNCH_BLOCKING")
-    out.append(Check(
-        "CUDA_LAUNCH_BLOCKING", OK,
-        "set: errors are raised at the kernel that failed" if blocking == "1"
-        else "not set: an error from an earlier kernel surfaces at a later call",
-        "" if blocking == "1" else "while debugging a cuBLAS error, rerun with CUDA_LAUNCH_BLOCKING=1",
-    ))
+    if not env["torch_cuda"]:
+        out.append(Check("CUDA_LAUNCH_BLOCKING", SKIP,
+                         f"not applicable: torch {env['torch']} is a CPU-only build (no CUDA kernels)"))
+    elif blocking == "1":
+        out.append(Check("CUDA_LAUNCH_BLOCKING", OK, "set: errors are raised at the kernel that failed"))
+    else:
+        # Not set is the normal (fast) setting: nothing to fix, so no fix line on an ok row.
+        out.append(Check(
+            "CUDA_LAUNCH_BLOCKING", OK,
+            "not set (normal): an error from an earlier kernel surfaces at a later call; while "
+            "debugging a cuBLAS error, rerun with CUDA_LAUNCH_BLOCKING=1",
+        ))
+    out.append(_mode_check())
     config = env["env"].get("CUBLAS_WORKSPACE_CONFIG")
     out.append(Check(
         "CUBLAS_WORKSPACE_CONFIG", OK,
@@ -281,6 +283,47 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
         else "not set (cuBLAS's default workspace)",
     ))
     return out
+
+
+def _tf32_check(env: dict[str, Any]) -> Check:
+    """TF32 only concerns GEMMs on a CUDA GPU: not applicable to a CPU-only torch."""
+    if not env["torch_cuda"]:
+        return Check("TF32", SKIP,
+                     f"not applicable: torch {env['torch']} is a CPU-only build (TF32 is a GPU setting)")
+    allow_tf32 = env["tf32"]["torch.backends.cuda.matmul.allow_tf32"]
+    if allow_tf32:
+        return Check("TF32", WARN, "TF32 GEMMs are on (faster, ~10-bit mantissa)",
+                     "to rule TF32 out: torch.backends.cuda.matmul.allow_tf32 = False")
+    return Check("TF32", OK, "TF32 GEMMs are off (exact float32)")
+
+
+def _mode_check() -> Check:
+    """CUBLAS_GUARD_MODE is read at every guarded call: a bad value breaks every SafeLinear."""
+    from . import modes
+
+    value = os.environ.get(modes.ENV_VAR)
+    if value is None:
+        return Check("CUBLAS_GUARD_MODE", OK, "not set: layers without their own mode use 'sync'")
+    try:
+        mode = modes._env_default()
+    except ValueError as err:
+        return Check(
+            "CUBLAS_GUARD_MODE", FAIL,
+            f"{str(err).removeprefix('cublas_guard_ext: ')}: every SafeLinear without its own "
+            "mode raises ValueError",
+            f"unset it or set one of {', '.join(sorted(modes.MODE_CODES))}",
+        )
+    return Check("CUBLAS_GUARD_MODE", OK, f"{value!r}: layers without their own mode use {mode!r}")
+
+
+def summary(items: list[Check]) -> dict[str, int]:
+    """Counts per status, as the doctor's last line and its JSON report them."""
+    return {
+        "failed": sum(c.status == FAIL for c in items),
+        "warnings": sum(c.status == WARN for c in items),
+        "skipped": sum(c.status == SKIP for c in items),
+        "ok": sum(c.status == OK for c in items),
+    }
 
 
 def _probe_cuda() -> Check:
@@ -368,4 +411,8 @@ def first_cuda_use(device: torch.device) -> None:
 
 
 def as_json(items: list[Check], env: dict[str, Any]) -> str:
-    return json.dumps({"checks": [asdict(c) for c in items], "environment": env}, indent=2, default=str)
+    return json.dumps(
+        {"summary": summary(items), "checks": [asdict(c) for c in items], "environment": env},
+        indent=2,
+        default=str,
+    )

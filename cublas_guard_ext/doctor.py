@@ -49,11 +49,11 @@ def render(items: list[diagnostics.Check], env: dict) -> str:
         lines.append(f"[{_MARK[check.status]}] {check.name:<{width}}  {check.reason}")
         if check.fix:
             lines.append(f"       {'':<{width}}  fix: {check.fix}")
-    failed = sum(c.status == "FAIL" for c in items)
-    skipped = sum(c.status == "SKIP" for c in items)
+    counts = diagnostics.summary(items)
     lines.append("")
     lines.append(
-        f"{failed} failed, {sum(c.status == 'WARN' for c in items)} warnings, {skipped} not checkable here"
+        f"{counts['failed']} failed, {counts['warnings']} warnings, {counts['skipped']} not checkable "
+        f"or not applicable here, {counts['ok']} ok"
     )
     return "\n".join(lines)
 

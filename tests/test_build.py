@@ -71,9 +71,24 @@ def test_jit_build_in_its_own_directory(tmp_path: Path) -> None:
     assert "KIND jit" in result.stdout and "TYPED NonFiniteInputError" in result.stdout
     built = list((tmp_path / "ext").rglob("*.so"))
     assert built, "the JIT build must land in TORCH_EXTENSIONS_DIR"
-    # A second import reuses the cached build (no recompile: fast).
+    # In the directory keyed by this environment (prefix, torch, Python ABI, flags).
+    from cublas_guard_ext import _loader
+
+    expected = Path(_loader.jit_build_directory(_build.plan(), prefix=sys.prefix))
+    assert {p.parent.name for p in built} == {expected.name}
+    # A cold build does not sit silent: which file, n of N, seconds, on stderr.
+    progress = [line for line in result.stderr.splitlines() if line.startswith(_build.PROGRESS_PREFIX)]
+    assert "JIT build" in progress[0] and str(tmp_path / "ext") in progress[0], progress
+    steps = [line for line in progress if "] " in line and " s  " in line]
+    names = {line.rsplit(" ", 1)[1] for line in steps}
+    assert {Path(s).name for s in _build.plan().sources} <= names, progress
+    total = len(_build.plan().sources) + 1 + (1 if _build.pch_enabled() else 0)  # + link (+ PCH)
+    assert steps[-1].split("]")[0].endswith(f"[{total}/{total}"), progress
+    assert progress[-1].startswith(f"{_build.PROGRESS_PREFIX} done in "), progress
+    # A second import reuses the cached build (no recompile: fast) and prints nothing.
     again = run(SMOKE, env, cwd=tmp_path, timeout=120)
     assert again.returncode == 0 and "KIND jit" in again.stdout
+    assert _build.PROGRESS_PREFIX not in again.stderr, again.stderr
 
 
 @needs_sources

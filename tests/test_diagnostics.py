@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -31,7 +32,13 @@ def test_doctor_json_is_valid_and_complete() -> None:
     result = run_doctor("--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"checks", "environment"}
+    assert set(report) == {"summary", "checks", "environment"}
+    statuses = [c["status"] for c in report["checks"]]
+    assert report["summary"] == {
+        "failed": statuses.count("FAIL"), "warnings": statuses.count("WARN"),
+        "skipped": statuses.count("SKIP"), "ok": statuses.count("OK"),
+    }
+    assert sum(report["summary"].values()) == len(statuses)
     names = [c["name"] for c in report["checks"]]
     for item in ("extension build", "TF32", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG"):
         assert item in names
@@ -53,7 +60,67 @@ def test_doctor_text_output() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
     assert "cublas_guard_ext doctor" in result.stdout
-    assert "[ok  ] TF32" in result.stdout and "0 failed" in result.stdout
+    assert "0 failed" in result.stdout and " ok" in result.stdout.splitlines()[-1]
+    tf32 = next(line for line in result.stdout.splitlines() if "] TF32" in line)
+    if torch.version.cuda is None:  # a CPU-only torch has no TF32 GEMMs to report on
+        assert tf32.startswith("[skip]") and "not applicable" in tf32, tf32
+    else:
+        assert tf32.startswith(("[ok  ]", "[WARN]")), tf32
+
+
+def test_cpu_only_torch_reports_tf32_and_launch_blocking_not_applicable() -> None:
+    env = gpu_env(torch_cuda=None, cuda_available=False, devices=[])
+    env["env"]["CUDA_LAUNCH_BLOCKING"] = "1"
+    items = diagnostics.checks(env, probe=False)
+    for name in ("TF32", "CUDA_LAUNCH_BLOCKING"):
+        check = next(c for c in items if c.name == name)
+        assert check.status == "SKIP" and check.reason.startswith("not applicable"), check
+
+
+@pytest.mark.parametrize("blocking", [None, "1", "0"])
+@pytest.mark.parametrize("tf32", [False, True])
+def test_no_ok_row_carries_a_fix(blocking, tf32, monkeypatch) -> None:
+    env = gpu_env(**{"tf32": {"torch.backends.cuda.matmul.allow_tf32": tf32,
+                              "torch.get_float32_matmul_precision()": "highest"}})
+    env["env"]["CUDA_LAUNCH_BLOCKING"] = blocking
+    for environment in (env, gpu_env(torch_cuda=None, cuda_available=False, devices=[])):
+        items = diagnostics.checks(environment, probe=False)
+        assert [c for c in items if c.status == "OK" and c.fix] == []
+    launch = next(c for c in diagnostics.checks(env, probe=False) if c.name == "CUDA_LAUNCH_BLOCKING")
+    assert launch.status == "OK" and not launch.fix
+    if blocking != "1":
+        assert "rerun with CUDA_LAUNCH_BLOCKING=1" in launch.reason
+
+
+@pytest.mark.parametrize("value,status", [(None, "OK"), ("async", "OK"), (" Off ", "OK"),
+                                          ("asnyc", "FAIL"), ("1", "FAIL")])
+def test_the_guard_mode_variable_is_checked(value, status, monkeypatch) -> None:
+    if value is None:
+        monkeypatch.delenv("CUBLAS_GUARD_MODE", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_GUARD_MODE", value)
+    check = next(c for c in diagnostics.checks(gpu_env(), probe=False) if c.name == "CUBLAS_GUARD_MODE")
+    assert check.status == status, check
+    if status == "FAIL":
+        assert f"{value!r} is not a mode" in check.reason and "raises ValueError" in check.reason
+        assert check.fix == "unset it or set one of async, off, sync"
+
+
+def test_doctor_fails_on_an_invalid_guard_mode() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "doctor", "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    check = next(c for c in report["checks"] if c["name"] == "CUBLAS_GUARD_MODE")
+    assert check["status"] == "FAIL" and report["summary"]["failed"] >= 1
+    # ...and it is right: a SafeLinear without its own mode does raise with that setting.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, cublas_guard_ext as cg; cg.SafeLinear(4, 2)(torch.randn(3, 4))"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
+    )
+    assert probe.returncode != 0 and "ValueError" in probe.stderr
 
 
 def gpu_env(**changes) -> dict:

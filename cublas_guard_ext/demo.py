@@ -36,7 +36,7 @@ def _show(label: str, action) -> bool:
     the next one.
     """
     print(f"\n--- {label}")
-    where = "raised by the call"
+    where = "raised during this section's call"
     try:
         action()
         where = "raised by cublas_guard_ext.check() at the end of this section (async mode)"

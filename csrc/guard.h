@@ -208,6 +208,10 @@ struct LinearBackend {
   void (*memory_info)(ErrorReport& report, c10::Device device);
   // Whether gemm() can take calls beyond the 32-bit limit (use_64bit).
   bool has_64bit_api;
+  // Async mode: whether the current stream of `device` is being captured into a
+  // CUDA graph; if so, *counter is a fresh device counter for this call's
+  // replays (nullptr when none is left). Null on devices without graphs.
+  bool (*capture_replay_counter)(c10::Device device, int64_t** counter) = nullptr;
 };
 
 // Build facts of this library, as JSON (the doctor's source). The CUDA
@@ -232,9 +236,9 @@ at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
 
 // Async records of every device, read by any guarded call (without waiting)
 // and by the explicit check (after waiting for the devices).
+// The host frees the claim itself (async_record.h): no device hook resets it.
 struct RecordHooks {
   void (*synchronize)(c10::Device device);
-  void (*reset_claim)(int* claim, c10::Device device);
 };
 void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
                            RecordHooks hooks);

@@ -150,7 +150,11 @@ const char* role_name(int64_t role) {
   report.add("ndim", rec.ndim).add("numel", rec.numel);
   report.add("deferred", true).add("call", rec.call_id).add("device", device.str());
   report.add("pass", rec.role == kRoleGradOutput ? "backward" : "forward");
-  report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + "): " +
+  if (rec.replay != 0) report.add("replay", rec.replay);  // a CUDA graph replay of that call
+  const std::string replay =
+      rec.replay > 0 ? ", replay " + std::to_string(rec.replay)
+                     : (rec.replay < 0 ? ", a replay" : "");
+  report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + replay + "): " +
                            role_name(rec.role) + " had " + std::to_string(rec.nan_count) +
                            " NaN, " + std::to_string(rec.posinf_count) + " +Inf, " +
                            std::to_string(rec.neginf_count) +
@@ -202,9 +206,17 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
     int* claim = nullptr;
     be.async_slot(first.device(), &record, &claim);
     const auto ids = layers().next_call(layer, first_role_is_backward(jobs));
+    // In a CUDA graph capture the call's number is baked in: its replays are
+    // counted on the device (the first scan increments, the others read).
+    int64_t* replays = nullptr;
+    const bool captured =
+        be.capture_replay_counter != nullptr && be.capture_replay_counter(first.device(), &replays);
     for (int64_t i = 0; i < n; ++i) {
       AsyncTarget target;
       fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
+      target.captured = captured;
+      target.counts_replay = captured && i == 0;
+      target.replays = replays;
       // No result tensor: nothing reads it; the record is the async report.
       be.scan_into(*jobs[i].tensor, at::Tensor(), &target, layer);
     }
@@ -220,15 +232,42 @@ std::string chunk_text(int64_t n0, int64_t n_len, int64_t n, int64_t k0, int64_t
          " of " + std::to_string(k);
 }
 
+// Piece sizes for a GEMM beyond the 32-bit limit L. Every argument must be <= L,
+// and, with the 32-bit API, no operand may span more than L elements (some
+// cuBLAS(Lt) releases failed on a 32-bit call whose operand spans >= 2^31
+// elements, although each argument fits). An operand stored column-major as
+// [inner x outer] with leading dimension ld spans (outer - 1) * ld + inner
+// elements: with every step <= L, capping the outer step at (L - inner) / ld + 1
+// brings it within L, and since steps only shrink, every operand stays within.
+// When an argument no split can shrink (m, lda, ldb, ldc) is beyond L the call
+// goes to the 64-bit API, and only n and k are kept within L.
+struct GemmSteps {
+  int64_t m, n, k;
+};
+GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
+  GemmSteps s{whole.m, std::min(whole.n, limit), std::min(whole.k, limit)};
+  if (std::max({whole.m, whole.lda, whole.ldb, whole.ldc}) > limit) return s;  // the 64-bit API
+  const auto cap = [limit](int64_t& outer, int64_t inner, int64_t ld) {
+    outer = std::max<int64_t>(1, std::min(outer, (limit - inner) / ld + 1));
+  };
+  // op(A) is m x k: stored [m x k] (lda), or [k x m] when transposed.
+  if (whole.trans_a) cap(s.m, s.k, whole.lda); else cap(s.k, s.m, whole.lda);
+  // op(B) is k x n: stored [k x n] (ldb), or [n x k] when transposed.
+  if (whole.trans_b) cap(s.k, s.n, whole.ldb); else cap(s.n, s.k, whole.ldb);
+  cap(s.n, s.m, whole.ldc);  // C is stored [m x n]
+  return s;
+}
+
 // out[P x Q] (contiguous, row-major) = beta * out + L[P x R] * Rm[R x Q], as the
 // column-major product out^T = Rm^T * L^T that cuBLAS computes.
 // `roles` names left, right and out for error reports.
 //
 // Beyond cuBLAS's 32-bit limit: n (the rows of the row-major output, i.e. the
 // batch in forward) is split into independent pieces and k (the reduction,
-// the batch in grad_weight) into pieces accumulated with beta = 1. m and the
-// leading dimensions cannot be split (ldc >= m; a leading dimension is a
-// stride), so a call still beyond the limit uses cuBLAS's 64-bit API.
+// the batch in grad_weight) into pieces accumulated with beta = 1; m too when
+// an operand would span more than the limit (gemm_steps). m beyond the limit
+// and the leading dimensions cannot be split (ldc >= m; a leading dimension is
+// a stride), so a call still beyond the limit uses cuBLAS's 64-bit API.
 void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
                  const at::Tensor& right, float beta, const char* purpose,
                  const std::array<const char*, 3>& roles, const std::string& layer) {
@@ -266,23 +305,32 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
   ctx.roles[1] = roles[0];
   ctx.roles[2] = roles[2];
 
-  const int64_t limit = gemm_size_limit();
-  const int64_t n_step = std::min(whole.n, limit), k_step = std::min(whole.k, limit);
-  const bool split = whole.n > limit || whole.k > limit;
-  for (int64_t n0 = 0; n0 < whole.n; n0 += n_step) {
-    for (int64_t k0 = 0; k0 < whole.k; k0 += k_step) {
-      GemmCall piece = whole;
-      piece.n = std::min(n_step, whole.n - n0);
-      piece.k = std::min(k_step, whole.k - k0);
-      piece.a = whole.a + (whole.trans_a ? k0 : k0 * whole.lda);  // op(A): columns k0..
-      piece.b = whole.b + (whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
-                                         : k0 + n0 * whole.ldb);  //        columns n0..
-      piece.c = whole.c + n0 * whole.ldc;
-      piece.beta = k0 == 0 ? whole.beta : 1.0f;  // later k pieces accumulate
-      if (split) piece.chunk = chunk_text(n0, piece.n, whole.n, k0, piece.k, whole.k);
-      plan_gemm_call(piece, be.has_64bit_api, layer);
-      const int status = be.gemm(piece, ctx);
-      if (status != 0) raise_gemm_failure(status, piece, ctx);
+  const GemmSteps steps = gemm_steps(whole, gemm_size_limit());
+  const bool split = steps.m < whole.m || steps.n < whole.n || steps.k < whole.k;
+  for (int64_t m0 = 0; m0 < whole.m; m0 += steps.m) {
+    for (int64_t n0 = 0; n0 < whole.n; n0 += steps.n) {
+      for (int64_t k0 = 0; k0 < whole.k; k0 += steps.k) {
+        GemmCall piece = whole;
+        piece.m = std::min(steps.m, whole.m - m0);
+        piece.n = std::min(steps.n, whole.n - n0);
+        piece.k = std::min(steps.k, whole.k - k0);
+        piece.a = whole.a + (whole.trans_a ? k0 + m0 * whole.lda   // op(A): rows m0..,
+                                           : m0 + k0 * whole.lda); //        columns k0..
+        piece.b = whole.b + (whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
+                                           : k0 + n0 * whole.ldb);  //        columns n0..
+        piece.c = whole.c + m0 + n0 * whole.ldc;
+        piece.beta = k0 == 0 ? whole.beta : 1.0f;  // later k pieces accumulate
+        if (split) {
+          piece.chunk = (steps.m < whole.m ? "m " + std::to_string(m0) + ".." +
+                                                 std::to_string(m0 + piece.m) + " of " +
+                                                 std::to_string(whole.m) + ", "
+                                           : std::string()) +
+                        chunk_text(n0, piece.n, whole.n, k0, piece.k, whole.k);
+        }
+        plan_gemm_call(piece, be.has_64bit_api, layer);
+        const int status = be.gemm(piece, ctx);
+        if (status != 0) raise_gemm_failure(status, piece, ctx);
+      }
     }
   }
 }
@@ -341,7 +389,10 @@ void raise_if_async_recorded(bool synchronize) {
     // writer touches the fields until they are copied.
     if (__atomic_exchange_n(&reg.record->flag, int64_t{0}, __ATOMIC_ACQ_REL) == 0) continue;
     const AsyncRecord copy = *reg.record;
-    reg.hooks.reset_claim(reg.claim, reg.device);
+    // Free the claim for the next finding (async_record.h): a host store, after
+    // the copy, that no CUDA call can fail or misorder, so the report taken
+    // here is always raised and the claim never stays taken.
+    __atomic_store_n(&reg.record->epoch, copy.epoch + 1, __ATOMIC_RELEASE);
     clean_parameters().clear();  // a recorded parameter must be scanned again
     raise_recorded(copy, reg.device);
   }

@@ -41,7 +41,6 @@ void async_slot_cpu(c10::Device /*device*/, AsyncRecord** record, int** claim) {
   std::call_once(registered, [] {
     RecordHooks hooks;
     hooks.synchronize = nullptr;  // CPU scans finish before the op returns
-    hooks.reset_claim = [](int* c, c10::Device) { __atomic_store_n(c, 0, __ATOMIC_RELEASE); };
     register_async_record(c10::Device(c10::kCPU), &cpu_record, &cpu_claim, hooks);
   });
   *record = &cpu_record;

@@ -172,12 +172,14 @@ void scan_strided(const float* data, const ScanGeometry& g, int64_t begin, int64
 }
 
 void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
-  int expected = 0;
-  if (!__atomic_compare_exchange_n(target.claim, &expected, 1, false, __ATOMIC_ACQ_REL,
-                                   __ATOMIC_ACQUIRE)) {
+  // The claim protocol of async_record.h: free while it equals the epoch.
+  AsyncRecord& r = *target.record;
+  const auto epoch = static_cast<uint32_t>(__atomic_load_n(&r.epoch, __ATOMIC_ACQUIRE));
+  int expected = static_cast<int>(epoch);
+  if (!__atomic_compare_exchange_n(target.claim, &expected, static_cast<int>(epoch + 1u), false,
+                                   __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
     return;  // an earlier bad call already owns the record
   }
-  AsyncRecord& r = *target.record;
   r.layer_id = target.layer_id;
   r.call_id = target.call_id;
   r.role = target.role;
@@ -188,6 +190,7 @@ void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
   r.numel = target.numel;
   r.ndim = target.ndim;
   for (int d = 0; d < kRecordMaxDims; ++d) r.shape[d] = target.shape[d];
+  r.replay = 0;  // no CUDA graphs on the CPU
   __atomic_store_n(&r.flag, int64_t{1}, __ATOMIC_RELEASE);
 }
 

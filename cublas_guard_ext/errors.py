@@ -394,6 +394,9 @@ class NonFiniteInputError(GuardError, ValueError):
         if f.get("deferred"):
             backward = "backward " if f.get("pass") == "backward" else ""
             where += f", {backward}call {f.get('call')}"
+            replay = f.get("replay", 0)
+            if replay:  # the call was captured in a CUDA graph; this is one of its replays
+                where += f" (CUDA graph replay {replay})" if replay > 0 else " (a CUDA graph replay)"
         return (
             f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
             f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"

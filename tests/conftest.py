@@ -131,3 +131,15 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     err = max_rel_error(actual, expected)
     assert err <= rel, f"max relative error {err:.3g} > {rel:.3g}"
+
+
+def gemm_spans(fields: dict) -> dict[str, int]:
+    """Elements each operand of a reported cuBLAS call spans, from a CublasError's fields: an
+    operand stored column-major as [inner x outer] with leading dimension ld spans
+    (outer - 1) * ld + inner elements."""
+    m, n, k = fields["m"], fields["n"], fields["k"]
+    a_inner, a_outer = (k, m) if fields["transa"] == "T" else (m, k)
+    b_inner, b_outer = (n, k) if fields["transb"] == "T" else (k, n)
+    return {"a": (a_outer - 1) * fields["lda"] + a_inner,
+            "b": (b_outer - 1) * fields["ldb"] + b_inner,
+            "c": (n - 1) * fields["ldc"] + m}

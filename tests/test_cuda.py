@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
-from conftest import HAS_CUDA, assert_matches
+from conftest import HAS_CUDA, assert_matches, gemm_spans
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build")
 
@@ -51,6 +51,7 @@ def test_scan_strided_on_gpu_matches_cpu() -> None:
 def test_scan_runs_on_the_current_stream() -> None:
     stream = torch.cuda.Stream()
     x = torch.randn(1 << 20, device="cuda")
+    stream.wait_stream(torch.cuda.current_stream())  # randn ran on the default stream
     with torch.cuda.stream(stream):
         x.mul_(2.0)
         x[12345] = NAN  # enqueued on `stream`: the scan must see it
@@ -196,8 +197,9 @@ def test_torch_compile_fullgraph_on_cuda_matches_eager(mode: str) -> None:
         assert_matches(got, want)
 
 
-def test_a_batch_beyond_int32_on_the_gpu() -> None:
-    """A real batch of 2^31 + 7 rows: split into pieces the 32-bit API takes."""
+def test_a_batch_beyond_int32_on_the_gpu(inject_fault) -> None:
+    """A real batch of 2^31 + 7 rows: split into pieces the 32-bit API takes, none of whose
+    operands spans 2^31 elements or more (x's rows are 2 apart, y's 3: about 715M rows a piece)."""
     rows = 2**31 + 7
     need = rows * (2 + 3) * 4 + (2 << 30)
     free, _ = torch.cuda.mem_get_info()
@@ -207,8 +209,15 @@ def test_a_batch_beyond_int32_on_the_gpu() -> None:
     x = torch.randn(rows, 2, device="cuda")
     with torch.no_grad():
         y = layer(x)
-    for start in (0, 2**31 - 5, rows - 4):  # across the split point
-        sl = slice(start, start + 4)
-        assert_matches(y[sl], F.linear(x[sl], layer.weight, layer.bias))
-    del x, y
+        step = 1 << 27
+        for start in range(0, rows, step):  # every row, against torch's own GEMM
+            sl = slice(start, min(start + step, rows))
+            assert_matches(y[sl], F.linear(x[sl], layer.weight, layer.bias))
+        del y
+        inject_fault("gemm", 13)  # the first (largest) piece's arguments, as cuBLAS would get them
+        with pytest.raises(cg.CublasError) as info:
+            layer(x)
+    assert info.value.api == "cublasSgemm", info.value.chunk
+    assert max(gemm_spans(info.value.fields).values()) < 2**31, info.value.fields
+    del x
     torch.cuda.empty_cache()

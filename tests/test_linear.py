@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from conftest import assert_matches, max_rel_error
+from conftest import assert_matches, gemm_spans, max_rel_error
 
 SHAPES = {
     "1d": (13,),
@@ -185,5 +185,39 @@ def test_split_pieces_are_reported(device: str, size_limit, inject_fault) -> Non
     inject_fault("gemm", 14)
     with pytest.raises(cg.CublasError) as info:
         safe(x)
-    assert info.value.api == "cublasSgemm" and info.value.chunk == "n 0..6 of 13, k 0..5 of 5"
-    assert "n=6" in str(info.value)
+    # The weight^T operand of a 4-row piece would span 20 elements > 6: m is split too, and
+    # the batch to pieces whose input rows (5 apart) stay within 6 elements.
+    assert info.value.api == "cublasSgemm"
+    assert info.value.chunk == "m 0..1 of 4, n 0..1 of 13, k 0..5 of 5"
+    assert "m=1 n=1 k=5" in str(info.value)
+
+
+# No 32-bit piece may have an operand spanning more than the limit in elements (some
+# cuBLAS(Lt) releases failed once one spans >= 2^31 elements, every argument in range). The
+# first piece is the largest, so its report bounds every piece. (in, out, rows, limit, pass)
+SPAN_CASES = {
+    "batch": (2, 3, 40, 20, "forward"),            # the >2^31-row GPU test, scaled down
+    "batch-grad_weight": (2, 3, 40, 20, "backward"),
+    "big-weight": (12, 10, 3, 40, "forward"),      # weight^T spans 120 elements: m is split
+    "big-weight-backward": (12, 10, 3, 40, "backward"),
+    "wide-input": (30, 2, 5, 40, "forward"),       # k = lda = 30: the batch goes 1 row a piece
+}
+
+
+@pytest.mark.parametrize("case", list(SPAN_CASES))
+def test_no_piece_operand_spans_beyond_the_limit(device: str, size_limit, inject_fault, case: str) -> None:
+    fin, fout, rows, limit, where = SPAN_CASES[case]
+    ref, safe = pair(fin, fout, True, device)
+    size_limit(limit)  # every argument fits: only the spans force the split
+    check_against_reference(ref, safe, torch.randn(rows, fin, device=device))
+    x = torch.randn(rows, fin, device=device, requires_grad=True)
+    y = safe(x) if where == "backward" else None
+    inject_fault("gemm", 13)
+    with pytest.raises(cg.CublasError) as info:
+        if y is None:
+            safe(x)
+        else:
+            y.backward(torch.randn_like(y))
+    spans = gemm_spans(info.value.fields)
+    assert max(spans.values()) <= limit, (info.value.purpose, spans, info.value.chunk)
+    assert info.value.api == "cublasSgemm" and info.value.chunk

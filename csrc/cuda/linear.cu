@@ -3,6 +3,7 @@
 // workspace and TF32 setting), the CUDA error attribution, and the async
 // record in mapped host memory. The orchestration is linear_common.cpp's.
 #include "cuda_backend.h"
+#include "../pending_errors.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -25,23 +26,21 @@ namespace cublas_guard {
 #define CUBLAS_GUARD_ARCHS CUBLAS_GUARD_ARCHS_STR(__CUDA_ARCH_LIST__)
 #endif
 
-bool is_sticky_context_error(cudaError_t err) {
-  switch (err) {
-    case cudaErrorAssert:
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchFailure:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorECCUncorrectable:
-      return true;
-    default:
-      return false;
-  }
-}
+// pending_errors.h keeps the codes as ints so that its logic runs in the CPU build too.
+static_assert(cuda_code::kNotReady == cudaErrorNotReady && cuda_code::kAssert == cudaErrorAssert &&
+                  cuda_code::kStreamCaptureUnsupported == cudaErrorStreamCaptureUnsupported &&
+                  cuda_code::kECCUncorrectable == cudaErrorECCUncorrectable &&
+                  cuda_code::kIllegalAddress == cudaErrorIllegalAddress &&
+                  cuda_code::kLaunchTimeout == cudaErrorLaunchTimeout &&
+                  cuda_code::kHardwareStackError == cudaErrorHardwareStackError &&
+                  cuda_code::kIllegalInstruction == cudaErrorIllegalInstruction &&
+                  cuda_code::kMisalignedAddress == cudaErrorMisalignedAddress &&
+                  cuda_code::kInvalidAddressSpace == cudaErrorInvalidAddressSpace &&
+                  cuda_code::kInvalidPc == cudaErrorInvalidPc &&
+                  cuda_code::kLaunchFailure == cudaErrorLaunchFailure,
+              "pending_errors.h's cuda_code values must match cudaError_t");
+
+bool is_sticky_context_error(cudaError_t err) { return is_sticky_cuda_error(static_cast<int>(err)); }
 
 void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer) {
   ErrorReport report("pending_cuda");
@@ -203,20 +202,39 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   return static_cast<int>(status);
 }
 
+// The real runtime behind pending_errors.h's decisions (current device and stream).
+const CudaErrorProbe& cuda_probe() {
+  static const CudaErrorProbe probe{
+      [] { return static_cast<int>(cudaGetLastError()); },
+      [] { return static_cast<int>(cudaStreamQuery(at::cuda::getCurrentCUDAStream())); },
+      [](bool* capturing) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status);
+        *capturing = status != cudaStreamCaptureStatusNone;
+        return static_cast<int>(err);
+      }};
+  return probe;
+}
+
 at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
   try {
     return results.to(at::kCPU);
   } catch (const c10::Error&) {
-    // Our scan kernels cannot fault (every access is in bounds), so an error
-    // surfacing at this synchronization was left by an earlier kernel.
-    cudaError_t err = cudaGetLastError();
-    if (err == cudaSuccess) err = cudaErrorUnknown;
-    raise_pending_cuda_error(err, "while waiting for the input scan (stream synchronize)", layer);
+    // Our scan kernels cannot fault (every access is in bounds), so a sticky
+    // error surfacing at this synchronization was left by an earlier kernel.
+    const int err = sticky_error_behind_failure(cuda_probe());
+    if (err != cudaSuccess) {
+      raise_pending_cuda_error(static_cast<cudaError_t>(err),
+                               "while waiting for the input scan (stream synchronize)", layer);
+    }
+    throw;
   }
 }
 
 void check_pending_error_cuda(const std::string& layer) {
-  cudaError_t err = cudaPeekAtLastError();
+  // Only a sticky error is an earlier kernel's; a stray non-sticky one (say
+  // cudaErrorNotReady from someone's stream query) is cleared, not reported.
+  cudaError_t err = static_cast<cudaError_t>(take_pending_error(cuda_probe()));
   if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture);
@@ -239,27 +257,43 @@ auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()
   } catch (const c10::Error& e) {
     const std::string what = e.what_without_backtrace();
     if (what.find(kPayloadMarker) != std::string::npos) throw;  // already one of ours
-    cudaError_t err = cudaPeekAtLastError();
-    if (err == cudaSuccess) err = cudaStreamQuery(at::cuda::getCurrentCUDAStream());
-    if (is_sticky_context_error(err)) raise_pending_cuda_error(err, "during the guarded call", layer);
+    // Queries the stream (not while it is captured) and clears what the query
+    // leaves: a busy stream's cudaErrorNotReady must not reach the next call.
+    const int err = sticky_error_behind_failure(cuda_probe());
+    if (err != cudaSuccess) {
+      raise_pending_cuda_error(static_cast<cudaError_t>(err), "during the guarded call", layer);
+    }
     throw;
   }
 }
 
+// Replay counters of captured calls, per device: one each, never reused (a
+// graph may be replayed at any time), allocated with the claim word.
+constexpr int64_t kReplayCounters = 16384;
+
 struct DeviceRecord {
   AsyncRecord* record = nullptr;
   int* claim = nullptr;
+  int64_t* replay_counters = nullptr;  // kReplayCounters, zeroed
+  int64_t replay_counters_used = 0;
 };
+
+std::mutex& slots_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::array<DeviceRecord, 64>& device_slots() {
+  static std::array<DeviceRecord, 64> slots;
+  return slots;
+}
 
 }  // namespace
 
 void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
-  static std::mutex mutex;
-  static std::array<DeviceRecord, 64> slots;
   const int index = device.index();
   TORCH_CHECK(index >= 0 && index < 64, "cublas_guard_ext: unsupported CUDA device index ", index);
-  std::lock_guard<std::mutex> lock(mutex);
-  DeviceRecord& slot = slots[index];
+  std::lock_guard<std::mutex> lock(slots_mutex());
+  DeviceRecord& slot = device_slots()[index];
   if (slot.record == nullptr) {
     const c10::cuda::CUDAGuard guard(device);
     // One-time allocations, allowed even if the first async call is being captured.
@@ -271,19 +305,20 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
     C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
     // With unified addressing (every 64-bit platform CUDA supports) both are one address.
     TORCH_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
-    void* claim_memory = nullptr;
-    C10_CUDA_CHECK(cudaMalloc(&claim_memory, sizeof(int)));
-    C10_CUDA_CHECK(cudaMemset(claim_memory, 0, sizeof(int)));
+    // The claim word, then the replay counters (8-byte aligned), all zero. The
+    // zeroing is waited for: no later stream is ordered after this one.
+    const size_t bytes = sizeof(int64_t) * (1 + kReplayCounters);
+    void* device_memory = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&device_memory, bytes));
+    C10_CUDA_CHECK(cudaMemset(device_memory, 0, bytes));
+    C10_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     slot.record = static_cast<AsyncRecord*>(host);
-    slot.claim = static_cast<int*>(claim_memory);
+    slot.claim = static_cast<int*>(device_memory);
+    slot.replay_counters = static_cast<int64_t*>(device_memory) + 1;
     RecordHooks hooks;
     hooks.synchronize = [](c10::Device d) {
       const c10::cuda::CUDAGuard g(d);
       C10_CUDA_CHECK(cudaDeviceSynchronize());
-    };
-    hooks.reset_claim = [](int* c, c10::Device d) {
-      const c10::cuda::CUDAGuard g(d);
-      C10_CUDA_CHECK(cudaMemset(c, 0, sizeof(int)));
     };
     register_async_record(device, slot.record, slot.claim, hooks);
   }
@@ -293,11 +328,29 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
 
 namespace {
 
+// Async mode, after async_slot_cuda: a captured call gets its own replay counter.
+bool capture_replay_counter_cuda(c10::Device device, int64_t** counter) {
+  *counter = nullptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // not known to be capturing: count nothing, leave no error behind
+    return false;
+  }
+  if (status == cudaStreamCaptureStatusNone) return false;
+  std::lock_guard<std::mutex> lock(slots_mutex());
+  DeviceRecord& slot = device_slots()[device.index()];
+  if (slot.replay_counters != nullptr && slot.replay_counters_used < kReplayCounters) {
+    *counter = slot.replay_counters + slot.replay_counters_used++;
+  }
+  return true;  // a replay all the same; its number is reported as unknown without a counter
+}
+
 const LinearBackend& cuda_backend() {
   static const LinearBackend backend{scan_cuda_into,   fetch_cuda,
                                      gemm_cuda,        check_pending_error_cuda,
                                      async_slot_cuda,  memory_info_cuda,
-                                     /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12};
+                                     /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12,
+                                     capture_replay_counter_cuda};
   return backend;
 }
 

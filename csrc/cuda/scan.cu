@@ -119,10 +119,24 @@ __device__ void write_result(const Partial& p, long long* out, const AsyncTarget
     out[kNegInfCount] = p.neginf;
     out[kFirstBadIndex] = p.first == kNone ? -1 : p.first;
   }
-  if (target.record == nullptr || p.first == kNone) return;
-  // First writer wins; later bad calls before the host reads are dropped.
-  if (atomicCAS(target.claim, 0, 1) != 0) return;
+  if (target.record == nullptr) return;
+  long long replay = 0;  // which replay of a captured call this is (async_record.h)
+  if (target.captured) {
+    auto* counter = reinterpret_cast<unsigned long long*>(target.replays);
+    if (counter == nullptr) {
+      replay = -1;
+    } else if (target.counts_replay) {
+      replay = static_cast<long long>(atomicAdd(counter, 1ULL) + 1ULL);  // clean replays count too
+    } else {
+      replay = static_cast<long long>(*static_cast<volatile unsigned long long*>(counter));
+    }
+  }
+  if (p.first == kNone) return;
   volatile AsyncRecord* r = target.record;
+  // First writer wins; later bad calls before the host has taken the report are
+  // dropped. The claim is free while it equals the epoch the host last set.
+  const unsigned epoch = static_cast<unsigned>(r->epoch);
+  if (atomicCAS(reinterpret_cast<unsigned*>(target.claim), epoch, epoch + 1u) != epoch) return;
   r->layer_id = target.layer_id;
   r->call_id = target.call_id;
   r->role = target.role;
@@ -134,6 +148,7 @@ __device__ void write_result(const Partial& p, long long* out, const AsyncTarget
   r->ndim = target.ndim;
 #pragma unroll
   for (int d = 0; d < kRecordMaxDims; ++d) r->shape[d] = target.shape[d];
+  r->replay = replay;
   __threadfence_system();  // the fields reach the host before the flag does
   r->flag = 1;
 }

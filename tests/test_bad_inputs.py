@@ -389,6 +389,8 @@ def test_async_bad_value_is_raised_by_the_next_call(device: str, where: str) -> 
     before = Snapshot.of(x)
     y = safe(x)  # no raise: async mode records it
     assert y.shape == (3, 4)
+    if device == "cuda":
+        torch.cuda.synchronize()  # the device writes the record whenever the scan finishes
     with pytest.raises(cg.NonFiniteInputError) as info:
         other(torch.randn(2, 8, device=device))  # any guarded layer reports it
     err = info.value
@@ -409,6 +411,8 @@ def test_async_keeps_only_the_first_bad_call(device: str) -> None:
     first = randn_with((2, 8), device, {(0, 1): INF})
     second = randn_with((2, 8), device, {(1, 7): NAN})
     safe.forward(first)
+    if device == "cuda":
+        torch.cuda.synchronize()  # the device writes the record whenever the scan finishes
     # The second call raises the first call's finding before it scans anything.
     with pytest.raises(cg.NonFiniteInputError) as info:
         safe(second)

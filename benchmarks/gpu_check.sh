@@ -1,36 +1,55 @@
 #!/usr/bin/env bash
-# One script for the GPU machine (an H200; Python 3.12, torch 2.11.0+cu130, nvcc 13.0, ninja, pytest,
-# triton; no network; the repository arrives as a working tree). From the repository root:
+# One script for the lent GPU machine (an H200; Python 3.12, torch 2.11.0+cu130, nvcc 13.0, ninja,
+# pytest, pytest-timeout, hypothesis, triton; no network; the repository arrives as a working tree;
+# it starts bare every time). From the repository root:
 #
-#     bash benchmarks/gpu_check.sh            # build, CUDA tests, extra checks, GPU benchmarks
-#     bash benchmarks/gpu_check.sh --dry-run  # print the steps and budgets, run nothing (any machine)
+#     bash benchmarks/gpu_check.sh            # the slots below, in order
+#     bash benchmarks/gpu_check.sh --dry-run  # print the plan and the commands, run nothing (any machine)
 #
-# Steps, each under its own time limit so the whole fits one device call (the device allows at
-# most 10 minutes per command and 15 per task; this stays within GPU_CHECK_TOTAL_S = 390 s, about
-# 5-6 minutes when every step uses its time: run it with a device timeout of about 450 s):
-#   1. build the extension for sm_90 only (TORCH_CUDA_ARCH_LIST=9.0): pip install --no-build-isolation
-#      --no-deps -e . (falls back to setup.py build_ext --inplace); prints the build time
-#   2. the test suite (-m "not slow"; CUDA-only tests run here, they skip on CPU machines)
-#   3. benchmarks/gpu_extra_checks.sh, if present (e.g. compute-sanitizer runs), under a budget
-#   4. python benchmarks/run.py --preset gpu with the time that is left
-# Everything goes under $OUT when set (the device tool copies $OUT back), else
-# benchmarks/results/gpu-check/. A short table (step, status, seconds, then the targets) is printed
-# last. Exit status: 0 if the build and the tests passed, else 1 (benchmark misses do not fail it).
+# BUDGET PLAN. A task that is lent the machine gets 15 minutes of device time for all its calls
+# together: the machine's start (a minute or more), every command, the idle waits. One run of this
+# script must fit in 8 minutes so that a fix and a second run still fit: it stops itself after
+# GPU_CHECK_TOTAL_S = 450 s (7.5 min); call it with the device tool's timeout_s = 480. The slots run
+# in order of value; each has its own limit, a slot never takes the time of a later one's reserve,
+# and time an earlier slot leaves unused goes to the "rest" slots at the end:
 #
-# Budgets (seconds; override by environment): GPU_CHECK_TOTAL_S=390 for everything,
-# GPU_CHECK_BUILD_S=180, GPU_CHECK_TEST_S=100, GPU_CHECK_EXTRA_S=90 (the hook's own default; it gets
-# less if that would leave the benchmarks under 160 s). The benchmarks start new cases for at most
-# GPU_CHECK_BENCH_MAX_S=180 s and for no longer than the total allows minus 75 s (the case in
-# flight and the report), and are killed 10 s before the total. The gpu preset's full grid is
-# estimated (never measured) at about 2 minutes; its target cases run first, so a run cut short
-# still checks the targets, and the cases it did not start are listed as skipped.
+#   slot       limit   what
+#   env          ~5 s  nvidia-smi, nvcc, torch, pytest-timeout, hypothesis
+#   build       150 s  sm_90 only (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS=nproc:
+#                      pip install --no-build-isolation --no-deps -e . (fallback: setup.py build_ext)
+#   core        100 s  the core path's CUDA tests: tests/test_cuda.py, test_async_record.py,
+#                      test_cuda_errors.py (scan, GEMM, errors, async record, graphs, >2^31 batch)
+#   bench        75 s  the benchmarks' headline rows: run.py --preset gpu starts cases for 45 s; its
+#                      target shapes run first, then the scan rows; killed at 75 s
+#   sanitizer    60 s  compute-sanitizer memcheck (benchmarks/gpu_extra_checks.sh) in its own slot: a
+#                      few-second probe first; a device that refuses the tool is reported as
+#                      "could not run here" (NORUN), not as a finding
+#   rest    the rest   every other CUDA-parametrized test (-m "not slow" -k cuda), until 10 s before
+#                      the total
+#   pack         ~5 s  the summary, and everything else packed into one archive
+#
+# Tests: each pytest run is stopped with SIGINT at its slot's limit (pytest then still prints its
+# summary, --durations and writes its junit xml; SIGKILL 30 s later only if it hangs), and
+# each test with pytest-timeout (--timeout 120, when installed) so a single hang cannot eat a slot.
+#
+# OUTPUT. Everything goes under $OUT (the device tool copies $OUT back: at most 8 files, 2 folders
+# deep), else benchmarks/results/gpu-check/. While it runs, details go to $OUT/details/; at the end
+# they are packed into $OUT/gpu_check_details.tar.gz and, when $OUT is set, removed, leaving:
+#   summary.txt (the table, printed last too), gpu_check.log, junit-core.xml, junit-rest.xml,
+#   RESULTS.md, results.json (the benchmark run), gpu_check_details.tar.gz
+# Exit status: 0 if the build and both test slots passed, else 1 (benchmark misses, a sanitizer
+# finding or a sanitizer that could not run do not fail it; the summary says so).
+#
+# Budgets can be overridden by environment: GPU_CHECK_TOTAL_S, GPU_CHECK_BUILD_S, GPU_CHECK_CORE_S,
+# GPU_CHECK_BENCH_S (new cases started; killed 30 s later), GPU_CHECK_SANITIZER_S,
+# GPU_CHECK_SANITIZER_TOOLS ("memcheck"), GPU_CHECK_TEST_TIMEOUT_S (per test).
 set -u -o pipefail
 
 DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -38,49 +57,100 @@ done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT_DIR="${OUT:-$ROOT/benchmarks/results/gpu-check}"
+DETAILS="$OUT_DIR/details"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-TOTAL_S="${GPU_CHECK_TOTAL_S:-390}"
-BUILD_S="${GPU_CHECK_BUILD_S:-180}"
-TEST_S="${GPU_CHECK_TEST_S:-100}"
-EXTRA_S="${GPU_CHECK_EXTRA_S:-90}"
-BENCH_MAX_S="${GPU_CHECK_BENCH_MAX_S:-180}"
+TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
+BUILD_S="${GPU_CHECK_BUILD_S:-150}"
+CORE_S="${GPU_CHECK_CORE_S:-100}"
+BENCH_S="${GPU_CHECK_BENCH_S:-45}"
+SANITIZER_S="${GPU_CHECK_SANITIZER_S:-60}"
+TEST_TIMEOUT_S="${GPU_CHECK_TEST_TIMEOUT_S:-120}"
+SANITIZER_TOOLS="${GPU_CHECK_SANITIZER_TOOLS:-memcheck}"  # racecheck too needs about 2 minutes more
+BENCH_HARD_S=$(( BENCH_S + 30 ))
+PACK_S=10  # kept free at the end for the summary and the archive
 EXTRA_HOOK="$ROOT/benchmarks/gpu_extra_checks.sh"
+CORE_TESTS=(tests/test_cuda.py tests/test_async_record.py tests/test_cuda_errors.py)
 
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( TOTAL_S - $(elapsed) )); }
 min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+# What a slot may use: its own limit, but never the reserves of the slots after it.
+slot_limit() { min "$1" "$(( $(left) - $2 ))"; }
 
 STEPS=()   # "name|status|seconds|note"
 record() { STEPS+=("$1|$2|$3|$4"); }
 
+PYTEST_COMMON=(-q -p no:cacheprovider --durations=15 -o junit_logging=no)
+# pytest with SIGINT restored: a shell that runs this script in the background starts it with
+# SIGINT ignored, and Python then never raises KeyboardInterrupt. One interrupt is enough (timeout
+# signals the child and its group).
+PYTEST=("$PY" -c 'import signal, sys
+def stop(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+signal.signal(signal.SIGINT, stop)
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))')
+PYTEST_TIMEOUT=()
+IGNORE=()
+
 if [ "$DRY_RUN" = 1 ]; then
+  R_CORE=$(( BENCH_HARD_S + SANITIZER_S + PACK_S ))
   echo "gpu_check.sh --dry-run (nothing is built or run)"
   echo "  repository: $ROOT"
-  echo "  outputs:    $OUT_DIR"
+  echo "  outputs:    $OUT_DIR (details in $DETAILS, packed at the end)"
   echo "  python:     $(command -v "$PY") ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null))"
-  echo "  budgets:    total ${TOTAL_S}s; build ${BUILD_S}s; tests ${TEST_S}s; extra ${EXTRA_S}s; benchmarks <= ${BENCH_MAX_S}s"
-  echo "  1. TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) timeout ${BUILD_S} $PY -m pip install --no-build-isolation --no-deps -e ."
-  echo "  2. timeout ${TEST_S} $PY -m pytest -q tests -m 'not slow' --junitxml=$OUT_DIR/junit.xml"
+  echo "  plan:       total ${TOTAL_S}s (device timeout_s 480); build ${BUILD_S}s; core tests ${CORE_S}s;" \
+       "bench ${BENCH_S}s (+30 s to finish); sanitizer ${SANITIZER_S}s; rest of the tests until ${PACK_S}s before the end"
+  echo "  slot 1 build:     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) timeout -s INT ${BUILD_S} $PY -m pip install --no-build-isolation --no-deps -e ."
+  echo "  slot 2 core:      timeout -s INT -k 30 <min(${CORE_S}, left - ${R_CORE})> $PY -m pytest ${CORE_TESTS[*]} ${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-core.xml"
+  echo "  slot 3 bench:     timeout -s INT ${BENCH_HARD_S} $PY benchmarks/run.py --preset gpu --budget-s ${BENCH_S} --out $DETAILS/bench --results-md $DETAILS/RESULTS.md"
   if [ -f "$EXTRA_HOOK" ]; then
-    echo "  3. GPU_EXTRA_BUDGET_S=${EXTRA_S} OUT_EXTRA=$OUT_DIR/extra timeout $(( EXTRA_S + 10 )) bash benchmarks/gpu_extra_checks.sh"
+    echo "  slot 4 sanitizer: GPU_EXTRA_BUDGET_S=$(( SANITIZER_S - 10 )) TOOLS=\"$SANITIZER_TOOLS\" OUT_EXTRA=$DETAILS/sanitizer timeout -k 5 ${SANITIZER_S} bash benchmarks/gpu_extra_checks.sh"
   else
-    echo "  3. (benchmarks/gpu_extra_checks.sh absent: skipped)"
+    echo "  slot 4 sanitizer: (benchmarks/gpu_extra_checks.sh absent: skipped)"
   fi
-  echo "  4. $PY benchmarks/run.py --preset gpu --out $OUT_DIR/results/gpu --results-md $OUT_DIR/RESULTS.md --budget-s <min(${BENCH_MAX_S}, left - 75)>"
-  echo "The benchmark plan:"
-  "$PY" benchmarks/run.py --preset gpu --dry-run | sed -n '1,3p'
+  echo "  slot 5 rest:      timeout -s INT -k 30 <left - ${PACK_S}> $PY -m pytest tests -m 'not slow' -k cuda $(printf -- '--ignore=%s ' "${CORE_TESTS[@]}")${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-rest.xml"
+  echo "  then:             summary.txt; details packed into $OUT_DIR/gpu_check_details.tar.gz"
+  echo "The benchmark plan (headline rows first):"
+  timeout 120 "$PY" benchmarks/run.py --preset gpu --dry-run 2>&1 | sed -n '1,3p'
   exit 0
 fi
 
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR" "$DETAILS"
+rm -f "$OUT_DIR"/summary.txt "$OUT_DIR"/junit-*.xml "$OUT_DIR"/gpu_check_details.tar.gz
 LOG="$OUT_DIR/gpu_check.log"
+: >"$LOG"
+
+# pytest NAME LIMIT JUNIT ARGS...: one test slot, stopped with SIGINT at LIMIT seconds.
+run_pytest() {
+  local name=$1 limit=$2 junit=$3 rc t s summary
+  shift 3
+  if [ "$limit" -lt 15 ]; then record "$name" SKIP 0 "no time left"; return 1; fi
+  echo "== $name: pytest $* (stopped with SIGINT after ${limit}s)"
+  s=$(date +%s)
+  timeout -s INT -k 30 "$limit" "${PYTEST[@]}" "$@" "${PYTEST_COMMON[@]}" "${PYTEST_TIMEOUT[@]}" "${IGNORE[@]}" \
+      --junitxml="$junit" >"$DETAILS/pytest-$name.log" 2>&1
+  rc=$?
+  t=$(( $(date +%s) - s ))
+  tail -40 "$DETAILS/pytest-$name.log"
+  summary=$(grep -E '(passed|failed|error|skipped|no tests ran).* in [0-9.]+s' "$DETAILS/pytest-$name.log" | tail -1)
+  case $rc in
+    0) record "$name" PASS "$t" "$summary" ;;
+    5) record "$name" PASS "$t" "no tests collected: $summary" ;;
+    2|124|130) record "$name" STOPPED "$t" "stopped at ${limit}s (SIGINT); $summary" ;;
+    137) record "$name" KILLED "$t" "hung past SIGINT, killed; see details/pytest-$name.log" ;;
+    *) record "$name" FAIL "$t" "rc $rc; $summary" ;;
+  esac
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]
+}
 
 main() {
-echo "== gpu_check.sh $(date -u '+%Y-%m-%d %H:%M:%S UTC') in $ROOT; outputs in $OUT_DIR"
+echo "== gpu_check.sh $(date -u '+%Y-%m-%d %H:%M:%S UTC') in $ROOT; outputs in $OUT_DIR; total ${TOTAL_S}s"
 
-# ---- 0. environment -------------------------------------------------------------------------
+# ---- env --------------------------------------------------------------------------------------
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
   command -v nvcc >/dev/null && nvcc --version | tail -2
@@ -89,36 +159,43 @@ import platform, torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| torch CUDA", torch.version.cuda,
       "| cuda available", torch.cuda.is_available(),
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
-try:
-    import triton; print("triton", triton.__version__)
-except Exception as e:
-    print("triton: not importable:", e)
-try:
-    import matplotlib; print("matplotlib", matplotlib.__version__)
-except Exception:
-    print("matplotlib: absent (the plot falls back to overhead.svg)")
+for name in ("pytest_timeout", "hypothesis", "triton", "matplotlib"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "present"))
+    except Exception as e:
+        print(f"{name}: not importable ({type(e).__name__})")
 EOF
-} 2>&1 | tee "$OUT_DIR/environment.txt"
+} 2>&1 | tee "$DETAILS/environment.txt"
+if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
+  PYTEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S" --timeout-method signal)
+fi
+if ! "$PY" -c "import hypothesis" >/dev/null 2>&1; then
+  # Property tests need hypothesis; leave their files out rather than fail collection.
+  for f in $(grep -l -E '^(import|from) hypothesis' tests/*.py 2>/dev/null); do IGNORE+=("--ignore=$f"); done
+fi
 
-# ---- 1. build ---------------------------------------------------------------------------------
+# ---- slot 1: build (sm_90 only) ----------------------------------------------------------------
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-echo "== 1. build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS, CUDA_HOME=${CUDA_HOME:-unset})"
+RESERVE_AFTER_BUILD=$(( CORE_S + BENCH_HARD_S + SANITIZER_S + PACK_S ))
+B=$(slot_limit "$BUILD_S" "$RESERVE_AFTER_BUILD")
+echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS, CUDA_HOME=${CUDA_HOME:-unset}, limit ${B}s)"
 S=$(date +%s)
-timeout "$BUILD_S" "$PY" -m pip install --no-build-isolation --no-deps -e . >"$OUT_DIR/build.log" 2>&1
+timeout -k 5 "$B" "$PY" -m pip install --no-build-isolation --no-deps -e . >"$DETAILS/build.log" 2>&1
 RC=$?
 if [ $RC -ne 0 ]; then
   echo "pip install -e . failed (rc $RC; tail below); trying setup.py build_ext --inplace"
-  tail -25 "$OUT_DIR/build.log"
-  LEFT_BUILD=$(( BUILD_S - ($(date +%s) - S) ))
+  tail -25 "$DETAILS/build.log"
+  LEFT_BUILD=$(( B - ($(date +%s) - S) ))
   if [ "$LEFT_BUILD" -gt 30 ]; then
-    timeout "$LEFT_BUILD" "$PY" setup.py build_ext --inplace >>"$OUT_DIR/build.log" 2>&1
+    timeout -k 5 "$LEFT_BUILD" "$PY" setup.py build_ext --inplace >>"$DETAILS/build.log" 2>&1
     RC=$?
   fi
 fi
 BUILD_T=$(( $(date +%s) - S ))
-echo "build: rc $RC in ${BUILD_T}s (log: $OUT_DIR/build.log)"
+echo "build: rc $RC in ${BUILD_T}s (log: details/build.log)"
 HAS_CUDA_OPS=0
 if [ $RC -eq 0 ]; then
   if "$PY" - <<'EOF'
@@ -132,86 +209,36 @@ EOF
   then HAS_CUDA_OPS=1; record build PASS "$BUILD_T" "sm_90 build, CUDA kernels registered"
   else record build FAIL "$BUILD_T" "built, but no CUDA kernels or no GPU"; fi
 else
-  tail -40 "$OUT_DIR/build.log"
-  record build FAIL "$BUILD_T" "rc $RC, see build.log"
+  tail -40 "$DETAILS/build.log"
+  record build FAIL "$BUILD_T" "rc $RC (124: over ${B}s), see details/build.log"
 fi
 
-# ---- 2. tests ---------------------------------------------------------------------------------
-TEST_RC=1
-if [ $RC -eq 0 ]; then
-  T=$(min "$TEST_S" "$(( $(left) - 60 ))")
-  IGNORE=()
-  if ! "$PY" -c "import hypothesis" >/dev/null 2>&1; then
-    # No network there: property tests need hypothesis; leave their files out rather than fail collection.
-    for f in $(grep -l -E '^(import|from) hypothesis' tests/*.py 2>/dev/null); do IGNORE+=("--ignore=$f"); done
-    echo "hypothesis is not installed: ${IGNORE[*]:-nothing to ignore}"
-  fi
-  echo "== 2. tests (-m 'not slow', limit ${T}s)"
-  S=$(date +%s)
-  timeout "$T" "$PY" -m pytest -q tests -m "not slow" -p no:cacheprovider "${IGNORE[@]}" \
-      --junitxml="$OUT_DIR/junit.xml" >"$OUT_DIR/pytest.log" 2>&1
-  TEST_RC=$?
-  TT=$(( $(date +%s) - S ))
-  tail -30 "$OUT_DIR/pytest.log"
-  SUMMARY_LINE=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$OUT_DIR/pytest.log" | tail -1)
-  case $TEST_RC in
-    0) record tests PASS "$TT" "$SUMMARY_LINE${IGNORE:+ (without ${IGNORE[*]})}" ;;
-    124) record tests TIMEOUT "$TT" "limit ${T}s; $SUMMARY_LINE" ;;
-    *) record tests FAIL "$TT" "rc $TEST_RC; $SUMMARY_LINE" ;;
-  esac
-else
-  record tests SKIP 0 "no build"
-fi
-
-# ---- 3. extra checks (hook) -------------------------------------------------------------------
-if [ -f "$EXTRA_HOOK" ]; then
-  if [ $RC -eq 0 ]; then
-    T=$(min "$EXTRA_S" "$(( $(left) - 160 ))")
-    if [ "$T" -gt 5 ]; then
-      echo "== 3. benchmarks/gpu_extra_checks.sh (limit ${T}s)"
-      mkdir -p "$OUT_DIR/extra"
-      S=$(date +%s)
-      # The hook budgets itself with GPU_EXTRA_BUDGET_S; the outer limit leaves it 10 s to report.
-      GPU_EXTRA_BUDGET_S="$T" OUT_EXTRA="$OUT_DIR/extra" PYTHON="$PY" \
-        timeout -k 5 $(( T + 10 )) bash "$EXTRA_HOOK" >"$OUT_DIR/extra/extra_checks.log" 2>&1
-      XRC=$?
-      XT=$(( $(date +%s) - S ))
-      tail -25 "$OUT_DIR/extra/extra_checks.log"
-      XNOTE=$(grep -h '^gpu_extra_checks: ' "$OUT_DIR/extra/summary.txt" 2>/dev/null | sed 's/^gpu_extra_checks: //' | paste -sd ';' -)
-      case $XRC in
-        0) record extra PASS "$XT" "${XNOTE:-clean}" ;;
-        1) record extra FOUND "$XT" "${XNOTE:-see extra/extra_checks.log}" ;;
-        2) record extra INCOMPL "$XT" "${XNOTE:-incomplete, see extra/extra_checks.log}" ;;
-        124|137) record extra TIMEOUT "$XT" "limit $(( T + 10 ))s; ${XNOTE}" ;;
-        *) record extra FAIL "$XT" "rc $XRC, see extra/extra_checks.log" ;;
-      esac
-    else
-      record extra SKIP 0 "no time left"
-    fi
-  else
-    record extra SKIP 0 "no build"
-  fi
-else
-  record extra SKIP 0 "benchmarks/gpu_extra_checks.sh absent"
-fi
-
-# ---- 4. benchmarks ----------------------------------------------------------------------------
+# ---- slot 2: the core path's CUDA tests ---------------------------------------------------------
+CORE_OK=0
 if [ "$HAS_CUDA_OPS" = 1 ]; then
-  B=$(min "$BENCH_MAX_S" "$(( $(left) - 75 ))")
-  HARD=$(( $(left) - 10 ))
-  if [ "$B" -gt 30 ]; then
-    echo "== 4. python benchmarks/run.py --preset gpu (starts cases for ${B}s, killed after ${HARD}s)"
-    [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$OUT_DIR/RESULTS.md"
+  T=$(slot_limit "$CORE_S" $(( BENCH_HARD_S + SANITIZER_S + PACK_S )))
+  run_pytest core "$T" "$OUT_DIR/junit-core.xml" "${CORE_TESTS[@]}" && CORE_OK=1
+else
+  record core SKIP 0 "no CUDA build"
+fi
+
+# ---- slot 3: the benchmarks' headline rows ------------------------------------------------------
+if [ "$HAS_CUDA_OPS" = 1 ]; then
+  HARD=$(slot_limit "$BENCH_HARD_S" $(( SANITIZER_S + PACK_S )))
+  BS=$(( HARD - 30 ))
+  if [ "$BS" -gt 10 ]; then
+    echo "== bench: run.py --preset gpu (starts cases for ${BS}s, stopped at ${HARD}s)"
+    [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$DETAILS/RESULTS.md"
     S=$(date +%s)
-    timeout "$HARD" "$PY" benchmarks/run.py --preset gpu --out "$OUT_DIR/results/gpu" \
-        --results-md "$OUT_DIR/RESULTS.md" --budget-s "$B" >"$OUT_DIR/bench.log" 2>&1
+    timeout -s INT -k 10 "$HARD" "$PY" benchmarks/run.py --preset gpu --out "$DETAILS/bench" \
+        --results-md "$DETAILS/RESULTS.md" --budget-s "$BS" >"$DETAILS/bench.log" 2>&1
     BRC=$?
     BT=$(( $(date +%s) - S ))
-    tail -45 "$OUT_DIR/bench.log"
+    tail -30 "$DETAILS/bench.log"
     if [ $BRC -eq 0 ]; then
-      record bench DONE "$BT" "$(grep -c '^PASS' "$OUT_DIR/results/gpu/targets.txt" 2>/dev/null) PASS, $(grep -c '^MISS' "$OUT_DIR/results/gpu/targets.txt" 2>/dev/null) MISS"
+      record bench DONE "$BT" "$(grep -c '^PASS' "$DETAILS/bench/targets.txt" 2>/dev/null) PASS, $(grep -c '^MISS' "$DETAILS/bench/targets.txt" 2>/dev/null) MISS; rows not started are listed as skipped"
     else
-      record bench FAIL "$BT" "rc $BRC, see bench.log"
+      record bench FAIL "$BT" "rc $BRC, see details/bench.log"
     fi
   else
     record bench SKIP 0 "no time left"
@@ -220,20 +247,70 @@ else
   record bench SKIP 0 "no CUDA build"
 fi
 
-# ---- summary (last) ---------------------------------------------------------------------------
-echo
-echo "== gpu_check.sh summary ($(elapsed)s in all; outputs in $OUT_DIR)"
-printf '%-7s %-8s %6s  %s\n' step status seconds note
-for s in "${STEPS[@]}"; do
-  IFS='|' read -r name status secs note <<<"$s"
-  printf '%-7s %-8s %6s  %s\n' "$name" "$status" "$secs" "$note"
-done
-if [ -f "$OUT_DIR/results/gpu/targets.txt" ]; then
-  echo "-- targets (benchmarks/run.py --preset gpu):"
-  cat "$OUT_DIR/results/gpu/targets.txt"
+# ---- slot 4: compute-sanitizer ----------------------------------------------------------------
+if [ ! -f "$EXTRA_HOOK" ]; then
+  record sanitizer SKIP 0 "benchmarks/gpu_extra_checks.sh absent"
+elif [ "$HAS_CUDA_OPS" != 1 ]; then
+  record sanitizer SKIP 0 "no CUDA build"
+else
+  T=$(slot_limit "$SANITIZER_S" "$PACK_S")
+  if [ "$T" -gt 15 ]; then
+    echo "== sanitizer: benchmarks/gpu_extra_checks.sh (limit ${T}s)"
+    mkdir -p "$DETAILS/sanitizer"
+    S=$(date +%s)
+    # The hook budgets itself with GPU_EXTRA_BUDGET_S; the outer limit leaves it 10 s to report.
+    GPU_EXTRA_BUDGET_S=$(( T - 10 )) OUT_EXTRA="$DETAILS/sanitizer" PYTHON="$PY" TOOLS="$SANITIZER_TOOLS" \
+      timeout -k 5 "$T" bash "$EXTRA_HOOK" >"$DETAILS/sanitizer/extra_checks.log" 2>&1
+    XRC=$?
+    XT=$(( $(date +%s) - S ))
+    tail -20 "$DETAILS/sanitizer/extra_checks.log"
+    XNOTE=$(grep -h '^gpu_extra_checks: ' "$DETAILS/sanitizer/summary.txt" 2>/dev/null | sed 's/^gpu_extra_checks: //' | paste -sd ';' -)
+    case $XRC in
+      0) record sanitizer PASS "$XT" "${XNOTE:-clean}" ;;
+      1) record sanitizer FOUND "$XT" "${XNOTE:-see details/sanitizer/extra_checks.log}" ;;
+      2) record sanitizer INCOMPL "$XT" "${XNOTE:-incomplete, see details/sanitizer/extra_checks.log}" ;;
+      3) record sanitizer NORUN "$XT" "could not run here: ${XNOTE:-the device refused compute-sanitizer}" ;;
+      124|137) record sanitizer TIMEOUT "$XT" "limit ${T}s; ${XNOTE}" ;;
+      *) record sanitizer FAIL "$XT" "rc $XRC, see details/sanitizer/extra_checks.log" ;;
+    esac
+  else
+    record sanitizer SKIP 0 "no time left"
+  fi
 fi
-[ $RC -eq 0 ] && [ $TEST_RC -eq 0 ] && [ "$HAS_CUDA_OPS" = 1 ]
+
+# ---- slot 5: the rest of the CUDA tests ---------------------------------------------------------
+REST_OK=0
+if [ "$HAS_CUDA_OPS" = 1 ]; then
+  T=$(slot_limit 100000 "$PACK_S")
+  REST_IGNORE=()
+  for f in "${CORE_TESTS[@]}"; do REST_IGNORE+=("--ignore=$f"); done
+  run_pytest rest "$T" "$OUT_DIR/junit-rest.xml" tests -m "not slow" -k cuda "${REST_IGNORE[@]}" && REST_OK=1
+else
+  record rest SKIP 0 "no CUDA build"
+fi
+
+# ---- summary (last) ---------------------------------------------------------------------------
+{
+  echo
+  echo "== gpu_check.sh summary ($(elapsed)s of ${TOTAL_S}s; $(date -u '+%Y-%m-%d %H:%M UTC'); outputs in $OUT_DIR)"
+  printf '%-9s %-8s %6s  %s\n' slot status seconds note
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name status secs note <<<"$s"
+    printf '%-9s %-8s %6s  %s\n' "$name" "$status" "$secs" "$note"
+  done
+  if [ -f "$DETAILS/bench/targets.txt" ]; then
+    echo "-- targets (benchmarks/run.py --preset gpu):"
+    cat "$DETAILS/bench/targets.txt"
+  fi
+} | tee "$OUT_DIR/summary.txt"
+[ "$HAS_CUDA_OPS" = 1 ] && [ "$CORE_OK" = 1 ] && [ "$REST_OK" = 1 ]
 }
 
 main 2>&1 | tee -a "$LOG"
-exit "${PIPESTATUS[0]}"
+STATUS=${PIPESTATUS[0]}
+# Pack: the device tool brings back at most 8 files, 2 folders deep.
+[ -f "$DETAILS/RESULTS.md" ] && cp "$DETAILS/RESULTS.md" "$OUT_DIR/RESULTS.md"
+[ -f "$DETAILS/bench/results.json" ] && cp "$DETAILS/bench/results.json" "$OUT_DIR/results.json"
+tar -czf "$OUT_DIR/gpu_check_details.tar.gz" -C "$OUT_DIR" details 2>/dev/null \
+  && [ -n "${OUT:-}" ] && rm -rf "$DETAILS"
+exit "$STATUS"

@@ -16,7 +16,9 @@
 #     gpu_extra_checks: memcheck: CLEAN (0 errors) in 31 s, workload OK
 # Exit status: 0 = every tool ran to the end and was clean; 1 = a tool reported errors or the
 # workload failed/mismatched under it; 2 = incomplete (no GPU / no CUDA build / no sanitizer /
-# a tool hit the budget) with nothing found.
+# a tool hit the budget) with nothing found; 3 = could not run here: a probe (a 32-thread CUDA
+# kernel built with nvcc, else a one-line torch program) runs without the sanitizer but not under
+# it (a sandboxed device, e.g. gVisor, answers "Device not supported"), so nothing was checked.
 #
 # Notes: memcheck runs with PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own
 # allocation and an out-of-bounds access is caught at the tensor's edge (with the caching
@@ -213,6 +215,42 @@ if [ -z "$CS" ]; then
   STATUS=2
 else
   "$CS" --version 2>&1 | head -3
+  # The probe: does this device let compute-sanitizer run a kernel at all?
+  PROBE_DIR="$LOG_DIR/probe"
+  mkdir -p "$PROBE_DIR"
+  cat >"$PROBE_DIR/probe.cu" <<'CUEOF'
+#include <cstdio>
+__global__ void fill(int* p) { p[threadIdx.x] = static_cast<int>(threadIdx.x); }
+int main() {
+  int* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, 32 * sizeof(int));
+  if (e == cudaSuccess) { fill<<<1, 32>>>(p); e = cudaDeviceSynchronize(); }
+  std::printf("PROBE %s\n", e == cudaSuccess ? "OK" : cudaGetErrorString(e));
+  return e == cudaSuccess ? 0 : 1;
+}
+CUEOF
+  NVCC="$(command -v nvcc || true)"
+  [ -z "$NVCC" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] && NVCC="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+  PROBE=()
+  if [ -n "$NVCC" ] && timeout 60 "$NVCC" -arch=native -o "$PROBE_DIR/probe" "$PROBE_DIR/probe.cu" >"$PROBE_DIR/nvcc.log" 2>&1; then
+    PROBE=("$PROBE_DIR/probe")
+  else
+    PROBE=("$PY" -c "import torch; x = torch.ones(32, device='cuda'); torch.cuda.synchronize(); print('PROBE OK' if float(x.sum()) == 32 else 'PROBE WRONG')")
+  fi
+  timeout 60 "${PROBE[@]}" >"$PROBE_DIR/plain.log" 2>&1
+  timeout 60 "$CS" --tool memcheck "${PROBE[@]}" >"$PROBE_DIR/sanitized.log" 2>&1
+  PRC=$?
+  if ! grep -q '^PROBE OK' "$PROBE_DIR/plain.log"; then
+    echo "probe failed without the sanitizer too: $(tail -1 "$PROBE_DIR/plain.log")"
+  elif ! grep -q '^PROBE OK' "$PROBE_DIR/sanitized.log"; then
+    WHY=$(grep -m1 -iE 'not supported|error|fail' "$PROBE_DIR/sanitized.log" | tr -s ' ' | cut -c1-160)
+    tail -5 "$PROBE_DIR/sanitized.log"
+    for tool in $TOOLS; do
+      SUMMARY+=("gpu_extra_checks: $tool: COULD NOT RUN HERE (a probe kernel runs, but not under compute-sanitizer: rc $PRC, ${WHY:-no output})")
+    done
+    TOOLS=""
+    STATUS=3
+  fi
   # Options this compute-sanitizer may not know are tried on /bin/true first and dropped if refused.
   accepts() { "$CS" "$@" /bin/true >/dev/null 2>&1; }
   n_tools=$(echo $TOOLS | wc -w)

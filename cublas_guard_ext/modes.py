@@ -9,15 +9,22 @@
 * ``"off"``: no value scan; the host-side checks and the checked cuBLAS call stay.
 
 The default for layers without their own mode: the innermost :func:`guard`
-block of this thread, else the ``CUBLAS_GUARD_MODE`` environment variable,
+block of this context, else the ``CUBLAS_GUARD_MODE`` environment variable,
 else ``"sync"``. A layer's own ``mode`` always wins.
+
+"This context" is a :mod:`contextvars` context: each thread and each asyncio
+task has its own (a task starts with the blocks open where it was created), so
+a block in one task never changes another's mode. A generator has no context
+of its own (PEP 568 was deferred): a block open inside a suspended generator is
+seen by its caller until the generator resumes and leaves it. Whatever the
+order in which blocks end, each removes exactly its own entry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
-import threading
 from collections.abc import Iterator
 from typing import Literal
 
@@ -25,7 +32,10 @@ Mode = Literal["off", "sync", "async"]
 MODE_CODES: dict[str, int] = {"off": 0, "sync": 1, "async": 2}
 ENV_VAR = "CUBLAS_GUARD_MODE"
 
-_local = threading.local()
+# The open guard() blocks, innermost last: (block id, mode) pairs.
+_blocks: contextvars.ContextVar[tuple[tuple[object, Mode], ...]] = contextvars.ContextVar(
+    "cublas_guard_blocks", default=()
+)
 
 
 def validate(mode: str) -> Mode:
@@ -47,10 +57,10 @@ def _env_default() -> Mode:
 
 
 def current() -> Mode:
-    """The mode a layer without its own ``mode`` uses right now, in this thread."""
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return stack[-1]
+    """The mode a layer without its own ``mode`` uses right now, in this context."""
+    blocks = _blocks.get()
+    if blocks:
+        return blocks[-1][1]
     return _env_default()
 
 
@@ -63,14 +73,14 @@ def guard(mode: Mode = "async", *, check_on_exit: bool = True) -> Iterator[None]
     # any NaN/Inf recorded inside the block is raised here at the latest
     """
     validate(mode)
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(mode)
+    block = object()
+    _blocks.set((*_blocks.get(), (block, mode)))
     try:
         yield
     finally:
-        stack.pop()
+        # Not ContextVar.reset: the block may end in another context than it began
+        # (a generator resumed elsewhere) or after a later block began.
+        _blocks.set(tuple(entry for entry in _blocks.get() if entry[0] is not block))
     # Only on a normal exit: an exception already in flight is the better report.
     if check_on_exit:
         from .ops import check

@@ -510,16 +510,21 @@ def test_non_tensor_input_is_a_type_error() -> None:
 
 
 @pytest.mark.parametrize("layout", ["coo", "csr"])
-def test_sparse_input_works_or_is_refused_clearly(layout: str) -> None:
+def test_sparse_input_works_like_nn_linear(layout: str) -> None:
+    """nn.Linear accepts sparse COO and CSR input and returns a dense output: so must we."""
     safe = make_layer("cpu")
     dense = torch.randn(3, 8)
     x = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
-    try:
-        y = safe(x)
-    except cg.GuardError as err:  # a typed refusal naming the layout is acceptable too
-        assert "sparse" in str(err).lower()
-    else:
-        assert_matches(y, F.linear(dense, safe.weight, safe.bias))
+    ref = nn.Linear(8, safe.out_features)
+    ref.load_state_dict(safe.state_dict())
+    expected = ref(x)
+    y = safe(x)
+    assert y.layout == expected.layout == torch.strided
+    assert_matches(y, expected)
+    bad = dense.clone()
+    bad[2, 5] = float("nan")
+    with pytest.raises(cg.NonFiniteInputError):
+        safe(bad.to_sparse() if layout == "coo" else bad.to_sparse_csr())
 
 
 # --------------------------------------------------------------------------

@@ -133,7 +133,7 @@ def test_fresh_parameters_every_call_do_not_grow_the_cache(device: str, one_thre
         b = torch.randn(8, device=device, requires_grad=True)
         cg.linear(x, w, b, layer="fresh").sum().backward()
 
-    # warm-up past the cache's pruning threshold (4096 entries) at least once
+    # warm-up: the cache evicts dead entries as new ones come, so its size is steady after it
     rss0, rss1, gpu0, gpu1 = memory_growth(call, 5_000, steps, device)
     print(f"\n[leaks/{device}/fresh-params] {steps} calls: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
           f"GPU {gpu1 - gpu0:+d} B")

@@ -51,11 +51,20 @@ def test_async_check_and_first_bad_call_wins(device: str) -> None:
     layer(poisoned(device=device))
     x2 = torch.randn(4, 8, device=device)
     x2[3, 7] = float("inf")
-    # The next call would report; check() instead: it waits for the device and raises.
-    with pytest.raises(cg.NonFiniteInputError) as info:
-        cg.check()
-    assert info.value.call == 1 and info.value.nan_count == 1
-    cg.check()  # nothing left
+    # A second bad call. On the CPU the record is readable at once, so this call reports
+    # the first finding as it starts; on a GPU it may run first, and must not overwrite it.
+    try:
+        cg.linear(x2, layer.weight, layer.bias, layer="b", mode="async")
+    except cg.NonFiniteInputError as err:
+        first = err
+    else:
+        # check() waits for the device and raises the first finding only.
+        with pytest.raises(cg.NonFiniteInputError) as info:
+            cg.check()
+        first = info.value
+    assert first.layer == "a" and first.call == 1
+    assert first.nan_count == 1 and first.posinf_count == 0
+    cg.check()  # nothing left: the second finding is not reported later either
 
 
 def test_guard_block_reports_at_exit_at_the_latest(device: str) -> None:
@@ -123,6 +132,41 @@ def test_guard_blocks_are_per_thread() -> None:
     release.set()
     t.join()
     assert seen["main"] == "sync"
+
+
+def test_guard_blocks_are_per_asyncio_task() -> None:
+    import asyncio
+
+    seen: dict[str, str] = {}
+
+    async def task(name: str, mode: str, first: asyncio.Event, second: asyncio.Event) -> None:
+        with cg.guard(mode, check_on_exit=False):
+            first.set()
+            await second.wait()  # the other task enters its own block meanwhile
+            seen[name] = modes.current()
+
+    async def main() -> None:
+        a_in, b_in = asyncio.Event(), asyncio.Event()
+        await asyncio.gather(task("a", "async", a_in, b_in), task("b", "off", b_in, a_in))
+        seen["outside"] = modes.current()
+
+    asyncio.run(main())
+    assert seen == {"a": "async", "b": "off", "outside": "sync"}
+
+
+def test_guard_blocks_ending_out_of_order_remove_only_their_own_entry() -> None:
+    def gen():
+        with cg.guard("off", check_on_exit=False):
+            yield modes.current()
+            yield modes.current()
+
+    g = gen()
+    assert next(g) == "off"
+    with cg.guard("async", check_on_exit=False):
+        assert modes.current() == "async"
+        g.close()  # the generator's block ends while the caller's is open
+        assert modes.current() == "async"
+    assert modes.current() == "sync"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -220,3 +264,27 @@ def test_functional_linear_matches_under_every_mode() -> None:
     x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
     for mode in ("sync", "async", "off"):
         assert_matches(cg.linear(x, w, b, mode=mode), F.linear(x, w, b))
+
+
+def test_async_call_numbers_are_per_layer_not_per_shape_or_reused_name() -> None:
+    a, b = cg.SafeLinear(8, 8, mode="async"), cg.SafeLinear(8, 8, mode="async")
+    for _ in range(3):
+        a(torch.randn(2, 8))
+    b(poisoned((2, 8)))
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        cg.check()
+    assert info.value.call == 1 and info.value.layer == b.guard_label != a.guard_label
+
+    old = cg.replace_linear(nn.Sequential(nn.Linear(8, 4)), mode="async")
+    for _ in range(5):
+        old(torch.randn(2, 8))
+    fresh = cg.replace_linear(nn.Sequential(nn.Linear(8, 4)), mode="async")  # same name, "0"
+    fresh(poisoned((2, 8)))
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        cg.check()
+    assert info.value.layer == "0" and info.value.call == 1
+    named = cg.SafeLinear(8, 4, mode="async", name="0")  # a name given by hand restarts it too
+    named(poisoned((2, 8)))
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        cg.check()
+    assert info.value.call == 1

@@ -12,6 +12,8 @@ from torch import nn
 import cublas_guard_ext as cg
 from conftest import assert_matches
 
+NAN = float("nan")
+
 
 def test_same_parameters_init_and_state_dict_keys() -> None:
     torch.manual_seed(3)
@@ -182,3 +184,184 @@ def test_works_with_no_grad_and_sequential(device: str) -> None:
     with torch.no_grad():
         y = model(torch.randn(5, 4, device=device))
     assert y.shape == (5, 1) and not y.requires_grad
+
+
+# ---------------------------------------------------------------------------
+# Aliases, reparametrized Linears, hooks, names, example inputs
+# ---------------------------------------------------------------------------
+def test_a_linear_registered_twice_is_swapped_in_every_slot() -> None:
+    lin = nn.Linear(6, 6)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    x = torch.randn(3, 6)
+    expected = model(x)
+    cg.replace_linear(model)
+    assert isinstance(model[0], cg.SafeLinear) and model[2] is model[0]
+    assert model[0].guard_name == "0" and model[0].weight is lin.weight
+    assert_matches(model(x), expected)
+    for alias in ("0", "2"):
+        again = nn.Sequential(lin, nn.ReLU(), lin)
+        cg.replace_linear(again, which=[alias])
+        assert isinstance(again[0], cg.SafeLinear) and again[2] is again[0]
+
+
+def test_the_shared_linear_is_guarded_in_its_second_slot() -> None:
+    lin = nn.Linear(6, 6)
+    model = cg.replace_linear(nn.Sequential(lin, nn.ReLU(), lin))
+    with torch.no_grad():
+        model[0].weight.fill_(1e38)  # finite, but 6 * 1e38 overflows: Inf reaches slot 2
+    with pytest.raises(cg.NonFiniteInputError, match="layer '0'") as info:
+        model(torch.ones(2, 6))
+    assert info.value.fields["role"] == "input"
+
+
+def _hook_reparametrized() -> dict[str, nn.Linear]:
+    import torch.nn.utils.prune as prune
+
+    out = {
+        "weight_norm": nn.utils.weight_norm(nn.Linear(8, 5)),
+        "spectral_norm": nn.utils.spectral_norm(nn.Linear(8, 5)),
+        "prune": prune.l1_unstructured(nn.Linear(8, 5), "weight", amount=0.3),
+        "parametrize_weight_norm": nn.utils.parametrizations.weight_norm(nn.Linear(8, 5)),
+        "parametrize_orthogonal": nn.utils.parametrizations.orthogonal(nn.Linear(8, 5)),
+        "parametrize_spectral_norm": nn.utils.parametrizations.spectral_norm(nn.Linear(8, 5)),
+    }
+    return out
+
+
+@pytest.mark.parametrize("kind", list(_hook_reparametrized()))
+def test_reparametrized_linears_are_swapped_and_stay_reparametrized(kind: str) -> None:
+    import warnings
+
+    def build() -> nn.Module:  # twice, same seed: a hook-based weight_norm cannot be deep-copied
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based ones
+            return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _hook_reparametrized()[kind])
+
+    ref, model = build(), build()
+    ref.eval(), model.eval()  # spectral_norm's power iteration runs in training only
+    cg.replace_linear(model)
+    assert isinstance(model[2], cg.SafeLinear) and isinstance(model[0], cg.SafeLinear)
+    x = torch.randn(3, 4)
+    assert_matches(model(x), ref(x))
+    assert list(model.state_dict()) == list(ref.state_dict())
+    # training moves the same parameters the reparametrization owns
+    model.train(), ref.train()
+    opt_m = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for _ in range(3):
+        for net, opt in ((model, opt_m), (ref, opt_r)):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    model.eval(), ref.eval()
+    assert_matches(model(x), ref(x), rel=1e-4)
+    # and a NaN in what the weight is computed from is caught
+    with torch.no_grad():
+        # every element: some maps ignore part of their input (orthogonal's tril)
+        next(p for n, p in model[2].named_parameters() if "weight" in n or "original" in n).fill_(NAN)
+    with pytest.raises(cg.NonFiniteInputError, match="layer '2'"):
+        model(x)
+
+
+def test_an_unswappable_linear_is_skipped_with_a_warning_and_nothing_is_half_swapped() -> None:
+    wrapped = nn.Linear(4, 4)
+    wrapped.forward = lambda x, _old=wrapped.forward: _old(x) * 2  # accelerate-style wrapper
+    model = nn.Sequential(nn.Linear(4, 4), wrapped, nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="'1' stays an unguarded nn.Linear"):
+        cg.replace_linear(model)
+    assert isinstance(model[0], cg.SafeLinear) and isinstance(model[2], cg.SafeLinear)
+    assert type(model[1]) is nn.Linear
+    # asked for by name: refused before anything is swapped
+    model = nn.Sequential(nn.Linear(4, 4), wrapped, nn.Linear(4, 2))
+    with pytest.raises(TypeError, match="cannot swap '1'"):
+        cg.replace_linear(model, which=["0", "1", "2"])
+    assert all(type(m) is nn.Linear for m in model)
+
+
+def test_hooks_and_attributes_are_carried_over() -> None:
+    lin = nn.Linear(4, 3)
+    calls = []
+    pre = lin.register_forward_pre_hook(lambda m, a: calls.append(("pre", type(m).__name__)))
+    lin.register_forward_hook(lambda m, a, out: out * 2)
+    lin.register_full_backward_hook(lambda m, gi, go: calls.append(("bwd", type(m).__name__)))
+    lin._is_hf_initialized = True
+    model = nn.Sequential(lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    expected = model(x)
+    calls.clear()
+    cg.replace_linear(model)
+    out = model(x)
+    assert_matches(out, expected)  # the forward hook doubled it
+    out.sum().backward()
+    assert calls == [("pre", "SafeLinear"), ("bwd", "SafeLinear")]
+    assert model[0]._is_hf_initialized is True
+    pre.remove()  # the handle from before the swap still removes the hook
+    calls.clear()
+    model(x)
+    assert calls == []
+
+
+def test_names_given_by_hand_are_kept() -> None:
+    model = nn.Sequential(cg.SafeLinear(4, 4, name="mine"), nn.Linear(4, 2))
+    cg.replace_linear(model)
+    assert model[0].guard_name == "mine" and model[1].guard_name == "1"
+    outer = nn.Sequential(model)
+    cg.name_layers(outer)  # names given automatically follow the new place
+    assert model[0].guard_name == "mine" and model[1].guard_name == "0.1"
+
+
+def test_first_called_by_example_changes_no_state_and_accepts_a_tensor() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    model.train()
+    bn = model[1]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cg.replace_linear(model, which="first", example_inputs=torch.randn(8, 4) * 5 + 3)
+    assert isinstance(model[0], cg.SafeLinear) and type(model[2]) is nn.Linear
+    assert model.training and bn.training and model[0].training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed"
+    with pytest.raises(TypeError, match="example_inputs must be a tensor or a tuple"):
+        cg.replace_linear(nn.Sequential(nn.Linear(4, 2)), which="first", example_inputs=3)
+
+
+def _transformer_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randn(3, 5, 16)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1, 3:] = True  # padded tail: TransformerEncoder would use nested tensors
+    return src, mask
+
+
+@pytest.mark.parametrize("kind", ["layer", "encoder", "transformer"])
+def test_transformer_fast_path_is_guarded(kind: str) -> None:
+    torch.manual_seed(2)
+    if kind == "layer":
+        ref: nn.Module = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    elif kind == "encoder":
+        ref = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2,
+            enable_nested_tensor=True,
+        )
+    else:
+        ref = nn.Transformer(16, 4, 1, 1, 32, dropout=0.0, batch_first=True)
+    ref.eval()
+    model = cg.replace_linear(copy.deepcopy(ref))
+    src, mask = _transformer_inputs()
+
+    def run(net: nn.Module) -> torch.Tensor:
+        if kind == "transformer":
+            return net(src, src[:, :4], src_key_padding_mask=mask, memory_key_padding_mask=mask)
+        return net(src, src_key_padding_mask=mask)
+
+    with torch.no_grad():
+        expected, out = run(ref), run(model)
+    keep = ~mask[..., None] if kind != "transformer" else torch.ones(1, dtype=torch.bool)
+    # the fast path leaves padded positions unspecified (nested tensors give 0)
+    assert_matches(torch.where(keep, out, 0.0), torch.where(keep, expected, 0.0), rel=1e-4)
+    linear1 = next(m for n, m in model.named_modules() if n.endswith("linear1"))
+    assert isinstance(linear1, cg.SafeLinear)
+    with torch.no_grad():
+        linear1.weight[0, 0] = NAN
+        with pytest.raises(cg.NonFiniteInputError) as info:
+            run(model)
+    assert info.value.layer.endswith("linear1") and info.value.fields["role"] == "weight"

@@ -58,6 +58,9 @@ at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x,
   return op.call(grad_output, x, layer);
 }
 
+// `t` when a gradient will read it, else an undefined tensor (nothing saved).
+at::Tensor saved_if(bool needed, const at::Tensor& t) { return needed ? t : at::Tensor(); }
+
 // grad_output summed over every dim but the last: the bias gradient.
 at::Tensor bias_grad(const at::Tensor& grad_output) {
   std::vector<int64_t> batch_dims(grad_output.dim() - 1);
@@ -71,7 +74,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                             const c10::optional<at::Tensor>& bias, const std::string& layer,
                             int64_t mode, bool scan_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    ctx->save_for_backward({x, weight});
+    // Like nn.Linear, only what the needed gradients read: dW = g^T x needs x,
+    // dx = g W needs W. A frozen layer then keeps no activation alive, an
+    // in-place edit of its input is allowed, and inference-mode weights can be
+    // used with an input that needs no gradient.
+    ctx->save_for_backward({saved_if(weight.requires_grad(), x), saved_if(x.requires_grad(), weight)});
     ctx->saved_data["layer"] = layer;
     // needs_input_grad counts tensor arguments only: an absent bias has no index.
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
@@ -103,7 +110,9 @@ class GradInputFunction : public torch::autograd::Function<GradInputFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output,
                             const at::Tensor& weight, const std::string& layer) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    ctx->save_for_backward({grad_output, weight});
+    // dg needs W, dW needs g (see backward).
+    ctx->save_for_backward({saved_if(weight.requires_grad(), grad_output),
+                            saved_if(grad_output.requires_grad(), weight)});
     ctx->saved_data["layer"] = layer;
     return call_grad_input(grad_output, weight, layer);
   }
@@ -128,7 +137,9 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output,
                             const at::Tensor& x, const std::string& layer) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    ctx->save_for_backward({grad_output, x});
+    // dg needs x, dx needs g (see backward).
+    ctx->save_for_backward({saved_if(x.requires_grad(), grad_output),
+                            saved_if(grad_output.requires_grad(), x)});
     ctx->saved_data["layer"] = layer;
     return call_grad_weight(grad_output, x, layer);
   }

@@ -12,8 +12,10 @@
 namespace cublas_guard {
 namespace {
 
-std::vector<int64_t> linear_output_shape(const at::Tensor& x, int64_t out_features) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+// Sizes as SymInts: under torch.compile(dynamic=...) and torch.export a batch
+// dim is symbolic and must stay so (no sizes(), no guard on it).
+c10::SymDimVector linear_output_shape(const at::Tensor& x, const c10::SymInt& out_features) {
+  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = out_features;
   return shape;
 }
@@ -30,19 +32,19 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
                        int64_t mode, bool /*scan_grad*/) {
   parse_mode(mode);
   check_linear_args(x, weight, bias, std::string(layer));
-  return at::empty(linear_output_shape(x, weight.size(0)), weight.options());
+  return at::empty_symint(linear_output_shape(x, weight.sym_size(0)), weight.options());
 }
 
 at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
                            c10::string_view layer) {
-  check_grad_args(grad_output, weight, weight.size(0), "weight", std::string(layer));
-  return at::empty(linear_output_shape(grad_output, weight.size(1)), weight.options());
+  check_grad_args(grad_output, weight, weight.sym_size(0), "weight", std::string(layer));
+  return at::empty_symint(linear_output_shape(grad_output, weight.sym_size(1)), weight.options());
 }
 
 at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
                             c10::string_view layer) {
-  check_grad_args(grad_output, x, grad_output.size(-1), "input", std::string(layer));
-  return at::empty({grad_output.size(-1), x.size(-1)}, x.options());
+  check_grad_args(grad_output, x, grad_output.sym_size(-1), "input", std::string(layer));
+  return at::empty_symint({grad_output.sym_size(-1), x.sym_size(-1)}, x.options());
 }
 
 void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_view layer) {

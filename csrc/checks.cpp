@@ -16,9 +16,9 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 [[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
                              const std::string& layer) {
   ErrorReport report("shape_mismatch");
-  report.add("layer", layer).add("role", role).add("shape", t.sizes());
+  report.add("layer", layer).add("role", role).add("shape", t.sym_sizes());
   report.add("expected_shape", expected).add("reason", "operand");
-  report.raise_value_error("layer '" + layer + "': " + role + " of shape " + c10::str(t.sizes()) +
+  report.raise_value_error("layer '" + layer + "': " + role + " of shape " + c10::str(t.sym_sizes()) +
                            ", expected " + expected);
 }
 
@@ -29,7 +29,7 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
   ErrorReport report("device_mismatch");
   report.add("layer", layer).add("role", role).add("anchor", anchor_name);
   report.add("input_device", t.device().str()).add("weight_device", anchor.device().str());
-  report.add("shape", t.sizes());
+  report.add("shape", t.sym_sizes());
   report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + t.device().str() +
                              " but " + anchor_name + " is on " + anchor.device().str());
 }
@@ -51,17 +51,19 @@ void check_scannable(const at::Tensor& t) {
                    "cublas_guard_ext.scan: expected a float32 tensor, got ", t.scalar_type());
 }
 
-void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer) {
+void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer) {
   if (x.scalar_type() != at::kFloat) raise_dtype_error(x, "input", layer);
-  if (x.dim() == 0 || x.size(-1) != in_features) {
+  // Sizes are read as SymInts: under torch.compile / torch.export with dynamic
+  // shapes this compares (and so guards) the last dim only, never the batch dims.
+  if (x.dim() == 0 || x.sym_size(-1) != in_features) {
     ErrorReport report("shape_mismatch");
-    report.add("layer", layer).add("role", "input").add("shape", x.sizes());
+    report.add("layer", layer).add("role", "input").add("shape", x.sym_sizes());
     report.add("expected_last_dim", in_features);
     report.add("reason", x.dim() == 0 ? "zero_dim" : "last_dim");
     report.raise_value_error(
-        "layer '" + layer + "': input of shape " + c10::str(x.sizes()) +
-        (x.dim() == 0 ? " is 0-d" : " has last dim " + std::to_string(x.size(-1))) +
-        ", expected last dim == in_features == " + std::to_string(in_features));
+        "layer '" + layer + "': input of shape " + c10::str(x.sym_sizes()) +
+        (x.dim() == 0 ? " is 0-d" : " has last dim " + c10::str(x.sym_size(-1))) +
+        ", expected last dim == in_features == " + c10::str(in_features));
   }
 }
 
@@ -69,24 +71,25 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const std::string& layer) {
   if (weight.scalar_type() != at::kFloat) raise_dtype_error(weight, "weight", layer);
   if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
-  check_input(x, weight.size(1), layer);
+  check_input(x, weight.sym_size(1), layer);
   if (x.device() != weight.device()) raise_device_mismatch(x, "input", weight, "weight", layer);
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
     if (b.scalar_type() != at::kFloat) raise_dtype_error(b, "bias", layer);
-    if (b.dim() != 1 || b.size(0) != weight.size(0)) {
-      raise_shape(b, "bias", "[" + std::to_string(weight.size(0)) + "] (out_features)", layer);
+    if (b.dim() != 1 || b.sym_size(0) != weight.sym_size(0)) {
+      raise_shape(b, "bias", "[" + c10::str(weight.sym_size(0)) + "] (out_features)", layer);
     }
     if (b.device() != weight.device()) raise_device_mismatch(b, "bias", weight, "weight", layer);
   }
 }
 
 void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
-                     int64_t expected_last, const char* other_name, const std::string& layer) {
+                     const c10::SymInt& expected_last, const char* other_name,
+                     const std::string& layer) {
   if (grad_output.scalar_type() != at::kFloat) raise_dtype_error(grad_output, "grad_output", layer);
   if (other.scalar_type() != at::kFloat) raise_dtype_error(other, other_name, layer);
-  if (grad_output.dim() < 1 || grad_output.size(-1) != expected_last) {
-    raise_shape(grad_output, "grad_output", "[..., " + std::to_string(expected_last) + "]", layer);
+  if (grad_output.dim() < 1 || grad_output.sym_size(-1) != expected_last) {
+    raise_shape(grad_output, "grad_output", "[..., " + c10::str(expected_last) + "]", layer);
   }
   if (grad_output.device() != other.device()) {
     raise_device_mismatch(grad_output, "grad_output", other, other_name, layer);

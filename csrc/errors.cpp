@@ -88,6 +88,17 @@ ErrorReport& ErrorReport::add(const char* key, c10::IntArrayRef values) {
   return *this;
 }
 
+ErrorReport& ErrorReport::add(const char* key, const c10::SymInt& value) {
+  return add(key, value.guard_int(__FILE__, __LINE__));
+}
+
+ErrorReport& ErrorReport::add(const char* key, c10::SymIntArrayRef values) {
+  std::vector<int64_t> concrete;
+  concrete.reserve(values.size());
+  for (const c10::SymInt& v : values) concrete.push_back(v.guard_int(__FILE__, __LINE__));
+  return add(key, c10::IntArrayRef(concrete));
+}
+
 std::string ErrorReport::json() const {
   std::string out = "{\"kind\": " + json_string(kind_);
   for (const auto& field : fields_) {
@@ -133,8 +144,8 @@ void add_memory_fields(ErrorReport& report, const MemoryFacts& m) {
 
 void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t) {
   const std::string p(prefix);
-  report.add((p + "_shape").c_str(), t.sizes());
-  report.add((p + "_strides").c_str(), t.strides());
+  report.add((p + "_shape").c_str(), t.sym_sizes());
+  report.add((p + "_strides").c_str(), t.sym_strides());
   report.add((p + "_dtype").c_str(), std::string(c10::toString(t.scalar_type())));
   report.add((p + "_device").c_str(), t.device().str());
 }

@@ -55,6 +55,10 @@ class ErrorReport {
   ErrorReport& add(const char* key, const std::string& value);
   ErrorReport& add(const char* key, const char* value) { return add(key, std::string(value)); }
   ErrorReport& add(const char* key, c10::IntArrayRef values);
+  // Sizes of a tensor being traced with symbolic shapes (torch.compile, torch.export)
+  // are SymInts; a report states their concrete value (guarding on it: it raises anyway).
+  ErrorReport& add(const char* key, const c10::SymInt& value);
+  ErrorReport& add(const char* key, c10::SymIntArrayRef values);
 
   std::string json() const;
   std::string message(const std::string& summary) const;
@@ -95,14 +99,16 @@ void check_scannable(const at::Tensor& t);
 
 // The input alone (what check_features needs): float32, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
-void check_input(const at::Tensor& x, int64_t in_features, const std::string& layer);
+// Sizes are compared as SymInts, so a traced batch dim stays symbolic.
+void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer);
 // The whole linear call: the input checks plus weight/bias dtype, shape and
 // device agreement.
 void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const std::string& layer);
 // Backward operands (grad_output against weight or input).
 void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
-                     int64_t expected_last, const char* other_name, const std::string& layer);
+                     const c10::SymInt& expected_last, const char* other_name,
+                     const std::string& layer);
 
 // Raises NonFiniteInputError's report when `counts` (host int64[4]) is not clean.
 void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts,

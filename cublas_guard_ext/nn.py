@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -70,14 +70,41 @@ class SafeLinear(nn.Linear):
         if name:
             _reset_calls(name)
 
+    # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]).
+    __annotations__ = {**nn.Linear.__annotations__, "mode": Optional[str],
+                       "guard_name": Optional[str]}
+
     @property
     def guard_label(self) -> str:
         """What errors call this layer."""
-        if self.guard_name:
-            return self.guard_name
-        return f"<unnamed SafeLinear({self.in_features}->{self.out_features}) #{self._unnamed_number}>"
+        name = self.guard_name
+        if name is not None and name != "":
+            return name
+        return ("<unnamed SafeLinear(" + str(self.in_features) + "->" + str(self.out_features)
+                + ") #" + str(self._unnamed_number) + ">")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+        if torch.jit.is_scripting():
+            # TorchScript: the same native op (every check and scan, typed
+            # errors); the layer's own mode, else "sync": guard() blocks and
+            # CUBLAS_GUARD_MODE are Python state a scripted model cannot read.
+            mode = self.mode
+            code = 1 if mode is None else (0 if mode == "off" else (2 if mode == "async" else 1))
+            x = input
+            cast = self.dtype_policy == "cast" and (
+                input.dtype == torch.float16 or input.dtype == torch.bfloat16
+            )
+            if cast:
+                x = input.float()
+            out = torch.ops.cublas_guard.linear(
+                x, self.weight, self.bias, self.guard_label, code, self.scan_grad
+            )
+            return out.to(input.dtype) if cast else out
+        else:
+            return self._eager_forward(input)
+
+    @torch.jit.unused
+    def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         return _guarded_linear(
             input, self.weight, self.bias, layer=self.guard_label, mode=self.mode,
             scan_grad=self.scan_grad, dtype_policy=self.dtype_policy,

@@ -17,6 +17,16 @@ from . import _loader, diagnostics, modes
 _loader.load()
 _ops = torch.ops.cublas_guard
 
+from . import _transforms  # noqa: E402  (needs the ops loaded)
+
+# The guards that return nothing (check_features, guard_values: the backward
+# scan of scan_grad, async_check) would be dead code to torch.compile's graphs
+# (Dynamo, AOTAutograd, Inductor all eliminate unused pure calls): marked
+# side-effectful, they are kept and run in compiled forward and backward graphs.
+for _op in (_ops.check_features.default, _ops.guard_values.default, _ops.async_check.default,
+            _ops._set_fault.default):
+    torch.fx.node.has_side_effect(_op)
+
 __all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
 
 # "strict": fp16/bf16 input raises DTypeError (cublasSgemm is float32-only).
@@ -118,13 +128,17 @@ def linear(
         x = x.to_dense()
     if x.is_cuda and not torch.compiler.is_compiling():
         diagnostics.first_cuda_use(x.device)
+    # torch.func transforms and forward-mode AD need the Python autograd path.
+    op = _ops.linear.default
+    if not torch.compiler.is_compiling() and _transforms.active():
+        op = _transforms.linear
     if dtype_policy != "strict":
         if dtype_policy not in DTYPE_POLICIES:
             raise ValueError(f"cublas_guard_ext: dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
         if x.dtype in _CASTABLE:
-            out = _ops.linear.default(x.float(), weight, bias, layer, code, scan_grad)
+            out = op(x.float(), weight, bias, layer, code, scan_grad)
             return out.to(x.dtype)
-    return _ops.linear.default(x, weight, bias, layer, code, scan_grad)
+    return op(x, weight, bias, layer, code, scan_grad)
 
 
 def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -> None:

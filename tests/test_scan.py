@@ -148,6 +148,16 @@ def test_scan_result_is_lazy_and_cached(device: str) -> None:
     assert "first_bad_index=7" in repr(result)
 
 
+def test_all_finite_is_false_when_the_only_bad_element_is_first(device: str) -> None:
+    # first_bad_index == 0 is a finding, not "none" (-1).
+    x = torch.randn(6, device=device)
+    x[0] = NAN
+    result = cg.scan(x)
+    assert result.first_bad_index == 0 and result.bad_count == 1
+    assert not result.all_finite
+    assert cg.scan(torch.randn(6, device=device)).all_finite
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int32])
 def test_scan_refuses_other_dtypes(device: str, dtype: torch.dtype) -> None:
     with pytest.raises(TypeError, match="float32"):

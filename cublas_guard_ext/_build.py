@@ -37,6 +37,7 @@ CPU_SOURCES = (
     "linear_cpu.cpp",
     "autograd.cpp",
     "python_errors.cpp",
+    "autocast.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from conftest import assert_matches, max_rel_error
+from conftest import SGEMM, assert_matches, max_rel_error
 
 SHAPES = {
     "1d": (13,),
@@ -173,7 +173,7 @@ def test_unsplittable_dims_use_the_64bit_api(device: str, size_limit, inject_fau
     inject_fault("gemm", 13)
     with pytest.raises(cg.CublasError) as info:
         safe(torch.randn(11, 9, device=device))
-    assert info.value.api == "cublasSgemm_64"
+    assert info.value.api == SGEMM[device][1]
     assert "chunk" in info.value.fields and "n 0..6 of 11" in info.value.chunk
 
 
@@ -185,5 +185,5 @@ def test_split_pieces_are_reported(device: str, size_limit, inject_fault) -> Non
     inject_fault("gemm", 14)
     with pytest.raises(cg.CublasError) as info:
         safe(x)
-    assert info.value.api == "cublasSgemm" and info.value.chunk == "n 0..6 of 13, k 0..5 of 5"
+    assert info.value.api == SGEMM[device][0] and info.value.chunk == "n 0..6 of 13, k 0..5 of 5"
     assert "n=6" in str(info.value)

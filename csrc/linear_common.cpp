@@ -316,6 +316,14 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
   }
 }
 
+// A pointer `elements` elements of `element_size` bytes further on.
+const void* advance(const void* p, int64_t elements, int64_t element_size) {
+  return static_cast<const char*>(p) + elements * element_size;
+}
+void* advance(void* p, int64_t elements, int64_t element_size) {
+  return static_cast<char*>(p) + elements * element_size;
+}
+
 std::string chunk_text(int64_t n0, int64_t n_len, int64_t n, int64_t k0, int64_t k_len, int64_t k) {
   return "n " + std::to_string(n0) + ".." + std::to_string(n0 + n_len) + " of " +
          std::to_string(n) + ", k " + std::to_string(k0) + ".." + std::to_string(k0 + k_len) +
@@ -359,18 +367,23 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
 // and the leading dimensions cannot be split (ldc >= m; a leading dimension is
 // a stride), so a call still beyond the limit uses cuBLAS's 64-bit API.
 void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
-                 const at::Tensor& right, float beta, const char* purpose,
+                 const at::Tensor& right, double beta, const char* purpose,
                  const std::array<const char*, 3>& roles, const std::string& layer) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
   if (R == 0) {  // an empty sum: nothing for cuBLAS to do
-    if (beta == 0.0f) out.zero_();
+    if (beta == 0.0) out.zero_();
     return;
   }
   const bool fit_limit = !(be.has_64bit_api && gemm_64bit_allowed());
   const ColumnMajorView lv = as_column_major(left, fit_limit);
   const ColumnMajorView rv = as_column_major(right, fit_limit);
   GemmCall whole;
+  whole.dtype = out.scalar_type();
+  const GemmNames names = be.gemm_names(whole.dtype);
+  whole.routine = names.routine;
+  whole.data_type = names.data_type;
+  whole.compute_type = names.compute_type;
   whole.trans_a = !rv.transposed;
   whole.trans_b = !lv.transposed;
   whole.m = Q;
@@ -380,9 +393,9 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
   whole.lda = rv.ld;
   whole.b = lv.data;
   whole.ldb = lv.ld;
-  whole.c = out.data_ptr<float>();
+  whole.c = out.data_ptr();
   whole.ldc = Q;
-  whole.alpha = 1.0f;
+  whole.alpha = 1.0;
   whole.beta = beta;
   whole.purpose = purpose;
 
@@ -397,6 +410,7 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
 
   const GemmSteps steps = gemm_steps(whole, gemm_size_limit());
   const bool split = steps.m < whole.m || steps.n < whole.n || steps.k < whole.k;
+  const int64_t es = out.element_size();
   for (int64_t m0 = 0; m0 < whole.m; m0 += steps.m) {
     for (int64_t n0 = 0; n0 < whole.n; n0 += steps.n) {
       for (int64_t k0 = 0; k0 < whole.k; k0 += steps.k) {
@@ -404,12 +418,12 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
         piece.m = std::min(steps.m, whole.m - m0);
         piece.n = std::min(steps.n, whole.n - n0);
         piece.k = std::min(steps.k, whole.k - k0);
-        piece.a = whole.a + (whole.trans_a ? k0 + m0 * whole.lda   // op(A): rows m0..,
-                                           : m0 + k0 * whole.lda); //        columns k0..
-        piece.b = whole.b + (whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
-                                           : k0 + n0 * whole.ldb);  //        columns n0..
-        piece.c = whole.c + m0 + n0 * whole.ldc;
-        piece.beta = k0 == 0 ? whole.beta : 1.0f;  // later k pieces accumulate
+        piece.a = advance(whole.a, whole.trans_a ? k0 + m0 * whole.lda    // op(A): rows m0..,
+                                                 : m0 + k0 * whole.lda, es);  //   columns k0..
+        piece.b = advance(whole.b, whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
+                                                 : k0 + n0 * whole.ldb, es);  //   columns n0..
+        piece.c = advance(whole.c, m0 + n0 * whole.ldc, es);
+        piece.beta = k0 == 0 ? whole.beta : 1.0;  // later k pieces accumulate
         if (split) {
           piece.chunk = (steps.m < whole.m ? "m " + std::to_string(m0) + ".." +
                                                  std::to_string(m0 + piece.m) + " of " +
@@ -418,6 +432,7 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
                         chunk_text(n0, piece.n, whole.n, k0, piece.k, whole.k);
         }
         plan_gemm_call(piece, be.has_64bit_api, layer);
+        if (piece.use_64bit) piece.routine = names.routine_64;
         const int status = be.gemm(piece, ctx);
         if (status != 0) raise_gemm_failure(status, piece, ctx);
       }
@@ -505,15 +520,15 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
 
   const int64_t in_features = weight.size(1), out_features = weight.size(0);
   const at::Tensor x2d = flatten_rows(x, in_features);
-  const int64_t bytes = x2d.size(0) * out_features * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = x2d.size(0) * out_features * weight.element_size();
   return reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
     at::Tensor out = at::empty({x2d.size(0), out_features}, weight.options());
-    float beta = 0.0f;
+    double beta = 0.0;
     if (has_bias && out.numel() > 0) {
       // The bias enters through beta = 1 on an output pre-filled with it, as
       // torch's own addmm fallback does: one broadcast copy, no kernel of ours.
       out.copy_(bias->expand_as(out));
-      beta = 1.0f;
+      beta = 1.0;
     }
     matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
     return out.view(with_last(x.sizes(), out_features));
@@ -524,10 +539,10 @@ at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_out
                              const at::Tensor& weight, const std::string& layer) {
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
   const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
-  const int64_t bytes = g2d.size(0) * weight.size(1) * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = g2d.size(0) * weight.size(1) * weight.element_size();
   return reporting_oom(be, weight.device(), layer, "the input gradient", bytes, [&] {
     at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
-    matmul_into(be, grad_input, g2d, weight, 0.0f, "grad_input",
+    matmul_into(be, grad_input, g2d, weight, 0.0, "grad_input",
                 {"grad_output", "weight", "grad_input"}, layer);
     return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
   });
@@ -545,10 +560,10 @@ at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_ou
   TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer,
                     "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
                     " disagree on the batch size");
-  const int64_t bytes = out_features * in_features * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = out_features * in_features * x.element_size();
   return reporting_oom(be, x.device(), layer, "the weight gradient", bytes, [&] {
     at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
-    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0f, "grad_weight",
+    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0, "grad_weight",
                 {"grad_output^T", "input", "grad_weight"}, layer);
     return grad_weight;
   });
@@ -561,7 +576,7 @@ void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::strin
                     "cublas_guard_ext: unknown tensor role ", role);
   if (mode == GuardMode::kOff) return;
   raise_if_async_recorded(/*synchronize=*/false);
-  if (t.scalar_type() != at::kFloat) raise_dtype_error(t, role_name(role), layer);
+  if (!is_guarded_dtype(t.scalar_type())) raise_dtype_error(t, role_name(role), layer);
   if (mode == GuardMode::kSync) be.check_pending_error(layer);
   guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}});
 }
@@ -588,8 +603,9 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
   report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
   report.add("m", call.m).add("n", call.n).add("k", call.k);
   report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-  report.add("alpha", static_cast<double>(call.alpha)).add("beta", static_cast<double>(call.beta));
-  report.add("api", call.use_64bit ? "cublasSgemm_64" : "cublasSgemm");
+  report.add("alpha", call.alpha).add("beta", call.beta);
+  report.add("api", call.routine).add("data_type", call.data_type);
+  report.add("compute_type", call.compute_type);
   if (!call.chunk.empty()) report.add("chunk", call.chunk);
   add_memory_fields(report, ctx.memory);
   if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
@@ -607,7 +623,7 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
     while (alignment < 256 && address % (alignment * 2) == 0) alignment *= 2;
     report.add((std::string(op.first) + "_alignment").c_str(), alignment);
   }
-  report.raise_runtime_error("layer '" + ctx.layer + "': cublasSgemm (" + call.purpose +
+  report.raise_runtime_error("layer '" + ctx.layer + "': " + call.routine + " (" + call.purpose +
                              ") failed with status " + std::to_string(status) +
                              (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
                              std::to_string(call.m) + ", n=" + std::to_string(call.n) +

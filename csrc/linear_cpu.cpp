@@ -12,20 +12,38 @@ namespace cublas_guard {
 namespace {
 
 // A column-major [rows x cols] matrix with leading dimension ld, as a tensor view.
-at::Tensor column_major(const float* data, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<float*>(data), {rows, cols}, {1, ld},
-                       at::TensorOptions().dtype(at::kFloat));
+at::Tensor column_major(const void* data, int64_t rows, int64_t cols, int64_t ld,
+                        at::ScalarType dtype) {
+  return at::from_blob(const_cast<void*>(data), {rows, cols}, {1, ld},
+                       at::TensorOptions().dtype(dtype));
+}
+
+// What the CPU runs: torch's own CPU GEMM (addmm: MKL/OpenBLAS sgemm/dgemm for
+// float32/float64, oneDNN or torch's cpublas for bfloat16/float16, which
+// accumulate in float32). There is no 32-bit limit, so no second routine.
+GemmNames gemm_names_cpu(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return {"torch CPU addmm", "torch CPU addmm", "bfloat16", "float32"};
+    case at::kHalf:
+      return {"torch CPU addmm", "torch CPU addmm", "float16", "float32"};
+    case at::kDouble:
+      return {"torch CPU addmm", "torch CPU addmm", "float64", "float64"};
+    default:
+      return {"torch CPU addmm", "torch CPU addmm", "float32", "float32"};
+  }
 }
 
 int gemm_cpu(const GemmCall& call, GemmContext& ctx) {
-  ctx.math_mode = "cpu (torch addmm, float32)";
+  ctx.math_mode = std::string("cpu (torch addmm, ") + call.data_type + ")";
   ctx.device = "cpu";
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
-  at::Tensor a = call.trans_a ? column_major(call.a, call.k, call.m, call.lda).t()
-                              : column_major(call.a, call.m, call.k, call.lda);
-  at::Tensor b = call.trans_b ? column_major(call.b, call.n, call.k, call.ldb).t()
-                              : column_major(call.b, call.k, call.n, call.ldb);
-  at::Tensor c = column_major(call.c, call.m, call.n, call.ldc);
+  const at::ScalarType t = call.dtype;
+  at::Tensor a = call.trans_a ? column_major(call.a, call.k, call.m, call.lda, t).t()
+                              : column_major(call.a, call.m, call.k, call.lda, t);
+  at::Tensor b = call.trans_b ? column_major(call.b, call.n, call.k, call.ldb, t).t()
+                              : column_major(call.b, call.k, call.n, call.ldb, t);
+  at::Tensor c = column_major(call.c, call.m, call.n, call.ldc, t);
   c.addmm_(a, b, call.beta, call.alpha);
   return 0;
 }
@@ -51,7 +69,7 @@ const LinearBackend& cpu_backend() {
   // torch's CPU addmm has no 32-bit limit: the "64-bit API" is the same call.
   static const LinearBackend backend{scan_cpu_into,  fetch_cpu,      gemm_cpu, no_pending_error,
                                      async_slot_cpu, /*memory_info=*/nullptr,
-                                     /*has_64bit_api=*/true};
+                                     /*has_64bit_api=*/true,   gemm_names_cpu};
   return backend;
 }
 

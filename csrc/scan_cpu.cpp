@@ -1,5 +1,7 @@
 // The CPU scan: one pass, all cores (at::parallel_reduce over OpenMP), in
 // logical element order so the first bad index means the same as on CUDA.
+// Instantiated per format (float32, bfloat16, float16, float64): the same
+// test on each format's own bits.
 //
 // The hot loop only asks "is any exponent all ones?" with integer ops (and,
 // add, or) on explicit vectors with four independent accumulators; the
@@ -19,8 +21,34 @@ namespace cublas_guard {
 
 namespace {
 
-constexpr uint32_t kExponentMask = 0x7f800000u;
-constexpr uint32_t kMantissaMask = 0x007fffffu;
+// Each format's bit layout. The tests below use only integer ops on the raw
+// bits: an exponent field of all ones is Inf (mantissa 0) or NaN.
+struct Float32Bits {
+  using Bits = uint32_t;
+  static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
+};
+struct BFloat16Bits {
+  using Bits = uint16_t;
+  static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
+};
+struct Float16Bits {
+  using Bits = uint16_t;
+  static constexpr Bits kExponent = 0x7c00u, kMantissa = 0x03ffu;
+};
+struct Float64Bits {
+  using Bits = uint64_t;
+  static constexpr Bits kExponent = 0x7ff0000000000000ull, kMantissa = 0x000fffffffffffffull;
+};
+
+template <typename F>
+struct Format {
+  using Bits = typename F::Bits;
+  static constexpr Bits kExponent = F::kExponent;
+  static constexpr Bits kMantissa = F::kMantissa;
+  static constexpr Bits kSign = static_cast<Bits>(Bits{1} << (8 * sizeof(Bits) - 1));
+  static constexpr Bits kStep = static_cast<Bits>(kExponent & (~kExponent + 1));  // lowest exponent bit
+};
+
 constexpr int64_t kBlock = 4096;          // elements tested together before a detailed pass
 constexpr int64_t kGrain = 1 << 16;       // elements per parallel task at least
 constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
@@ -36,36 +64,47 @@ struct Partial {
   }
 };
 
-inline uint32_t bits_of(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof(b));
+template <typename Bits>
+inline Bits load_bits(const Bits* data) {
+  Bits b;
+  std::memcpy(&b, data, sizeof(b));
   return b;
 }
 
-// Bit 31 of the result is set iff some element's exponent is all ones: the
-// masked exponent plus one exponent step carries into bit 31 only then.
-inline uint32_t any_non_finite_scalar(const float* data, int64_t n) {
-  uint32_t acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc |= (bits_of(data[i]) & kExponentMask) + 0x00800000u;
-  return acc & 0x80000000u;
+// The sign bit of the result is set iff some element's exponent is all ones:
+// the masked exponent plus one exponent step carries into the sign bit only then.
+template <typename F>
+inline typename F::Bits any_non_finite_scalar(const typename F::Bits* data, int64_t n) {
+  using Bits = typename F::Bits;
+  Bits acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= static_cast<Bits>((load_bits(data + i) & F::kExponent) + F::kStep);
+  }
+  return static_cast<Bits>(acc & F::kSign);
 }
 
 #if defined(__GNUC__)
-// The same test on GCC/Clang vectors of 4 (16 bytes: SSE2, NEON) or 8 (32
-// bytes: AVX2) lanes. Four independent accumulators: one accumulator makes
-// every iteration wait for the previous `or`, which held the old loop to
-// about 16 bytes per cycle, below what one core can pull from L3.
-typedef uint32_t U32x4 __attribute__((vector_size(16)));
-typedef uint32_t U32x8 __attribute__((vector_size(32)));
+// The same test on GCC/Clang vectors of 16 bytes (SSE2, NEON) or 32 bytes
+// (AVX2): 4/8 float32 lanes, 8/16 bfloat16 or float16 lanes, 2/4 float64
+// lanes. Four independent accumulators: one accumulator makes every iteration
+// wait for the previous `or`, which held the old loop to about 16 bytes per
+// cycle, below what one core can pull from L3.
+template <typename Bits, int Bytes>
+struct VectorOf {
+  typedef Bits type __attribute__((vector_size(Bytes)));
+};
 
-template <typename V>
-__attribute__((always_inline)) inline uint32_t any_non_finite_vec(const float* data, int64_t n) {
-  constexpr int kLanes = sizeof(V) / sizeof(uint32_t);
+template <typename F, int Bytes>
+__attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::Bits* data,
+                                                              int64_t n) {
+  using Bits = typename F::Bits;
+  using V = typename VectorOf<Bits, Bytes>::type;
+  constexpr int kLanes = Bytes / sizeof(Bits);
   constexpr int64_t kStep = 4 * kLanes;
   V mask, step;
   for (int l = 0; l < kLanes; ++l) {
-    mask[l] = kExponentMask;
-    step[l] = 0x00800000u;
+    mask[l] = F::kExponent;
+    step[l] = F::kStep;
   }
   V a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
@@ -81,46 +120,56 @@ __attribute__((always_inline)) inline uint32_t any_non_finite_vec(const float* d
     a3 |= (x3 & mask) + step;
   }
   const V a = (a0 | a1) | (a2 | a3);
-  uint32_t acc = 0;
+  Bits acc = 0;
   for (int l = 0; l < kLanes; ++l) acc |= a[l];
-  return (acc | any_non_finite_scalar(data + i, n - i)) & 0x80000000u;
+  return ((acc & F::kSign) | any_non_finite_scalar<F>(data + i, n - i)) != 0;
 }
 
-uint32_t any_non_finite_generic(const float* data, int64_t n) {
-  return any_non_finite_vec<U32x4>(data, n);
+template <typename F>
+bool any_non_finite_generic(const typename F::Bits* data, int64_t n) {
+  return any_non_finite_vec<F, 16>(data, n);
 }
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CUBLAS_GUARD_SCAN_AVX2 1
-__attribute__((target("avx2"))) uint32_t any_non_finite_avx2(const float* data, int64_t n) {
-  return any_non_finite_vec<U32x8>(data, n);
+template <typename F>
+__attribute__((target("avx2"))) bool any_non_finite_avx2(const typename F::Bits* data, int64_t n) {
+  return any_non_finite_vec<F, 32>(data, n);
 }
 #endif
 
-using BlockTest = uint32_t (*)(const float*, int64_t);
-
-BlockTest pick_block_test() {
+bool cpu_has_avx2() {
 #if defined(CUBLAS_GUARD_SCAN_AVX2)
   __builtin_cpu_init();  // this runs from a static initializer: make sure the CPU model is read
-  if (__builtin_cpu_supports("avx2")) return any_non_finite_avx2;
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
 #endif
-  return any_non_finite_generic;
 }
 
 // Chosen once, at load time.
-const BlockTest any_non_finite = pick_block_test();
+const bool use_avx2 = cpu_has_avx2();
+
+template <typename F>
+inline bool any_non_finite(const typename F::Bits* data, int64_t n) {
+#if defined(CUBLAS_GUARD_SCAN_AVX2)
+  if (use_avx2) return any_non_finite_avx2<F>(data, n);
+#endif
+  return any_non_finite_generic<F>(data, n);
+}
 #else
-inline uint32_t any_non_finite(const float* data, int64_t n) {
-  return any_non_finite_scalar(data, n);
+template <typename F>
+inline bool any_non_finite(const typename F::Bits* data, int64_t n) {
+  return any_non_finite_scalar<F>(data, n) != 0;
 }
 #endif
 
-inline void classify(float v, int64_t index, Partial& p) {
-  const uint32_t b = bits_of(v);
-  if ((b & kExponentMask) != kExponentMask) return;
-  if (b & kMantissaMask) {
+template <typename F>
+inline void classify(typename F::Bits b, int64_t index, Partial& p) {
+  if ((b & F::kExponent) != F::kExponent) return;
+  if (b & F::kMantissa) {
     ++p.nan;
-  } else if (b >> 31) {
+  } else if (b & F::kSign) {
     ++p.neginf;
   } else {
     ++p.posinf;
@@ -129,16 +178,18 @@ inline void classify(float v, int64_t index, Partial& p) {
 }
 
 // A contiguous run of n elements whose logical index starts at `base`.
-void scan_run(const float* data, int64_t n, int64_t base, Partial& p) {
+template <typename F>
+void scan_run(const typename F::Bits* data, int64_t n, int64_t base, Partial& p) {
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
-    if (!any_non_finite(data + start, len)) continue;
-    for (int64_t i = 0; i < len; ++i) classify(data[start + i], base + start + i, p);
+    if (!any_non_finite<F>(data + start, len)) continue;
+    for (int64_t i = 0; i < len; ++i) classify<F>(load_bits(data + start + i), base + start + i, p);
   }
 }
 
 // Logical indices [begin, end) of a strided tensor.
-void scan_strided(const float* data, const ScanGeometry& g, int64_t begin, int64_t end,
+template <typename F>
+void scan_strided(const typename F::Bits* data, const ScanGeometry& g, int64_t begin, int64_t end,
                   Partial& p) {
   const int inner = g.ndim - 1;
   int64_t index[kMaxScanDims];
@@ -154,9 +205,9 @@ void scan_strided(const float* data, const ScanGeometry& g, int64_t begin, int64
     const int64_t run = std::min(g.sizes[inner] - index[inner], end - pos);
     const int64_t stride = g.strides[inner];
     if (stride == 1) {
-      scan_run(data + offset, run, pos, p);
+      scan_run<F>(data + offset, run, pos, p);
     } else {
-      for (int64_t i = 0; i < run; ++i) classify(data[offset + i * stride], pos + i, p);
+      for (int64_t i = 0; i < run; ++i) classify<F>(load_bits(data + offset + i * stride), pos + i, p);
     }
     pos += run;
     // Advance the odometer past the run.
@@ -169,6 +220,26 @@ void scan_strided(const float* data, const ScanGeometry& g, int64_t begin, int64
       offset += g.strides[d - 1];
     }
   }
+}
+
+// One pass over the whole tensor, on all cores.
+template <typename F>
+Partial scan_all(const void* raw, const ScanGeometry& g, int64_t n) {
+  const auto* data = static_cast<const typename F::Bits*>(raw);
+  return at::parallel_reduce(
+      0, n, kGrain, Partial{},
+      [&](int64_t begin, int64_t end, Partial acc) {
+        if (g.contiguous) {
+          scan_run<F>(data + begin, end - begin, begin, acc);
+        } else {
+          scan_strided<F>(data, g, begin, end, acc);
+        }
+        return acc;
+      },
+      [](Partial a, const Partial& b) {
+        a.merge(b);
+        return a;
+      });
 }
 
 void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
@@ -198,7 +269,7 @@ void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
 
 void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
                    const std::string& /*layer*/) {
-  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat);  // callers check (check_scannable)
+  TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
   Partial total;
   const int64_t n = t.numel();
   if (n > 0) {
@@ -209,21 +280,13 @@ void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* 
       owner = t.contiguous();
       scan_geometry(owner, g);
     }
-    const float* data = owner.data_ptr<float>();
-    total = at::parallel_reduce(
-        0, n, kGrain, Partial{},
-        [&](int64_t begin, int64_t end, Partial acc) {
-          if (g.contiguous) {
-            scan_run(data + begin, end - begin, begin, acc);
-          } else {
-            scan_strided(data, g, begin, end, acc);
-          }
-          return acc;
-        },
-        [](Partial a, const Partial& b) {
-          a.merge(b);
-          return a;
-        });
+    const void* data = owner.data_ptr();
+    switch (t.scalar_type()) {
+      case at::kBFloat16: total = scan_all<Format<BFloat16Bits>>(data, g, n); break;
+      case at::kHalf: total = scan_all<Format<Float16Bits>>(data, g, n); break;
+      case at::kDouble: total = scan_all<Format<Float64Bits>>(data, g, n); break;
+      default: total = scan_all<Format<Float32Bits>>(data, g, n); break;
+    }
   }
   if (out_slot.defined()) {
     int64_t* out = out_slot.data_ptr<int64_t>();

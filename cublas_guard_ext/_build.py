@@ -38,6 +38,7 @@ CPU_SOURCES = (
     "autograd.cpp",
     "python_errors.cpp",
     "pending_errors.cpp",
+    "autocast.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
 

@@ -278,39 +278,67 @@ class GuardError(Exception):
         return "\n".join(lines)
 
 
+# What runs a guarded GEMM, per device and dtype (the native backends' names).
+_ROUTINES = {
+    "cuda": "cublasSgemm (float32; TF32 as torch.backends.cuda.matmul.allow_tf32 says), "
+    "cublasGemmEx with CUBLAS_COMPUTE_32F (bfloat16, float16), cublasDgemm (float64)",
+    "cpu": "torch's CPU addmm (float32, bfloat16, float16, float64)",
+}
+
+
+def _routines_on(device: Any) -> str:
+    return _ROUTINES["cuda" if str(device).startswith("cuda") else "cpu"]
+
+
 class DTypeError(GuardError, TypeError, RuntimeError):
-    """An operand is not float32 (cublasSgemm computes in float32 only)."""
+    """An operand's dtype is not float32/bfloat16/float16/float64, or input and
+    parameters differ in dtype (``nn.Linear`` refuses both too)."""
 
     kind = "dtype"
 
     def _headline(self) -> str:
+        f = self.fields
+        role, dtype = f.get("role", "input"), _dtype(f.get("dtype"))
+        if f.get("reason") == "mismatch":
+            return (
+                f"layer {_layer(f.get('layer'))}: {role} dtype is {dtype} but {f.get('other_role')} "
+                f"dtype is {_dtype(f.get('other_dtype'))}: they must match (nn.Linear refuses "
+                "them too)"
+            )
         return (
-            f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} dtype is "
-            f"{_dtype(self.fields.get('dtype'))}, but cublasSgemm is float32-only"
+            f"layer {_layer(f.get('layer'))}: {role} dtype is {dtype}, but the guarded linear "
+            "takes float32, bfloat16, float16 or float64 (as nn.Linear does)"
         )
 
     def _details(self) -> list[str]:
+        device = self.fields.get("tensor_device")
         return [
-            f"shape {_shape(self.fields.get('tensor_shape'))} on {self.fields.get('tensor_device')}",
-            "fp16/bf16 go through other GEMM entry points (cublasHgemm / cublasGemmEx), "
-            "float64 through cublasDgemm",
+            f"shape {_shape(self.fields.get('tensor_shape'))} on {device}",
+            f"on {'CUDA' if str(device).startswith('cuda') else 'the CPU'} the GEMM runs as "
+            f"{_routines_on(device)}",
         ]
 
     def _next_steps(self) -> list[str]:
-        role = self.fields.get("role", "input")
+        f = self.fields
+        role, dtype = f.get("role", "input"), _dtype(f.get("dtype"))
+        if f.get("reason") == "mismatch":
+            other = _dtype(f.get("other_dtype"))
+            if role in ("input", "grad_output"):
+                return [
+                    f"cast the {role} to the layer's dtype: x = x.to({other})",
+                    f"or cast the layer: layer.to({dtype})",
+                    "or run the model under torch.autocast(device_type, dtype), which casts "
+                    "SafeLinear's operands exactly as nn.Linear's",
+                ]
+            return [f"cast the layer's parameters to one dtype: layer.to({other})"]
         if role == "input":
-            dtype = _dtype(self.fields.get("dtype"))
-            steps = ["convert the input: x = x.float()"]
-            if dtype in ("torch.float16", "torch.bfloat16"):
-                steps.append(
-                    "or let the layer upcast: SafeLinear(..., dtype_policy='cast') (a float32 copy "
-                    "of the input and output per call)"
-                )
-                steps.append("or keep fp16/bf16 end to end with a plain nn.Linear (or torch.autocast)")
-            elif not dtype.startswith("torch.float") and not dtype.startswith("torch.complex"):
+            steps = ["convert the input: x = x.float() (or the layer's dtype)"]
+            if dtype.startswith("torch.complex"):
+                steps.append("complex GEMMs are not guarded: split real and imaginary parts")
+            elif not dtype.startswith("torch.float"):
                 steps.append("integer/bool features are usually indices: did you mean an nn.Embedding?")
             return steps
-        return [f"convert the layer's parameters: layer.float() (its {role} is not float32)"]
+        return [f"convert the layer's parameters: layer.float() (its {role} is {dtype})"]
 
 
 class ShapeMismatchError(GuardError, ValueError, RuntimeError):
@@ -450,7 +478,7 @@ class SizeLimitError(GuardError, ValueError):
     def _headline(self) -> str:
         f = self.fields
         return (
-            f"layer {_layer(f.get('layer'))}: cublasSgemm argument {f.get('argument')} = "
+            f"layer {_layer(f.get('layer'))}: {f.get('api') or 'cublasSgemm'} argument {f.get('argument')} = "
             f"{f.get('value')} exceeds cuBLAS's 32-bit limit {f.get('limit')}"
         )
 
@@ -466,7 +494,10 @@ class SizeLimitError(GuardError, ValueError):
         ]
 
     def _next_steps(self) -> list[str]:
-        steps = ["use a torch built with CUDA 12 or newer (cuBLAS 12 has cublasSgemm_64)"]
+        steps = [
+            "use a torch built with CUDA 12 or newer (cuBLAS 12 has the 64-bit API: "
+            "cublasSgemm_64, cublasGemmEx_64, cublasDgemm_64)"
+        ]
         if self.fields.get("argument") in ("lda", "ldb"):
             steps.append("a strided input's row stride is a leading dimension: x.contiguous() may fit")
         return steps
@@ -497,7 +528,7 @@ class CublasError(GuardError, RuntimeError):
 
     def _headline(self) -> str:
         f = self.fields
-        stage = "creating the cuBLAS handle" if f.get("stage") == "handle" else "cublasSgemm"
+        stage = "creating the cuBLAS handle" if f.get("stage") == "handle" else (f.get("api") or "the GEMM")
         if f.get("precheck"):
             return (
                 f"layer {_layer(f.get('layer'))}: {self.status_name} (refused before the call): "
@@ -520,6 +551,8 @@ class CublasError(GuardError, RuntimeError):
                 f"ldb={f.get('ldb')} ldc={f.get('ldc')}"
                 + (f" alpha={f.get('alpha')} beta={f.get('beta')}" if "alpha" in f else "")
             )
+        if f.get("data_type"):
+            lines.append(f"data type: {f['data_type']}, compute type: {f.get('compute_type')}")
         if f.get("chunk"):
             lines.append(f"piece of a split GEMM: {f['chunk']}")
         if f.get("math_mode"):
@@ -543,7 +576,17 @@ class CublasError(GuardError, RuntimeError):
 
     def _next_steps(self) -> list[str]:
         entry = CUBLAS_STATUS.get(self.status)
-        return list(entry[3]) if entry else ["run `python -m cublas_guard_ext doctor`"]
+        steps = list(entry[3]) if entry else ["run `python -m cublas_guard_ext doctor`"]
+        data_type = str(self.fields.get("data_type", ""))
+        if self.status in (8, 15) and data_type in ("CUDA_R_16BF", "CUDA_R_16F"):
+            # NOT_SUPPORTED / ARCH_MISMATCH in half precision: the GPU or the cuBLAS build.
+            steps.insert(
+                0,
+                "bfloat16 GEMMs need compute capability 8.0+ (float16: 5.3+); on an older GPU "
+                "use float16 or float32; if fp32 works but every fp16/bf16 GEMM fails, check "
+                "that torch's bundled cuBLAS matches the CUDA runtime (`doctor`)",
+            )
+        return steps
 
 
 class PendingCudaError(GuardError, RuntimeError):

@@ -13,8 +13,8 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
-from .ops import DTYPE_POLICIES
 from .ops import linear as _guarded_linear
+from .ops import validate_dtype_policy
 
 __all__ = ["SafeLinear", "replace_linear", "name_layers"]
 
@@ -39,9 +39,9 @@ class SafeLinear(nn.Linear):
       :func:`name_layers` set it to the module's qualified name.
     * ``scan_grad``: also scan the gradient arriving at this layer in backward
       (exploding or NaN gradients), under the layer's mode.
-    * ``dtype_policy``: ``"strict"`` (default: fp16/bf16 input raises
-      :class:`DTypeError`) or ``"cast"`` (upcast fp16/bf16 input to float32,
-      cast the output back; see :data:`cublas_guard_ext.ops.DTYPE_POLICIES`).
+    * ``dtype_policy``: ``"strict"`` (default: nn.Linear's dtype rules; float32,
+      bfloat16, float16 and float64 all run natively) or the deprecated
+      ``"cast"`` (see :data:`cublas_guard_ext.ops.DTYPE_POLICIES`).
     """
 
     def __init__(
@@ -58,8 +58,7 @@ class SafeLinear(nn.Linear):
         dtype_policy: str = "strict",
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if dtype_policy not in DTYPE_POLICIES:
-            raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
+        validate_dtype_policy(dtype_policy)
         self.mode = modes.validate(mode) if mode is not None else None
         self.guard_name = name
         self.scan_grad = bool(scan_grad)

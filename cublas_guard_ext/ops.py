@@ -8,6 +8,7 @@ csrc/python_errors.cpp), in forward, in backward and in compiled graphs.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -29,12 +30,31 @@ for _op in (_ops.check_features.default, _ops.guard_values.default, _ops.async_c
 
 __all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
 
-# "strict": fp16/bf16 input raises DTypeError (cublasSgemm is float32-only).
-# "cast": fp16/bf16 input is upcast to float32 (exact) and the output cast back:
-#         one extra read of the input and a float32 copy of it, and the same for
-#         the output; the GEMM itself runs in float32, not at half-precision speed.
+# "strict" (default): nn.Linear's rule. float32, bfloat16, float16 and float64
+#         each run natively (see the README's dtype table); input and parameters
+#         of different dtypes raise DTypeError, as nn.Linear refuses them.
+# "cast" (deprecated): fp16/bf16 input into a float32 layer is upcast to float32
+#         (exact) and the output cast back. It predates native fp16/bf16 GEMMs;
+#         torch.autocast now does the mixing the way nn.Linear does, and the
+#         policy costs a float32 copy of the input and of the output per call
+#         and a float32 GEMM instead of a half-precision one.
 DTYPE_POLICIES = ("strict", "cast")
 _CASTABLE = (torch.float16, torch.bfloat16)
+
+CAST_POLICY_DEPRECATION = (
+    "dtype_policy='cast' is deprecated: SafeLinear now computes in float32, bfloat16, float16 "
+    "and float64 like nn.Linear; for mixed precision use torch.autocast (or cast the model), "
+    "which SafeLinear follows exactly as nn.Linear does"
+)
+
+
+def validate_dtype_policy(dtype_policy: str, stacklevel: int = 3) -> str:
+    """Checks a dtype_policy value; warns (FutureWarning) for the deprecated "cast"."""
+    if dtype_policy not in DTYPE_POLICIES:
+        raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
+    if dtype_policy == "cast":
+        warnings.warn(CAST_POLICY_DEPRECATION, FutureWarning, stacklevel=stacklevel)
+    return dtype_policy
 
 
 def _require_tensor(value: Any, what: str) -> None:
@@ -98,7 +118,7 @@ class ScanResult:
 
 
 def scan(x: torch.Tensor) -> ScanResult:
-    """One fused pass over a float32 tensor of any shape and strides."""
+    """One fused pass over a float32/bfloat16/float16/float64 tensor of any shape and strides."""
     _require_tensor(x, "x")
     return ScanResult(_ops.scan.default(x))
 
@@ -117,8 +137,7 @@ def linear(
 
     ``scan_grad``: in backward, scan the gradient arriving at this layer too,
     under the same mode (reported with role ``grad_output``).
-    ``dtype_policy``: see :data:`DTYPE_POLICIES`; float64 and integer inputs are
-    refused under both policies (casting them would lose information silently).
+    ``dtype_policy``: see :data:`DTYPE_POLICIES` ("cast" is deprecated).
     """
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
@@ -133,9 +152,8 @@ def linear(
     if not torch.compiler.is_compiling() and _transforms.active():
         op = _transforms.linear
     if dtype_policy != "strict":
-        if dtype_policy not in DTYPE_POLICIES:
-            raise ValueError(f"cublas_guard_ext: dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
-        if x.dtype in _CASTABLE:
+        validate_dtype_policy(dtype_policy)
+        if x.dtype in _CASTABLE and weight.dtype == torch.float32:
             out = op(x.float(), weight, bias, layer, code, scan_grad)
             return out.to(x.dtype)
     return op(x, weight, bias, layer, code, scan_grad)

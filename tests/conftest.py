@@ -34,6 +34,10 @@ CUBLAS_STATUSES = {
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
+# The float32 GEMM routine reports name, per device: (32-bit API, 64-bit API). The CPU runs
+# torch's addmm, which has no 32-bit limit (the tests' lowered limit emulates cuBLAS's there).
+SGEMM = {"cpu": ("torch CPU addmm", "torch CPU addmm"), "cuda": ("cublasSgemm", "cublasSgemm_64")}
+
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:

@@ -151,8 +151,10 @@ def _cuda_layer_with_cpu_bias() -> tuple[cg.SafeLinear, torch.Tensor]:
     return safe, torch.randn(3, 8, device="cuda")
 
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int32, torch.int64,
-          torch.uint8, torch.bool, torch.complex64]
+# A float32 layer: other floating dtypes are a mismatch (nn.Linear refuses them too), the
+# rest is no dtype a Linear computes in.
+MISMATCHED = [torch.float16, torch.bfloat16, torch.float64]
+DTYPES = [torch.int8, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
 
 CASES: list[Case] = []
 
@@ -160,17 +162,24 @@ CASES: list[Case] = []
 for _dt in DTYPES:
     CASES.append(Case(
         f"dtype-input-{str(_dt).removeprefix('torch.')}", _input((3, 8), _dt), cg.DTypeError,
-        rf"input dtype is {re.escape(str(_dt))}, but cublasSgemm is float32-only",
-        {"role": "input"}, also=(TypeError, RuntimeError),
+        rf"input dtype is {re.escape(str(_dt))}, but the guarded linear takes float32, bfloat16, "
+        "float16 or float64", {"role": "input", "reason": "unsupported"}, also=(TypeError, RuntimeError),
+    ))
+for _dt in MISMATCHED:
+    CASES.append(Case(
+        f"dtype-input-{str(_dt).removeprefix('torch.')}", _input((3, 8), _dt), cg.DTypeError,
+        rf"input dtype is {re.escape(str(_dt))} but weight dtype is torch\.float32: they must match",
+        {"role": "input", "reason": "mismatch", "other_role": "weight"}, also=(TypeError, RuntimeError),
     ))
 CASES += [
     Case("dtype-weight-float64", _with_param("weight", lambda s: s.weight.detach().double()),
-         cg.DTypeError, r"weight dtype is torch\.float64.*layer\.float\(\)", {"role": "weight"},
+         cg.DTypeError, r"input dtype is torch\.float32 but weight dtype is torch\.float64.*"
+         r"layer\.to\(torch\.float32\)", {"role": "input", "other_dtype": "torch.float64"},
          also=(TypeError, RuntimeError)),
     Case("dtype-weight-float16", _with_param("weight", lambda s: s.weight.detach().half()),
-         cg.DTypeError, r"weight dtype is torch\.float16", {"role": "weight"}),
+         cg.DTypeError, r"but weight dtype is torch\.float16", {"other_role": "weight"}),
     Case("dtype-bias-float64", _with_param("bias", lambda s: s.bias.detach().double()),
-         cg.DTypeError, r"bias dtype is torch\.float64", {"role": "bias"}),
+         cg.DTypeError, r"bias dtype is torch\.float64 but weight dtype is torch\.float32", {"role": "bias"}),
 ]
 
 # ---- shape ----
@@ -272,7 +281,7 @@ CASES += [
     # m (out_features, also ldc) cannot be, so it is refused. (With the 64-bit API all of
     # these work: see test_beyond_the_limit_with_the_64bit_api.) ----
     Case("size-out-features", lambda d: (cg.SafeLinear(8, 21, device=d, name=NAME), torch.randn(2, 8, device=d)),
-         cg.SizeLimitError, r"cublasSgemm argument m = 21 exceeds cuBLAS's 32-bit limit 20",
+         cg.SizeLimitError, r"argument m = 21 exceeds cuBLAS's 32-bit limit 20",
          {"argument": "m", "value": 21, "limit": 20}, also=(ValueError,), limit=20),
     Case("size-out-features-3d",
          lambda d: (cg.SafeLinear(4, 25, device=d, name=NAME), torch.randn(2, 3, 4, device=d)),
@@ -455,6 +464,8 @@ def test_async_bad_shape_still_raises_at_once(device: str) -> None:
         safe(torch.randn(2, 7, device=device))
     with pytest.raises(cg.DTypeError):
         safe(torch.randn(2, 8, device=device).double())
+    with pytest.raises(cg.DTypeError):
+        safe(torch.ones(2, 8, device=device, dtype=torch.int64))
     still_works(safe)
     cg.check()
 

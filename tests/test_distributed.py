@@ -159,13 +159,14 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
 # --------------------------------------------------------------------------
 # The tests (the parent side)
 # --------------------------------------------------------------------------
-def launch(scenario: str, tmp_path: Path) -> tuple[list[dict], list[int], list[float]]:
-    """Start both ranks; wait for each (bounded); return their results, exit codes, and the
-    seconds from the start to each process's exit."""
+def launch(scenario: str, tmp_path: Path, script: str = __file__) -> tuple[list[dict], list[int], list[float]]:
+    """Start both ranks (``script worker RANK INIT_FILE SCENARIO OUT_DIR``); wait for each
+    (bounded); return their results, exit codes, and the seconds from the start to each
+    process's exit. Other test files reuse it with their own worker script."""
     init_file = tmp_path / "rendezvous"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(rank), str(init_file), scenario,
+    procs = [subprocess.Popen([sys.executable, script, "worker", str(rank), str(init_file), scenario,
                                str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for rank in range(WORLD)]
     codes, ends, logs = [], [], []

@@ -4,6 +4,7 @@ the shape and the expected value; the input is unchanged; the layer still works.
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
 from conftest import CUBLAS_STATUSES as STATUSES
-from conftest import HAS_CUDA, assert_matches
+from conftest import HAS_CUDA, SGEMM, assert_matches
 
 NAN, INF = float("nan"), float("inf")
 
@@ -93,21 +94,28 @@ def test_wrong_input_dtype(device: str, dtype: torch.dtype) -> None:
     err = info.value
     assert isinstance(err, TypeError) and isinstance(err, RuntimeError)
     assert err.role == "input" and err.layer == "encoder.0.fc1"
-    assert "float32-only" in str(err) and "x.float()" in str(err)
+    if dtype.is_floating_point:  # a floating dtype other than the layer's: nn.Linear's mismatch
+        assert err.reason == "mismatch" and "x = x.to(torch.float32)" in str(err)
+    else:
+        assert err.reason == "unsupported" and "x.float()" in str(err)
+    assert "float32-only" not in str(err)
     assert str(dtype) in str(err), "dtypes are named the way torch users write them"
     still_works(safe)
 
 
-def test_fp16_message_names_the_other_gemm_paths(device: str) -> None:
-    with pytest.raises(cg.DTypeError, match="cublasHgemm / cublasGemmEx"):
-        layer(device)(torch.ones(2, 8, device=device, dtype=torch.float16))
+def test_dtype_message_names_the_routines_of_the_device(device: str) -> None:
+    expected = "cublasGemmEx" if device == "cuda" else "torch's CPU addmm"
+    with pytest.raises(cg.DTypeError, match=re.escape(expected)):
+        layer(device)(torch.ones(2, 8, device=device, dtype=torch.int32))
 
 
 def test_half_precision_layer(device: str) -> None:
     safe = layer(device).half()
+    assert safe(torch.randn(2, 8, device=device).half()).dtype == torch.float16
     with pytest.raises(cg.DTypeError) as info:
         safe(torch.randn(2, 8, device=device))
-    assert info.value.role == "weight" and "layer.float()" in str(info.value)
+    assert info.value.role == "input" and info.value.other_dtype == "torch.float16"
+    assert "layer.to(torch.float32)" in str(info.value)
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (3, 9), (8, 3), (2, 4, 16), (7,)])
@@ -160,7 +168,7 @@ def test_beyond_the_limit_without_a_64bit_api(device: str, size_limit) -> None:
     err = info.value
     assert isinstance(err, ValueError)
     assert (err.argument, err.value, err.limit) == ("m", 8, 6)
-    assert "cublasSgemm argument m = 8 exceeds cuBLAS's 32-bit limit 6" in str(err)
+    assert f"{SGEMM[device][0]} argument m = 8 exceeds cuBLAS's 32-bit limit 6" in str(err)
     assert "m=8 n=2 k=4 lda=4 ldb=4 ldc=8" in str(err)
 
 

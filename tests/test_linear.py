@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from conftest import assert_matches, gemm_spans, max_rel_error
+from conftest import SGEMM, assert_matches, gemm_spans, max_rel_error
 
 SHAPES = {
     "1d": (13,),
@@ -173,7 +173,7 @@ def test_unsplittable_dims_use_the_64bit_api(device: str, size_limit, inject_fau
     inject_fault("gemm", 13)
     with pytest.raises(cg.CublasError) as info:
         safe(torch.randn(11, 9, device=device))
-    assert info.value.api == "cublasSgemm_64"
+    assert info.value.api == SGEMM[device][1]
     assert "chunk" in info.value.fields and "n 0..6 of 11" in info.value.chunk
 
 
@@ -187,7 +187,7 @@ def test_split_pieces_are_reported(device: str, size_limit, inject_fault) -> Non
         safe(x)
     # The weight^T operand of a 4-row piece would span 20 elements > 6: m is split too, and
     # the batch to pieces whose input rows (5 apart) stay within 6 elements.
-    assert info.value.api == "cublasSgemm"
+    assert info.value.api == SGEMM[device][0]
     assert info.value.chunk == "m 0..1 of 4, n 0..1 of 13, k 0..5 of 5"
     assert "m=1 n=1 k=5" in str(info.value)
 
@@ -220,4 +220,4 @@ def test_no_piece_operand_spans_beyond_the_limit(device: str, size_limit, inject
             y.backward(torch.randn_like(y))
     spans = gemm_spans(info.value.fields)
     assert max(spans.values()) <= limit, (info.value.purpose, spans, info.value.chunk)
-    assert info.value.api == "cublasSgemm" and info.value.chunk
+    assert info.value.api == SGEMM[device][0] and info.value.chunk

@@ -1,7 +1,16 @@
-// The CUDA backend: a direct, checked cublasSgemm on PyTorch's own cuBLAS
+// The CUDA backend: a direct, checked cuBLAS GEMM on PyTorch's own cuBLAS
 // handle (per thread and device, bound to the current stream, with torch's
 // workspace and TF32 setting), the CUDA error attribution, and the async
 // record in mapped host memory. The orchestration is linear_common.cpp's.
+//
+// Per dtype, as at::cuda::blas::gemm does it:
+//   float32   cublasSgemm (TF32 as torch's allow_tf32 set the handle's math mode)
+//   bfloat16  cublasGemmEx, CUDA_R_16BF, CUBLAS_COMPUTE_32F, reduced-precision
+//             reductions as torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction says
+//   float16   cublasGemmEx, CUDA_R_16F, CUBLAS_COMPUTE_32F, likewise with
+//             allow_fp16_reduced_precision_reduction
+//   float64   cublasDgemm
+// and the _64 variants (cuBLAS 12+) for arguments beyond the 32-bit limit.
 #include "cuda_backend.h"
 #include "../pending_errors.h"
 
@@ -127,6 +136,100 @@ std::string math_mode_name(cublasMath_t mode) {
   return name;
 }
 
+GemmNames gemm_names_cuda(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"};
+    case at::kHalf:
+      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16F", "CUBLAS_COMPUTE_32F"};
+    case at::kDouble:
+      return {"cublasDgemm", "cublasDgemm_64", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"};
+    default:
+      return {"cublasSgemm", "cublasSgemm_64", "CUDA_R_32F", "CUBLAS_COMPUTE_32F"};
+  }
+}
+
+// The math mode torch's own half-precision GEMMs use: reduced-precision
+// reductions only when the user allows them (the default allows them).
+cublasMath_t half_math_mode(at::ScalarType dtype) {
+  const at::CuBLASReductionOption option = dtype == at::kBFloat16
+                                               ? at::globalContext().allowBF16ReductionCuBLAS()
+                                               : at::globalContext().allowFP16ReductionCuBLAS();
+  // DisallowReducedPrecisionDisallowSplitK has no cublasGemmEx equivalent
+  // (torch needs cuBLASLt for it): reduced precision is disallowed here too.
+  if (option == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) return CUBLAS_DEFAULT_MATH;
+  return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+}
+
+// Runs the planned call with the routine for its dtype (the handle's math mode
+// is already what torch chose for float32).
+cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
+  const cublasOperation_t op_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  // plan_gemm_call has checked every argument against the 32-bit limit unless use_64bit.
+  const int m = static_cast<int>(call.m), n = static_cast<int>(call.n), k = static_cast<int>(call.k);
+  const int lda = static_cast<int>(call.lda), ldb = static_cast<int>(call.ldb);
+  const int ldc = static_cast<int>(call.ldc);
+#if CUBLAS_VER_MAJOR < 12
+  TORCH_INTERNAL_ASSERT(!call.use_64bit, "cublas_guard_ext: 64-bit GEMM planned without cuBLAS 12+");
+#endif
+  switch (call.dtype) {
+    case at::kDouble: {
+      const double alpha = call.alpha, beta = call.beta;
+      const auto* a = static_cast<const double*>(call.a);
+      const auto* b = static_cast<const double*>(call.b);
+      auto* c = static_cast<double*>(call.c);
+#if CUBLAS_VER_MAJOR >= 12
+      if (call.use_64bit) {
+        return cublasDgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b,
+                              call.ldb, &beta, c, call.ldc);
+      }
+#endif
+      return cublasDgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
+    }
+    case at::kBFloat16:
+    case at::kHalf: {
+      // CUBLAS_COMPUTE_32F takes float alpha and beta.
+      const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
+      const cudaDataType_t type = call.dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+      cublasMath_t previous = CUBLAS_DEFAULT_MATH;
+      cublasStatus_t status = cublasGetMathMode(handle, &previous);
+      if (status != CUBLAS_STATUS_SUCCESS) return status;
+      status = cublasSetMathMode(handle, half_math_mode(call.dtype));
+      if (status != CUBLAS_STATUS_SUCCESS) return status;
+#if CUBLAS_VER_MAJOR >= 12
+      if (call.use_64bit) {
+        status = cublasGemmEx_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, call.a, type,
+                                 call.lda, call.b, type, call.ldb, &beta, call.c, type, call.ldc,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+      } else
+#endif
+      {
+        status = cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, call.a, type, lda, call.b, type,
+                              ldb, &beta, call.c, type, ldc, CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+      }
+      // Give the handle back as torch left it (it sets TF32 per allow_tf32).
+      const cublasStatus_t restored = cublasSetMathMode(handle, previous);
+      return status != CUBLAS_STATUS_SUCCESS ? status : restored;
+    }
+    default: {
+      const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
+      const auto* a = static_cast<const float*>(call.a);
+      const auto* b = static_cast<const float*>(call.b);
+      auto* c = static_cast<float*>(call.c);
+#if CUBLAS_VER_MAJOR >= 12
+      if (call.use_64bit) {
+        return cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b,
+                              call.ldb, &beta, c, call.ldc);
+      }
+#endif
+      return cublasSgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
+    }
+  }
+}
+
 int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   const int device = c10::cuda::current_device();
   ctx.device = describe_device(device);
@@ -173,30 +276,18 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
                                what);
   }
   cublasMath_t math = CUBLAS_DEFAULT_MATH;
-  if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) ctx.math_mode = math_mode_name(math);
+  if (call.dtype == at::kBFloat16 || call.dtype == at::kHalf) {
+    ctx.math_mode = math_mode_name(half_math_mode(call.dtype));  // what run_gemm sets
+  } else if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) {
+    ctx.math_mode = math_mode_name(math);
+  }
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
     ctx.memory = memory_snapshot(device);
-    return injected;  // as if cublasSgemm had returned it (tests only)
+    return injected;  // as if the routine had returned it (tests only)
   }
 
-  const cublasOperation_t op_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasStatus_t status;
-  if (call.use_64bit) {
-#if CUBLAS_VER_MAJOR >= 12
-    status = cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &call.alpha, call.a,
-                            call.lda, call.b, call.ldb, &call.beta, call.c, call.ldc);
-#else
-    TORCH_INTERNAL_ASSERT(false, "cublas_guard_ext: 64-bit GEMM planned without cuBLAS 12+");
-#endif
-  } else {
-    // plan_gemm_call has checked every argument against the 32-bit limit.
-    status = cublasSgemm(handle, op_a, op_b, static_cast<int>(call.m), static_cast<int>(call.n),
-                         static_cast<int>(call.k), &call.alpha, call.a, static_cast<int>(call.lda),
-                         call.b, static_cast<int>(call.ldb), &call.beta, call.c,
-                         static_cast<int>(call.ldc));
-  }
+  const cublasStatus_t status = run_gemm(handle, call);
   ctx.status_name = cublasGetStatusName(status);
   if (status != CUBLAS_STATUS_SUCCESS) ctx.memory = memory_snapshot(device);
   return static_cast<int>(status);
@@ -350,7 +441,7 @@ const LinearBackend& cuda_backend() {
                                      gemm_cuda,        check_pending_error_cuda,
                                      async_slot_cuda,  memory_info_cuda,
                                      /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12,
-                                     capture_replay_counter_cuda};
+                                     gemm_names_cuda, capture_replay_counter_cuda};
   return backend;
 }
 

@@ -1,9 +1,13 @@
 // The fused validation kernel: one pass that counts NaN, +Inf and -Inf and
 // finds the first bad element (logical row-major index), int64 throughout.
 //
+// Instantiated per format (float32, bfloat16, float16, float64): the tests
+// use only integer ops on each format's own bits.
+//
 // Layout of the work:
-//  * contiguous input: 16-byte vector loads (a scalar head up to the first
-//    16-byte boundary and a scalar tail), a grid-stride loop with kUnroll
+//  * contiguous input: 16-byte vector loads (4 float32, 8 bfloat16/float16 or
+//    2 float64 per load; a scalar head up to the first 16-byte boundary and a
+//    scalar tail), a grid-stride loop with kUnroll
 //    independent loads in flight per thread;
 //  * strided input (views, slices, expand): dims merged on the host, then one
 //    index -> offset conversion per element; no copy;
@@ -29,7 +33,7 @@ namespace {
 
 constexpr int kThreads = 256;          // threads per block of the multi-block scan
 constexpr int kSmallThreads = 1024;    // threads of the single-block scan
-constexpr int kUnroll = 4;             // float4 loads in flight per thread
+constexpr int kUnroll = 4;             // 16-byte loads in flight per thread
 constexpr int kMaxWarps = 32;
 constexpr int64_t kSingleBlockMax = 32768;  // elements the single-block path takes
 constexpr long long kNone = 0x7fffffffffffffffLL;
@@ -50,15 +54,35 @@ struct Geometry {
 
 __device__ __forceinline__ Partial empty_partial() { return Partial{0, 0, 0, kNone}; }
 
-__device__ __forceinline__ bool exponent_all_ones(uint32_t bits) {
-  return (bits & 0x7f800000u) == 0x7f800000u;
-}
+// Each format's bit layout (the same as scan_cpu.cpp's). The Bits types are
+// the ones __ldg has overloads for.
+struct Float32Bits {
+  using Bits = unsigned int;
+  static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
+  static constexpr Bits kSign = 0x80000000u, kStep = 0x00800000u;
+};
+struct BFloat16Bits {
+  using Bits = unsigned short;
+  static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
+  static constexpr Bits kSign = 0x8000u, kStep = 0x0080u;
+};
+struct Float16Bits {
+  using Bits = unsigned short;
+  static constexpr Bits kExponent = 0x7c00u, kMantissa = 0x03ffu;
+  static constexpr Bits kSign = 0x8000u, kStep = 0x0400u;
+};
+struct Float64Bits {
+  using Bits = unsigned long long;
+  static constexpr Bits kExponent = 0x7ff0000000000000ull, kMantissa = 0x000fffffffffffffull;
+  static constexpr Bits kSign = 0x8000000000000000ull, kStep = 0x0010000000000000ull;
+};
 
-__device__ __forceinline__ void classify(uint32_t bits, long long index, Partial& p) {
-  if (!exponent_all_ones(bits)) return;
-  if (bits & 0x007fffffu) {
+template <typename F>
+__device__ __forceinline__ void classify(typename F::Bits bits, long long index, Partial& p) {
+  if ((bits & F::kExponent) != F::kExponent) return;
+  if (bits & F::kMantissa) {
     ++p.nan;
-  } else if (bits >> 31) {
+  } else if (bits & F::kSign) {
     ++p.neginf;
   } else {
     ++p.posinf;
@@ -66,17 +90,21 @@ __device__ __forceinline__ void classify(uint32_t bits, long long index, Partial
   p.first = index < p.first ? index : p.first;
 }
 
-__device__ __forceinline__ void classify4(const float4& v, long long index, Partial& p) {
-  const uint32_t b0 = __float_as_uint(v.x), b1 = __float_as_uint(v.y);
-  const uint32_t b2 = __float_as_uint(v.z), b3 = __float_as_uint(v.w);
-  // Bit 31 survives iff one of the four exponents is all ones.
-  const uint32_t any = ((b0 & 0x7f800000u) + 0x00800000u) | ((b1 & 0x7f800000u) + 0x00800000u) |
-                       ((b2 & 0x7f800000u) + 0x00800000u) | ((b3 & 0x7f800000u) + 0x00800000u);
-  if (!(any & 0x80000000u)) return;
-  classify(b0, index, p);
-  classify(b1, index + 1, p);
-  classify(b2, index + 2, p);
-  classify(b3, index + 3, p);
+// One 16-byte vector: kPerVector elements starting at logical `index`.
+template <typename F>
+__device__ __forceinline__ void classify_vector(const uint4& v, long long index, Partial& p) {
+  using Bits = typename F::Bits;
+  constexpr int kPerVector = 16 / sizeof(Bits);
+  Bits b[kPerVector];
+  memcpy(b, &v, sizeof(v));
+  // The sign bit survives iff one of the exponents is all ones: the masked
+  // exponent plus one exponent step carries into it only then.
+  Bits any = 0;
+#pragma unroll
+  for (int i = 0; i < kPerVector; ++i) any |= static_cast<Bits>((b[i] & F::kExponent) + F::kStep);
+  if (!(any & F::kSign)) return;
+#pragma unroll
+  for (int i = 0; i < kPerVector; ++i) classify<F>(b[i], index + i, p);
 }
 
 __device__ __forceinline__ Partial combine(const Partial& a, const Partial& b) {
@@ -165,25 +193,25 @@ __device__ __forceinline__ void finish_block(Partial p, Partial* partials, long 
   }
 }
 
-__global__ void scan_contiguous_kernel(const float* __restrict__ data, long long n,
+template <typename F>
+__global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n,
                                        long long head, Partial* partials, long long* out,
                                        AsyncTarget target) {
+  constexpr int kPerVector = 16 / sizeof(typename F::Bits);
   Partial p = empty_partial();
   const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   // Scalar head (up to the 16-byte boundary) and tail: a few threads of block 0.
-  const long long body = (n - head) / 4;
-  const long long tail_start = head + body * 4;
-  if (tid < head) classify(__float_as_uint(data[tid]), tid, p);
-  if (tid < n - tail_start) {
-    classify(__float_as_uint(data[tail_start + tid]), tail_start + tid, p);
-  }
-  const float4* vec = reinterpret_cast<const float4*>(data + head);
+  const long long body = (n - head) / kPerVector;
+  const long long tail_start = head + body * kPerVector;
+  if (tid < head) classify<F>(__ldg(data + tid), tid, p);
+  if (tid < n - tail_start) classify<F>(__ldg(data + tail_start + tid), tail_start + tid, p);
+  const uint4* vec = reinterpret_cast<const uint4*>(data + head);
   // Each iteration a thread has kUnroll loads in flight, blockDim apart so a
   // warp's loads stay coalesced.
   const long long block_span = static_cast<long long>(blockDim.x) * kUnroll;
   for (long long base = static_cast<long long>(blockIdx.x) * block_span + threadIdx.x; base < body;
        base += static_cast<long long>(gridDim.x) * block_span) {
-    float4 v[kUnroll];
+    uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const long long i = base + static_cast<long long>(u) * blockDim.x;
@@ -192,13 +220,14 @@ __global__ void scan_contiguous_kernel(const float* __restrict__ data, long long
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const long long i = base + static_cast<long long>(u) * blockDim.x;
-      if (i < body) classify4(v[u], head + 4 * i, p);
+      if (i < body) classify_vector<F>(v[u], head + kPerVector * i, p);
     }
   }
   finish_block(p, partials, out, target);
 }
 
-__global__ void scan_strided_kernel(const float* __restrict__ data, long long n, Geometry g,
+template <typename F>
+__global__ void scan_strided_kernel(const typename F::Bits* __restrict__ data, long long n, Geometry g,
                                     Partial* partials, long long* out, AsyncTarget target) {
   Partial p = empty_partial();
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -210,7 +239,7 @@ __global__ void scan_strided_kernel(const float* __restrict__ data, long long n,
       offset += (rest % size) * g.strides[d];
       rest /= size;
     }
-    classify(__float_as_uint(__ldg(data + offset)), i, p);
+    classify<F>(__ldg(data + offset), i, p);
   }
   finish_block(p, partials, out, target);
 }
@@ -237,13 +266,66 @@ int multi_block_grid(long long work_items, int threads) {
 
 }  // namespace
 
+namespace {
+
+template <typename F>
+void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long long n,
+                 at::Tensor& partials_owner, long long* out, const AsyncTarget& target,
+                 const std::string& layer) {
+  using Bits = typename F::Bits;
+  constexpr int kPerVector = 16 / sizeof(Bits);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const Bits* data = n > 0 ? static_cast<const Bits*>(owner.data_ptr()) : nullptr;
+
+  int grid = 1, threads = kSmallThreads;
+  long long head = 0;
+  if (geometry.contiguous) {
+    // Elements before the first 16-byte boundary (a tensor's data is aligned
+    // to its element size, so this is a whole number of elements).
+    const auto address = reinterpret_cast<uintptr_t>(data);
+    head = std::min<long long>(n, static_cast<long long>(((16 - address % 16) % 16) / sizeof(Bits)));
+    if (n > kSingleBlockMax) {
+      threads = kThreads;
+      grid = multi_block_grid(((n - head) / kPerVector + kUnroll - 1) / kUnroll, threads);
+    }
+  } else if (n > kSingleBlockMax) {
+    threads = kThreads;
+    grid = multi_block_grid(n, threads);
+  }
+
+  Partial* partials_ptr = nullptr;
+  if (grid > 1) {
+    static_assert(sizeof(Partial) == 4 * sizeof(int64_t), "Partial is four int64");
+    partials_owner = at::empty({grid, 4}, owner.options().dtype(at::kLong));
+    partials_ptr = reinterpret_cast<Partial*>(partials_owner.data_ptr<int64_t>());
+  }
+  if (geometry.contiguous) {
+    scan_contiguous_kernel<F><<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, out, target);
+    check_launch("cublas_guard scan_contiguous_kernel", layer);
+  } else {
+    Geometry g{};
+    g.ndim = geometry.ndim;
+    for (int d = 0; d < geometry.ndim; ++d) {
+      g.sizes[d] = geometry.sizes[d];
+      g.strides[d] = geometry.strides[d];
+    }
+    scan_strided_kernel<F><<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, out, target);
+    check_launch("cublas_guard scan_strided_kernel", layer);
+  }
+  if (grid > 1) {
+    scan_finish_kernel<<<1, kThreads, 0, stream>>>(partials_ptr, grid, out, target);
+    check_launch("cublas_guard scan_finish_kernel", layer);
+  }
+}
+
+}  // namespace
+
 void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
                     const std::string& layer) {
-  TORCH_INTERNAL_ASSERT(t.scalar_type() == at::kFloat);  // callers check (check_scannable)
+  TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
   TORCH_INTERNAL_ASSERT(!out_slot.defined() || (out_slot.is_cuda() && out_slot.is_contiguous() &&
                                                  out_slot.scalar_type() == at::kLong));
   const c10::cuda::CUDAGuard device_guard(t.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const AsyncTarget target = target_ptr != nullptr ? *target_ptr : AsyncTarget{};
   auto* out = out_slot.defined() ? reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>())
                                  : nullptr;
@@ -256,45 +338,20 @@ void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget*
     scan_geometry(owner, geometry);
   }
   if (n == 0) geometry.contiguous = true;
-  const float* data = n > 0 ? owner.data_ptr<float>() : nullptr;
-
-  int grid = 1, threads = kSmallThreads;
-  long long head = 0;
-  if (geometry.contiguous) {
-    const auto address = reinterpret_cast<uintptr_t>(data);
-    head = std::min<long long>(n, static_cast<long long>(((16 - address % 16) % 16) / 4));
-    if (n > kSingleBlockMax) {
-      threads = kThreads;
-      grid = multi_block_grid(((n - head) / 4 + kUnroll - 1) / kUnroll, threads);
-    }
-  } else if (n > kSingleBlockMax) {
-    threads = kThreads;
-    grid = multi_block_grid(n, threads);
-  }
-
-  at::Tensor partials;
-  Partial* partials_ptr = nullptr;
-  if (grid > 1) {
-    static_assert(sizeof(Partial) == 4 * sizeof(int64_t), "Partial is four int64");
-    partials = at::empty({grid, 4}, t.options().dtype(at::kLong));
-    partials_ptr = reinterpret_cast<Partial*>(partials.data_ptr<int64_t>());
-  }
-  if (geometry.contiguous) {
-    scan_contiguous_kernel<<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, out, target);
-    check_launch("cublas_guard scan_contiguous_kernel", layer);
-  } else {
-    Geometry g{};
-    g.ndim = geometry.ndim;
-    for (int d = 0; d < geometry.ndim; ++d) {
-      g.sizes[d] = geometry.sizes[d];
-      g.strides[d] = geometry.strides[d];
-    }
-    scan_strided_kernel<<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, out, target);
-    check_launch("cublas_guard scan_strided_kernel", layer);
-  }
-  if (grid > 1) {
-    scan_finish_kernel<<<1, kThreads, 0, stream>>>(partials_ptr, grid, out, target);
-    check_launch("cublas_guard scan_finish_kernel", layer);
+  at::Tensor partials;  // kept alive until the kernels are enqueued (stream-ordered reuse)
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+      launch_scan<BFloat16Bits>(owner, geometry, n, partials, out, target, layer);
+      break;
+    case at::kHalf:
+      launch_scan<Float16Bits>(owner, geometry, n, partials, out, target, layer);
+      break;
+    case at::kDouble:
+      launch_scan<Float64Bits>(owner, geometry, n, partials, out, target, layer);
+      break;
+    default:
+      launch_scan<Float32Bits>(owner, geometry, n, partials, out, target, layer);
+      break;
   }
 }
 

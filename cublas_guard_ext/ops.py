@@ -174,5 +174,11 @@ def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -
 
 
 def check() -> None:
-    """Wait for the devices and raise what any async-mode scan recorded so far."""
+    """Wait for the devices and raise what any async-mode scan recorded so far.
+
+    Also raises this thread's pending ``watch(mode="async")`` finding, if any.
+    """
     _ops.async_check.default(True)
+    from .watch import check_pending  # late: watch imports this package's ops
+
+    check_pending()

@@ -1,0 +1,309 @@
+"""``watch``: the op and module that first produced NaN/Inf, forward and backward.
+
+>>> with cublas_guard_ext.watch(model, mode="async"):
+...     loss = model(batch).loss
+...     loss.backward()
+
+Every op the block runs (forward, backward, composite ops and what they
+decompose into) is observed from C++ (``csrc/watch.cpp``): a dispatcher
+fallback scans each floating output once, in place, and only when an output is
+not all finite looks at the op's inputs. The first op whose output is
+non-finite while its tensor inputs and scalar arguments were finite is the
+*producer*; ops that only pass a non-finite input on (an ``-inf`` attention
+mask, ``masked_fill(..., -inf)``, the softmax after it) are never blamed.
+Values that enter the model non-finite (a forward argument, a parameter, a
+buffer) are reported on entry, naming them.
+
+``mode="sync"`` raises at the op; ``"async"`` keeps the first finding and raises
+it at the next watched op, at :func:`cublas_guard_ext.check` or at the end of
+the block; ``None`` follows :mod:`cublas_guard_ext.modes` (``"off"``: the block
+watches nothing). ``allow=`` names ops (``"aten.log"``, ``"aten.log.default"``,
+``torch.ops.aten.log``) or module-name patterns (``"encoder.*.attn"``; a module
+allowed covers its submodules) where non-finite results are intended.
+
+Any error an op raises inside the block whose message carries a
+``CUBLAS_STATUS_*`` or a CUDA error is re-raised as :class:`CublasError`,
+:class:`CublasOutOfMemoryError` or :class:`PendingCudaError` naming the op, the
+module and the inputs, with the original as ``__cause__``.
+
+The findings are per thread: a block watches the thread that entered it (and
+the autograd work that thread's backward starts). Nothing stays registered
+after the block: the module hooks are removed and the dispatch key is turned
+off again, also when the block raised.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import sys
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from . import _loader, errors, modes
+
+_loader.load()
+torch.ops.cublas_guard._watch_install.default()
+_native = sys.modules["cublas_guard_ext._watch_native"]
+
+__all__ = ["watch", "check_pending"]
+
+_MODE_CODES = {"sync": 1, "async": 2}
+_OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
+_OP_NAMESPACES = {"aten", "prims", "quantized", "cublas_guard", "_c10d_functional", "c10d"}
+
+# Parameters/buffers found finite at their current version: not scanned again.
+# Keyed by id() with a weak reference to check identity (tensors compare elementwise,
+# so a WeakKeyDictionary cannot hold them).
+_clean_versions: dict[int, tuple[weakref.ref, int]] = {}
+_local = threading.local()
+
+
+def _op_name(item: Any) -> str | None:
+    """'aten::log' / 'aten::log.default' for an op given as an object or a string, else None."""
+    if isinstance(item, torch._ops.OpOverload):
+        schema = item._schema
+        return f"{schema.name}.{schema.overload_name or 'default'}"
+    if isinstance(item, torch._ops.OpOverloadPacket):
+        return item._qualified_op_name
+    if not isinstance(item, str):
+        raise TypeError(f"cublas_guard_ext.watch: allow= takes op names or module patterns, got {item!r}")
+    if "::" in item:
+        return item
+    match = _OP_RE.fullmatch(item)
+    if match and match.group(1) in _OP_NAMESPACES:
+        ns, name, overload = match.groups()
+        return f"{ns}::{name}" + (f".{overload}" if overload else "")
+    return None
+
+
+def _split_allow(allow: Iterable[Any]) -> tuple[list[str], list[str]]:
+    if isinstance(allow, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        allow = [allow]
+    ops, patterns = [], []
+    for item in allow:
+        name = _op_name(item)
+        if name is None:
+            patterns.append(item)
+        else:
+            ops.append(name)
+    return ops, patterns
+
+
+def _name_allowed(name: str, patterns: list[str]) -> bool:
+    """A module (or parameter) name matches a pattern, itself or through an ancestor."""
+    parts = name.split(".") if name else []
+    candidates = [".".join(parts[:i]) for i in range(len(parts), 0, -1)] or [""]
+    return any(fnmatch.fnmatchcase(c, p) for c in candidates for p in patterns)
+
+
+def _typed(message: str) -> errors.GuardError:
+    err = errors._typed_from_native_message(message)
+    return err if err is not None else errors.GuardError(message)
+
+
+def check_pending() -> None:
+    """Raise this thread's pending async watch finding, if any (``check()`` calls it)."""
+    message = _native.take_pending()
+    if message is not None:
+        raise _typed(message)
+
+
+def _entry_error(role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]) -> errors.GuardError:
+    nan, posinf, neginf, first = counts
+    return errors.NonFiniteEntryError(
+        role=role, name=name, nan_count=nan, posinf_count=posinf, neginf_count=neginf,
+        first_bad_index=first, shape=list(tensor.shape), dtype=str(tensor.dtype),
+    )
+
+
+def _tensors_in(value: Any, path: str) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _tensors_in(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors_in(v, f"{path}[{k!r}]")
+
+
+def _op_failure(payload: str, original: Any, message: str) -> BaseException:
+    """Called by csrc/watch.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
+    fields = json.loads(payload)
+    fields.pop("kind", None)
+    for key, value in list(fields.items()):
+        if key.endswith("_dtype"):
+            fields[key] = errors._dtype(value)
+    errors._fold_inputs(fields)
+    fields["original_error"] = message.strip().splitlines()[0][:400] if message.strip() else message
+    status = re.search(r"CUBLAS_STATUS_[A-Z_]+", message)
+    cls: type[errors.GuardError]
+    if status:
+        by_name = {entry[0]: code for code, entry in errors.CUBLAS_STATUS.items()}
+        fields["status_name"] = status.group(0)
+        fields["status"] = by_name.get(status.group(0), -1)
+        cls = errors.CublasOutOfMemoryError if fields["status"] == 3 else errors.CublasError
+    else:
+        detail = re.search(r"CUDA error: ([^\n]*)", message)
+        fields["cuda_error_string"] = detail.group(1).strip() if detail else message.strip()[:200]
+        fields["cuda_error"] = "cudaError"
+        fields["stage"] = f"when {fields.get('op')} ran"
+        fields["launch_blocking"] = __import__("os").environ.get("CUDA_LAUNCH_BLOCKING") == "1"
+        cls = errors.PendingCudaError
+    err = cls(**fields)
+    err.__cause__ = original if isinstance(original, BaseException) else RuntimeError(message)
+    return err
+
+
+class watch:
+    """Context manager: see the module docstring. Reusable; not re-entrant per instance."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        mode: str | None = None,
+        allow: Iterable[Any] = (),
+        *,
+        check_parameters: bool = True,
+    ) -> None:
+        if mode is not None and mode != "off":
+            if mode not in _MODE_CODES:
+                raise ValueError(
+                    f"cublas_guard_ext.watch: mode must be 'sync', 'async' or None, got {mode!r}"
+                )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"cublas_guard_ext.watch: model must be an nn.Module or None, got {type(model).__name__}")
+        self.model = model
+        self.mode = mode
+        self.allow_ops, self.allow_patterns = _split_allow(allow)
+        self.check_parameters = check_parameters
+        self._handles: list[Any] = []
+        self._active = False
+
+    # -- entry checks -------------------------------------------------------------------
+    def _allowed_name(self, name: str) -> bool:
+        return bool(self.allow_patterns) and _name_allowed(name, self.allow_patterns)
+
+    def _check_state(self) -> None:
+        assert self.model is not None
+        for role, items in (("parameter", self.model.named_parameters()), ("buffer", self.model.named_buffers())):
+            for name, t in items:
+                if not t.is_floating_point() or t.numel() == 0:
+                    continue
+                version = t._version
+                known = _clean_versions.get(id(t))
+                if known is not None and known[0]() is t and known[1] == version:
+                    continue
+                counts = _native.scan(t)
+                if counts is None:
+                    continue
+                if counts[3] >= 0:
+                    if self._allowed_name(name):
+                        continue
+                    raise _entry_error(role, name, t, counts)
+                _clean_versions[id(t)] = (weakref.ref(t), version)
+
+    def _check_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        for path, t in _tensors_in((args, kwargs), ""):
+            if not t.is_floating_point():
+                continue
+            counts = _native.scan(t)
+            if counts is None or counts[3] < 0:
+                continue
+            name = self._arg_name(module, args, kwargs, path)
+            if self._allowed_name(name):
+                continue
+            raise _entry_error("argument", name, t, counts)
+
+    @staticmethod
+    def _arg_name(module: torch.nn.Module, args: tuple, kwargs: dict, path: str) -> str:
+        # path is "[0][i]..." for positional, "[1]['key']..." for keyword arguments
+        match = re.match(r"\[(\d)\]\[([^\]]+)\](.*)", path)
+        if match is None:
+            return path
+        where, key, rest = match.groups()
+        if where == "1":
+            return key.strip("'\"") + rest
+        try:
+            import inspect
+
+            params = [p for p in inspect.signature(module.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            return params[int(key)].name + rest
+        except (ValueError, TypeError, IndexError):
+            return f"args[{key}]{rest}"
+
+    # -- the block ----------------------------------------------------------------------
+    def __enter__(self) -> watch:
+        if self._active:
+            raise RuntimeError("cublas_guard_ext.watch: this watch is already active")
+        mode = self.mode if self.mode is not None else modes.current()
+        if mode == "off":
+            return self
+        names: list[str] = []
+        ids: dict[int, int] = {}
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                ids[id(module)] = len(names)
+                names.append(name)
+            if self.check_parameters:
+                self._check_state()
+        allowed = ["1" if self._allowed_name(n) else "0" for n in names]
+        tid = threading.get_ident()
+        push, pop = _native.push, _native.pop
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if threading.get_ident() == tid:
+                i = ids.get(id(module))
+                if i is not None:
+                    push(i)
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if threading.get_ident() == tid and id(module) in ids:
+                pop()
+
+        nn_module = torch.nn.modules.module
+        try:
+            if self.model is not None:
+                self._handles.append(self.model.register_forward_pre_hook(self._check_args, with_kwargs=True))
+                self._handles.append(nn_module.register_module_forward_pre_hook(pre))
+                self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
+            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops)
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._active = True
+        return self
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if not self._active:
+            return False
+        self._active = False
+        self._remove_hooks()
+        pending = _native.end()
+        if pending is not None:
+            finding = _typed(pending)
+            if exc is None:
+                raise finding
+            if hasattr(exc, "add_note"):  # the exception in flight stays; the finding is noted
+                exc.add_note(f"cublas_guard_ext.watch also recorded earlier: {finding}")
+        return False
+
+    def stats(self) -> tuple[int, int, int] | None:
+        """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch."""
+        return _native.stats()
+
+
+def _is_active() -> bool:
+    """Whether this thread watches now (tests check nothing is left on)."""
+    return bool(_native.active()) or bool(_native.key_included())

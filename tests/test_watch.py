@@ -1,0 +1,551 @@
+"""watch(): the op and module that first produced NaN/Inf, forward and backward (issue 13)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import cublas_guard_ext as cg
+import importlib
+
+watch_module = importlib.import_module("cublas_guard_ext.watch")
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int, planted: str = "") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+        self.planted = planted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.fc1(x))
+        if self.planted == "log":
+            h = torch.log(h - 100.0)  # log of a negative number: NaN, from finite inputs
+        elif self.planted == "sqrt":
+            h = torch.sqrt(torch.relu(h) * 0.0)  # sqrt(0) = 0: finite forward, Inf gradient
+        elif self.planted == "log_":
+            h = (h - 100.0).log_()
+        return self.fc2(h)
+
+
+class Attention(nn.Module):
+    """Scores with an additive causal -inf mask built inside forward, masked_fill, softmax."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        t = x.shape[1]
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + causal
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        return F.softmax(scores, dim=-1) @ v
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, planted: str = "") -> None:
+        super().__init__()
+        self.attn = Attention(width)
+        self.norm = nn.LayerNorm(width)
+        self.ff = FeedForward(width, planted)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x), pad)
+        return x + self.ff(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, width: int = 16, planted: str = "", planted_layer: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            Block(width, planted if i == planted_layer else "") for i in range(3)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
+        if pad is None:
+            pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+            pad[:, -1] = True  # the last position is padding
+        for layer in self.layers:
+            x = layer(x, pad)
+        return self.head(x).sum()
+
+
+def batch(width: int = 16) -> torch.Tensor:
+    return torch.randn(2, 5, width)
+
+
+def nothing_left() -> None:
+    mod = torch.nn.modules.module
+    assert not mod._global_forward_pre_hooks
+    assert not mod._global_forward_hooks
+    assert not watch_module._is_active()
+
+
+# -- producer vs propagator -------------------------------------------------------------
+
+
+def test_forward_producer_named_by_module_and_op():
+    model = Model(planted="log")
+    x = batch()
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(x)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, cg.GuardError)
+    assert err.op == "aten.log.default"
+    assert err.module == "layers.1.ff"
+    assert err.phase == "forward"
+    assert err.nan_count == 2 * 5 * 16 and err.posinf_count == 0 and err.neginf_count == 0
+    assert err.first_bad_index == 0 and err.first_bad_coords == [0, 0, 0]
+    assert err.shape == [2, 5, 16] and err.dtype == "torch.float32"
+    assert err.input_names == ["self"] and err.input_shapes == [[2, 5, 16]]
+    assert err.input_dtypes == ["torch.float32"]
+    assert "aten.log.default in module 'layers.1.ff' (forward)" in str(err)
+    assert "log of a negative number" in str(err)
+    nothing_left()
+
+
+def test_propagators_after_the_producer_are_never_blamed():
+    # The NaN from log spreads through fc2, the residual add, layer 2 and the head;
+    # async keeps only the first finding, and that is log, not any of those.
+    model = Model(planted="log", planted_layer=0)
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="async", allow=()):
+            model(batch())
+    assert info.value.op == "aten.log.default" and info.value.module == "layers.0.ff"
+
+
+def test_allowed_producer_then_propagators_raise_nothing():
+    model = Model(planted="log", planted_layer=0)
+    with cg.watch(model, mode="sync", allow=["aten.log"]):
+        out = model(batch())
+    assert out.isnan()
+
+
+def test_masks_with_minus_inf_raise_nothing_forward_and_backward():
+    model = Model()
+    x = batch().requires_grad_()
+    with cg.watch(model, mode="sync"):
+        loss = model(x)
+        loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    nothing_left()
+
+
+def test_inplace_producer_is_judged_on_its_input_before_the_op():
+    model = Model(planted="log_")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(batch())
+    assert info.value.op == "aten.log_.default" and info.value.module == "layers.1.ff"
+
+
+def test_scalar_argument_minus_inf_is_not_a_producer():
+    x = torch.randn(4, 4)
+    with cg.watch(None, mode="sync"):
+        full = torch.full((4, 4), float("-inf"))
+        y = x.masked_fill(x > 0, float("inf"))
+        z = torch.clamp(y, max=float("inf"))
+    assert torch.isinf(full).all() and torch.isinf(z).any()
+
+
+def test_division_by_zero_inside_a_composite_names_the_inner_op():
+    x = torch.randn(3, 4)
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            F.normalize(x, eps=0.0) / torch.zeros(4)
+    assert info.value.op == "aten.div.Tensor"
+    assert "module" not in info.value.fields  # functional code: outside any module
+    assert "outside the watched model's modules" in str(info.value)
+
+
+# -- entry ----------------------------------------------------------------------------
+
+
+def test_non_finite_argument_is_reported_at_entry_by_name():
+    model = Model()
+    x = batch()
+    x[1, 2, 3] = float("nan")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="sync"):
+            model(x)
+    err = info.value
+    assert isinstance(err, cg.NonFiniteInputError)
+    assert err.role == "argument" and err.name == "x"
+    assert err.nan_count == 1 and err.first_bad_coords == [1, 2, 3]
+    assert "argument 'x'" in str(err)
+    nothing_left()
+
+
+def test_non_finite_parameter_is_reported_at_entry_by_name():
+    model = Model()
+    with torch.no_grad():
+        model.layers[2].ff.fc1.weight[3, 4] = float("inf")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="async"):
+            raise AssertionError("the block must not start")
+    err = info.value
+    assert err.role == "parameter" and err.name == "layers.2.ff.fc1.weight"
+    assert err.posinf_count == 1 and err.first_bad_coords == [3, 4]
+    nothing_left()
+
+
+def test_non_finite_buffer_is_reported_and_can_be_allowed():
+    model = Model()
+    model.register_buffer("mask", torch.full((3,), float("-inf")))
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="sync"):
+            pass
+    assert info.value.role == "buffer" and info.value.name == "mask"
+    with cg.watch(model, mode="sync", allow=["mask"]):
+        model(batch())
+
+
+def test_parameter_fixed_after_a_report_is_scanned_again():
+    model = Model()
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    with pytest.raises(cg.NonFiniteEntryError):
+        with cg.watch(model, mode="sync"):
+            pass
+    with torch.no_grad():
+        model.head.weight[0, 0] = 0.5
+    with cg.watch(model, mode="sync"):
+        model(batch())
+
+
+# -- backward -------------------------------------------------------------------------
+
+
+def test_backward_only_inf_is_named_with_phase_backward():
+    model = Model(planted="sqrt")
+    x = batch()
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            loss = model(x)  # finite: sqrt(0) = 0
+            assert torch.isfinite(loss)
+            loss.backward()
+    err = info.value
+    assert err.phase == "backward"
+    assert err.module == "layers.1.ff"
+    assert err.backward_node == "SqrtBackward0"
+    assert err.posinf_count > 0
+    assert "(backward)" in str(err)
+    nothing_left()
+
+
+def test_backward_async_reports_at_the_end_of_the_block():
+    model = Model(planted="sqrt")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="async"):
+            model(batch()).backward()
+    assert info.value.phase == "backward" and info.value.deferred
+    assert "recorded at that op (mode='async')" in str(info.value)
+
+
+# -- allow ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "allow",
+    [["aten.log"], ["aten.log.default"], [torch.ops.aten.log.default], [torch.ops.aten.log],
+     ["layers.1.ff"], ["layers.*"], ["layers.1"]],
+)
+def test_allow_by_op_or_module_pattern(allow):
+    model = Model(planted="log")
+    with cg.watch(model, mode="sync", allow=allow):
+        model(batch())
+
+
+@pytest.mark.parametrize("allow", [["aten.exp"], ["layers.0.*"], ["head"]])
+def test_allow_that_does_not_match_still_raises(allow):
+    model = Model(planted="log")
+    with pytest.raises(cg.NonFiniteOutputError):
+        with cg.watch(model, mode="sync", allow=allow):
+            model(batch())
+
+
+# -- async ----------------------------------------------------------------------------
+
+
+def test_async_does_not_raise_at_the_op_but_at_check():
+    x = torch.rand(8) + 1.0
+    with cg.watch(None, mode="async"):
+        y = torch.log(-x)  # returns: async never raises at the producing op
+        with pytest.raises(cg.NonFiniteOutputError) as info:
+            cg.check()
+        cg.check()  # reported once
+    assert info.value.op == "aten.log.default" and info.value.deferred
+    assert y.isnan().all()
+
+
+def test_async_raises_at_the_next_watched_op_naming_the_first():
+    x = torch.rand(8) + 1.0
+    with cg.watch(None, mode="async"):
+        y = torch.log(-x)
+        with pytest.raises(cg.NonFiniteOutputError) as info:
+            torch.exp(x)  # a clean op: it finds the record filled
+    assert info.value.op == "aten.log.default"
+    assert y.isnan().all()
+
+
+def test_async_raises_at_the_end_of_the_block():
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="async"):
+            torch.log(-torch.rand(8) - 1.0)
+    assert info.value.op == "aten.log.default"
+    nothing_left()
+
+
+def test_mode_none_follows_guard_mode_rules(monkeypatch):
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "off")
+    with cg.watch(None):
+        torch.log(-torch.rand(4) - 1.0)  # off: nothing watched
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "sync")
+    with pytest.raises(cg.NonFiniteOutputError):
+        with cg.watch(None):
+            torch.log(-torch.rand(4) - 1.0)
+    with cg.guard("async", check_on_exit=False):
+        with pytest.raises(cg.NonFiniteOutputError) as info:
+            with cg.watch(None):
+                torch.log(-torch.rand(4) - 1.0)
+    assert info.value.deferred
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be"):
+        cg.watch(None, mode="fast")
+
+
+# -- cuBLAS / CUDA errors re-raised ----------------------------------------------------
+
+_FAILURE = {"message": ""}
+
+
+@torch.library.custom_op("watchtest::failing_gemm", mutates_args=())
+def failing_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _FAILURE["message"]:
+        raise RuntimeError(_FAILURE["message"])
+    return a @ b
+
+
+class GemmLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return failing_gemm(x, self.w)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = GemmLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(x))
+
+
+@pytest.fixture
+def failure():
+    def set_message(message: str) -> None:
+        _FAILURE["message"] = message
+
+    yield set_message
+    _FAILURE["message"] = ""
+
+
+def test_cublas_error_from_any_op_is_reraised_typed_with_module_and_op(failure):
+    message = (
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, "
+        "m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc)`"
+    )
+    failure(message)
+    model = Outer()
+    with pytest.raises(cg.CublasError) as info:
+        with cg.watch(model, mode="sync"):
+            model(torch.randn(4, 6))
+    err = info.value
+    assert not isinstance(err, cg.CublasOutOfMemoryError)
+    assert err.status == 13 and err.status_name == "CUBLAS_STATUS_EXECUTION_FAILED"
+    assert err.op == "watchtest.failing_gemm.default" and err.module == "proj"
+    assert err.input_names == ["a", "b"] and err.input_shapes == [[4, 6], [6, 3]]
+    assert err.input_strides == [[6, 1], [3, 1]]
+    assert isinstance(err.__cause__, RuntimeError) and str(err.__cause__) == message
+    text = str(err)
+    assert "watch: watchtest.failing_gemm.default in module 'proj'" in text
+    assert "an EARLIER asynchronous CUDA error" in text  # the same diagnosis SafeLinear gives
+    nothing_left()
+
+
+def test_cublas_alloc_failed_is_reraised_as_out_of_memory(failure):
+    failure("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    model = Outer()
+    with pytest.raises(cg.CublasOutOfMemoryError) as info:
+        with cg.watch(model, mode="async"):
+            model(torch.randn(4, 6))
+    assert isinstance(info.value, torch.OutOfMemoryError) and info.value.status == 3
+
+
+def test_cuda_error_is_reraised_as_pending_cuda_error(failure):
+    model = Outer()
+    x = torch.randn(4, 6, requires_grad=True)
+    failure("CUDA error: device-side assert triggered")
+    with pytest.raises(cg.PendingCudaError) as info:
+        with cg.watch(model, mode="sync"):
+            model(x)
+    assert info.value.cuda_error_string == "device-side assert triggered"
+    assert info.value.module == "proj"
+
+
+def test_other_errors_pass_through_unchanged(failure):
+    failure("something else went wrong")
+    model = Outer()
+    with pytest.raises(RuntimeError, match="something else went wrong") as info:
+        with cg.watch(model, mode="sync"):
+            model(torch.randn(4, 6))
+    assert not isinstance(info.value, cg.GuardError)
+    nothing_left()
+
+
+# -- threads, nothing left, checkpointing, SafeLinear -----------------------------------
+
+
+def test_each_thread_gets_its_own_findings():
+    results: dict[str, object] = {}
+    barrier = threading.Barrier(2)
+
+    def run(name: str, planted: str) -> None:
+        model = Model(planted=planted)
+        try:
+            with cg.watch(model, mode="async"):
+                barrier.wait()
+                for _ in range(3):
+                    model(batch()).backward()
+            results[name] = "clean"
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=("bad", "log")),
+               threading.Thread(target=run, args=("good", ""))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["good"] == "clean"
+    assert isinstance(results["bad"], cg.NonFiniteOutputError)
+    assert results["bad"].module == "layers.1.ff"
+
+
+def test_nothing_left_registered_after_a_clean_or_a_raising_block():
+    model = Model(planted="log")
+    before = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    for mode in ("sync", "async"):
+        with pytest.raises(cg.NonFiniteOutputError):
+            with cg.watch(model, mode=mode):
+                model(batch())
+        nothing_left()
+        assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == before
+    with pytest.raises(KeyError):
+        with cg.watch(Model(), mode="sync"):
+            raise KeyError("user error")
+    nothing_left()
+    torch.log(-torch.rand(3) - 1.0)  # outside a block: nothing is watched
+
+
+def test_nested_watch_restores_the_outer_one():
+    with pytest.raises(cg.NonFiniteOutputError):
+        with cg.watch(None, mode="sync"):
+            with cg.watch(None, mode="sync", allow=["aten.log"]):
+                torch.log(-torch.rand(3) - 1.0)
+            torch.log(-torch.rand(3) - 1.0)
+    nothing_left()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    class Checkpointed(nn.Module):
+        def __init__(self, planted: str) -> None:
+            super().__init__()
+            self.ff = FeedForward(16, planted)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.ff, x, use_reentrant=reentrant).sum()
+
+    x = torch.randn(3, 16, requires_grad=True)
+    clean = Checkpointed("")
+    with cg.watch(clean, mode="sync"):
+        clean(x).backward()
+    forward_bad = Checkpointed("log")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(forward_bad, mode="sync"):
+            forward_bad(x)
+    assert info.value.module == "ff" and info.value.phase == "forward"
+    backward_bad = Checkpointed("sqrt")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(backward_bad, mode="sync"):
+            backward_bad(x).backward()
+    assert info.value.phase == "backward" and info.value.module == "ff"
+    nothing_left()
+
+
+def test_with_safelinear_in_the_model():
+    model = cg.replace_linear(Model(planted="log"))
+    assert isinstance(model.layers[1].ff.fc2, cg.SafeLinear)
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(batch())
+    # the watch names the producer before SafeLinear (fc2) sees the NaN input
+    assert info.value.op == "aten.log.default" and info.value.module == "layers.1.ff"
+    clean = cg.replace_linear(Model())
+    with cg.watch(clean, mode="async"):
+        clean(batch()).backward()
+
+
+def test_watch_changes_no_result():
+    torch.manual_seed(0)
+    model = Model()
+    x = batch().requires_grad_()
+    loss = model(x)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    x.grad = None
+    with cg.watch(model, mode="async") as w:
+        loss2 = model(x)
+        loss2.backward()
+        ops_seen, scanned, saved = w.stats()
+    assert torch.equal(loss, loss2)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert ops_seen > 100 and scanned > 50
+
+
+def test_other_dtypes_are_watched():
+    x = torch.rand(8, dtype=torch.float64) + 1.0
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.log(-x)
+    assert info.value.dtype == "torch.float64"
+    with pytest.raises(cg.NonFiniteOutputError):
+        with cg.watch(None, mode="sync"):
+            torch.exp(torch.full((4,), 100.0, dtype=torch.bfloat16))  # overflow: +Inf
+
+
+def test_rank_prefix_under_distributed_env(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.log(-torch.rand(3) - 1.0)
+    assert str(info.value).startswith("[rank 1/2] watch: aten.log.default")
+    assert info.value.rank == 1

@@ -90,6 +90,9 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
         "fp16 features into a float32 model": "DTypeError",
         "a weight that diverged to -Inf": "NonFiniteInputError",
         "CUBLAS_STATUS_EXECUTION_FAILED": "CublasError",
+        # watch() on all-MiniLM-L6-v2: the producing op, forward and backward
+        "a planted log of a negative number": "NonFiniteOutputError",
+        "a planted sqrt at 0": "NonFiniteOutputError",
     }
     for prefix, error in expected.items():
         label = next(k for k in sections if k.startswith(prefix))
@@ -108,4 +111,6 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
     else:
         assert "raised during this section's call" in nan and "raised during this section's call" in weight
         assert "asynchronously" not in nan + weight
-    assert "the guard caught 5 bad inputs" in result.stdout
+    assert "aten.log.default in module '0.model.encoder.layer.3.intermediate' (forward)" in result.stdout
+    assert "(backward)" in sections[next(k for k in sections if k.startswith("a planted sqrt"))]
+    assert "the guard caught 7 bad inputs" in result.stdout

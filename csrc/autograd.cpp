@@ -162,6 +162,15 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias, c10::string_view layer,
                            int64_t mode, bool scan_grad) {
+  // nn.Linear reads the weight through `weight.t()`: outside inference mode, a
+  // view of an inference tensor is not tracked, so an inference-mode weight gets
+  // no gradient there (its bias does). The same here: such a weight counts as
+  // one that needs no gradient (and, as in nn.Linear, cannot be saved for an
+  // input that needs one).
+  if (C10_UNLIKELY(weight.is_inference() && weight.requires_grad() &&
+                   !c10::InferenceMode::is_enabled())) {
+    return LinearFunction::apply(x, weight.detach(), bias, std::string(layer), mode, scan_grad);
+  }
   return LinearFunction::apply(x, weight, bias, std::string(layer), mode, scan_grad);
 }
 

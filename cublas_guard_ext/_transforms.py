@@ -15,6 +15,8 @@ once per sample.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
@@ -31,25 +33,49 @@ def active() -> bool:
     return _functorch_active() or _forward_ad._current_level >= 0
 
 
+class _ForwardDepth(threading.local):
+    depth = 0
+
+
+# Inside the forward of the Functions below, the only transform levels left are
+# the vmap levels that generate_vmap_rule replays the forward under (grad and jvp
+# levels are handled by the Function itself). The native ops' vmap rules then
+# must call the native ops again, not the Functions: a Function applied there
+# (hessian: two vmap levels in one forward) has no kernel for those levels.
+_forward = _ForwardDepth()
+
+
+def _differentiable() -> bool:
+    return _forward.depth == 0 and active()
+
+
+def _native_forward(op, *args):
+    _forward.depth += 1
+    try:
+        return op(*args)
+    finally:
+        _forward.depth -= 1
+
+
 # ---------------------------------------------------------------------------
 # Entry points: the Python autograd path while transforms are active, the native
 # (C++ autograd) op otherwise. Backward, jvp and the vmap rules call these, so
 # every level of a nested transform sees a differentiable, batchable op.
 # ---------------------------------------------------------------------------
 def linear(x, weight, bias, layer: str, mode: int, scan_grad: bool) -> torch.Tensor:
-    if active():
+    if _differentiable():
         return _Linear.apply(x, weight, bias, layer, mode, scan_grad)
     return _ops.linear.default(x, weight, bias, layer, mode, scan_grad)
 
 
 def grad_input(grad_output, weight, layer: str) -> torch.Tensor:
-    if active():
+    if _differentiable():
         return _GradInput.apply(grad_output, weight, layer)
     return _ops.linear_grad_input.default(grad_output, weight, layer)
 
 
 def grad_weight(grad_output, x, layer: str) -> torch.Tensor:
-    if active():
+    if _differentiable():
         return _GradWeight.apply(grad_output, x, layer)
     return _ops.linear_grad_weight.default(grad_output, x, layer)
 
@@ -71,7 +97,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, layer, mode, scan_grad):
-        return _ops.linear.default(x, weight, bias, layer, mode, scan_grad)
+        return _native_forward(_ops.linear.default, x, weight, bias, layer, mode, scan_grad)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -117,7 +143,7 @@ class _GradInput(torch.autograd.Function):
 
     @staticmethod
     def forward(grad_output, weight, layer):
-        return _ops.linear_grad_input.default(grad_output, weight, layer)
+        return _native_forward(_ops.linear_grad_input.default, grad_output, weight, layer)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -155,7 +181,7 @@ class _GradWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(grad_output, x, layer):
-        return _ops.linear_grad_weight.default(grad_output, x, layer)
+        return _native_forward(_ops.linear_grad_weight.default, grad_output, x, layer)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -195,6 +221,11 @@ def _lowered(rule):
 
     def run(info, in_dims, *args, **kwargs):
         from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+        if _forward.depth:
+            # In a Function's forward, replayed under vmap levels only: the calls
+            # are native and torch's own lowering (FuncTorchBatched excluded) suffices.
+            return rule(info, in_dims, *args, **kwargs)
 
         with retrieve_current_functorch_interpreter().lower():
             return rule(info, in_dims, *args, **kwargs)

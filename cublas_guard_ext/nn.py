@@ -14,7 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
 from .ops import linear as _guarded_linear
-from .ops import validate_dtype_policy
+from .ops import DTYPE_POLICIES, validate_dtype_policy
 
 __all__ = ["SafeLinear", "replace_linear", "name_layers"]
 

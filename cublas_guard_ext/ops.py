@@ -178,7 +178,31 @@ def check() -> None:
 
     Also raises this thread's pending ``watch(mode="async")`` finding, if any.
     """
+    if torch.compiler.is_compiling():
+        _check_in_graph(torch.empty(0))
+        return
     _ops.async_check.default(True)
     from .watch import check_pending  # late: watch imports this package's ops
 
     check_pending()
+
+
+# check() inside a compiled function. `async_check` takes no tensor, so
+# AOTAutograd's tracer runs it once at trace time and records nothing (the
+# async findings of the graph's own layers were then never raised). This op
+# takes a token tensor made where check() is called, so it is recorded in the
+# graph, in program order; marked side-effectful, it is kept.
+@torch.library.custom_op("cublas_guard::check_in_graph", mutates_args=())
+def _check_in_graph(token: torch.Tensor) -> None:
+    _ops.async_check.default(True)
+    from .watch import check_pending
+
+    check_pending()
+
+
+@_check_in_graph.register_fake
+def _(token: torch.Tensor) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(_ops.check_in_graph.default)

@@ -105,6 +105,31 @@ def test_compiled_scan_grad_raises_like_eager_in_backward(backend: str, mode: st
     assert compiled_err.value.role == "grad_output" and compiled_err.value.layer == "2"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_inside_the_compiled_function_raises_like_eager(backend: str) -> None:
+    # check() takes no tensor: traced as is, it ran once at trace time and left
+    # the graph, so an async finding of the same graph was never raised.
+    torch.manual_seed(1)
+    first, second = cg.SafeLinear(8, 6, mode="async", name="c1"), cg.SafeLinear(6, 4, mode="async", name="c2")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = first(x).relu()
+        cg.check()
+        return second(h) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    good = torch.randn(5, 8)
+    assert_matches(compiled(good), f(good))
+    cg.check()  # nothing pending
+    for index in ((3, 1), (0, 0)):  # two calls of the same graph
+        bad = torch.randn(5, 8)
+        bad[index] = NAN
+        got = _raised(compiled, bad)
+        cg.check()  # raised inside the graph: nothing left pending
+        assert _fields(got) == _fields(_raised(f, bad))
+        assert got.layer == "c1" and got.first_bad_index == index[0] * 8 + index[1]
+
+
 # ---------------------------------------------------------------------------
 # 5. Dynamic shapes: no recompile per batch size beyond nn.Linear's own.
 # ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
-from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import cublas_guard_ext as cg
 from conftest import assert_matches
@@ -235,3 +235,34 @@ def test_eager_path_is_untouched_outside_transforms() -> None:
     with fwAD.dual_level():
         dual = safe(fwAD.make_dual(torch.randn(2, 8), torch.randn(2, 8)))
     assert "_Linear" in type(dual.grad_fn).__name__ or dual.grad_fn is None
+
+
+def _hessian_stacks():
+    torch.manual_seed(6)
+    ref = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    safe = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    safe.load_state_dict(ref.state_dict())
+    return cg.replace_linear(safe), ref
+
+
+def test_hessian_matches_nn_linear() -> None:
+    # jacfwd over jacrev: the Functions' forward replays under two vmap levels.
+    safe, ref = _hessian_stacks()
+    f = lambda m: (lambda x: m(x).sin().sum())  # noqa: E731
+    x = torch.randn(3, 4)
+    got, want = hessian(f(safe))(x), hessian(f(ref))(x)
+    assert got.shape == (3, 4, 3, 4) and want.abs().max() > 1e-3
+    assert_matches(got, want, REL)
+    # with respect to the parameters, and of a vector output (jacfwd(jacrev))
+    call_s = lambda p: functional_call(safe, p, (x,)).tanh().sum()  # noqa: E731
+    call_r = lambda p: functional_call(ref, p, (x,)).tanh().sum()  # noqa: E731
+    _assert_tree(hessian(call_s)(_params(safe)), hessian(call_r)(_params(ref)))
+    _assert_tree(jacfwd(jacrev(safe))(x[0]), jacfwd(jacrev(ref))(x[0]))
+
+
+def test_hessian_keeps_the_input_guard() -> None:
+    safe, _ = _hessian_stacks()
+    x = _poisoned((3, 4), 5)
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        hessian(lambda x: safe(x).sum())(x)
+    assert info.value.layer == "0" and info.value.first_bad_index == 5

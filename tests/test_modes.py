@@ -250,6 +250,7 @@ OPS = {
     ),
     "check_features": lambda: (torch.ops.cublas_guard.check_features.default, (torch.randn(4, 5), 5, "l")),
     "guard_values": lambda: (torch.ops.cublas_guard.guard_values.default, (torch.randn(4, 5), "l", 3, 1)),
+    "check_in_graph": lambda: (torch.ops.cublas_guard.check_in_graph.default, (torch.randn(0),)),
 }
 
 

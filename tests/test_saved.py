@@ -89,6 +89,28 @@ def test_parameters_made_under_inference_mode(input_grad: bool) -> None:
         assert got[1] and want[1]
 
 
+@pytest.mark.parametrize("shape", [(3, 8), (2, 3, 8), (8,)])
+def test_inference_mode_parameters_get_nn_linears_grads(shape) -> None:
+    # nn.Linear reads the weight through weight.t(), which outside inference mode
+    # does not track an inference tensor: weight.grad stays None, bias.grad is filled.
+    grads = []
+    for factory in (nn.Linear, cg.SafeLinear):
+        torch.manual_seed(7)
+        with torch.inference_mode():
+            layer = factory(8, 4)
+        x = torch.randn(shape)
+        out = layer(x)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(8))).sum().backward()
+        grads.append({k: p.grad for k, p in layer.named_parameters()})
+    want, got = grads
+    assert want["weight"] is None and want["bias"] is not None  # the behaviour being mirrored
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] is None) == (want[k] is None), k
+        if want[k] is not None:
+            assert_matches(got[k], want[k])
+
+
 def test_double_backward_through_a_layer_that_saved_little() -> None:
     """x needs no grad, W does: x is saved, W is not; dW's own derivative still works."""
     for factory in (nn.Linear, cg.SafeLinear):

@@ -28,6 +28,8 @@ import os
 from collections.abc import Iterator
 from typing import Literal
 
+import torch
+
 Mode = Literal["off", "sync", "async"]
 MODE_CODES: dict[str, int] = {"off": 0, "sync": 1, "async": 2}
 ENV_VAR = "CUBLAS_GUARD_MODE"
@@ -57,11 +59,27 @@ def _env_default() -> Mode:
 
 
 def current() -> Mode:
-    """The mode a layer without its own ``mode`` uses right now, in this context."""
+    """The mode a layer without its own ``mode`` uses right now, in this context.
+
+    Under ``torch.compile`` the mode is read once, when the graph is traced
+    (Dynamo cannot trace a ``ContextVar``): a compiled graph keeps the default
+    mode in force when it was compiled. A layer's own ``mode`` is unaffected.
+    """
+    if torch.compiler.is_compiling():
+        return _current_when_traced()
+    return _current()
+
+
+def _current() -> Mode:
     blocks = _blocks.get()
     if blocks:
         return blocks[-1][1]
     return _env_default()
+
+
+@torch._dynamo.assume_constant_result
+def _current_when_traced() -> Mode:
+    return _current()
 
 
 @contextlib.contextmanager

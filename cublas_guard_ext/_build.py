@@ -271,7 +271,7 @@ _VERBS = {"CXX": "compiled", "NVCC": "compiled (nvcc)", "SYCL": "compiled (sycl)
 # Relative compile cost of the heavier sources (CPU seconds measured with the PCH: autograd.cpp
 # parses torch/autograd.h on top of it, python_errors.cpp pybind11); the rest count 1. Only
 # the start order depends on it.
-SLOW_SOURCES = {".cu": 10.0, "autograd.cpp": 3.5, "python_errors.cpp": 2.5}
+SLOW_SOURCES = {".cu": 10.0, "watch.cpp": 4.0, "autograd.cpp": 3.5, "python_errors.cpp": 2.5}
 
 
 def _compile_weight(source: str) -> float:

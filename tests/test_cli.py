@@ -111,6 +111,12 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
     else:
         assert "raised during this section's call" in nan and "raised during this section's call" in weight
         assert "asynchronously" not in nan + weight
-    assert "aten.log.default in module '0.model.encoder.layer.3.intermediate' (forward)" in result.stdout
+    # all-MiniLM-L6-v2 when sentence-transformers is installed (make's venv), else a small
+    # nn.TransformerEncoder: the planted log is named by op and module either way.
+    from cublas_guard_ext import _minilm
+
+    module = "0.model.encoder.layer.3.intermediate" if _minilm.available() else ""
+    assert re.search(r"aten\.log\.default in module '[^']*" + re.escape(module) + r"[^']*' \(forward\)",
+                     result.stdout), result.stdout
     assert "(backward)" in sections[next(k for k in sections if k.startswith("a planted sqrt"))]
     assert "the guard caught 7 bad inputs" in result.stdout

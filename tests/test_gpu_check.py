@@ -31,7 +31,11 @@ def test_dry_run_prints_the_slots_in_order_of_value_and_runs_nothing(tmp_path: P
         assert needed in core, needed
     rest = next(line for line in out.splitlines() if "slot 5 rest" in line)
     assert "-k cuda" in rest and "--ignore=tests/test_cuda.py" in rest and "timeout -s INT" in rest
-    assert "preset gpu" in out and "groups" in out  # the benchmark plan, from run.py --dry-run
+    # The benchmark plan comes from run.py --dry-run, which imports the checkout's package: only
+    # where it has its native library (not in CI's installed-package run, whose source copy has
+    # none and would JIT-build it).
+    if any((ROOT / "cublas_guard_ext").glob("_C*.so")):
+        assert "preset gpu" in out and "groups" in out
     assert list(tmp_path.iterdir()) == []  # nothing written, nothing built
 
 

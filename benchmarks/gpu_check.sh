@@ -28,7 +28,8 @@
 #                      the total
 #   pack         ~5 s  the summary, and everything else packed into one archive
 #
-# Tests: each pytest run is stopped with SIGINT at its slot's limit (pytest then still prints its
+# Tests run in 8 pytest-xdist workers when xdist is there (a crash costs one worker, not the slot).
+# Each pytest run is stopped with SIGINT at its slot's limit (pytest then still prints its
 # summary, --durations and writes its junit xml; SIGKILL 30 s later only if it hangs), and
 # each test with pytest-timeout (--timeout 120, when installed) so a single hang cannot eat a slot.
 #
@@ -66,6 +67,7 @@ CORE_S="${GPU_CHECK_CORE_S:-100}"
 BENCH_S="${GPU_CHECK_BENCH_S:-45}"
 SANITIZER_S="${GPU_CHECK_SANITIZER_S:-60}"
 TEST_TIMEOUT_S="${GPU_CHECK_TEST_TIMEOUT_S:-120}"
+WORKERS="${GPU_CHECK_WORKERS:-8}"  # pytest-xdist workers (one GPU, 16 cores); 1: serial
 SANITIZER_TOOLS="${GPU_CHECK_SANITIZER_TOOLS:-memcheck}"  # racecheck too needs about 2 minutes more
 BENCH_HARD_S=$(( BENCH_S + 30 ))
 PACK_S=10  # kept free at the end for the summary and the archive
@@ -113,6 +115,7 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "  slot 4 sanitizer: (benchmarks/gpu_extra_checks.sh absent: skipped)"
   fi
   echo "  slot 5 rest:      timeout -s INT -k 30 <left - ${PACK_S}> $PY -m pytest tests -m 'not slow' -k cuda $(printf -- '--ignore=%s ' "${CORE_TESTS[@]}")${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-rest.xml"
+  echo "  both test slots:  + -n $WORKERS (pytest-xdist workers) when xdist is installed"
   echo "  then:             summary.txt; details packed into $OUT_DIR/gpu_check_details.tar.gz"
   echo "The benchmark plan (headline rows first):"
   timeout 120 "$PY" benchmarks/run.py --preset gpu --dry-run 2>&1 | sed -n '1,3p'
@@ -169,6 +172,11 @@ EOF
 } 2>&1 | tee "$DETAILS/environment.txt"
 if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then
   PYTEST_TIMEOUT=(--timeout "$TEST_TIMEOUT_S" --timeout-method signal)
+fi
+# pytest-xdist: a test that crashes the interpreter (seen: a segfault in a CUDA error path,
+# 2026-11-30) then costs one worker, not the rest of the slot, and every failure is listed.
+if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
+  PYTEST_COMMON+=(-n "$WORKERS")
 fi
 if ! "$PY" -c "import hypothesis" >/dev/null 2>&1; then
   # Property tests need hypothesis; leave their files out rather than fail collection.

@@ -1,4 +1,4 @@
-"""Facts about this process's CUDA/cuBLAS environment, and the checks on them.
+"""Facts about this process's CUDA/cuBLAS environment (the checklist on them is the doctor's).
 
 Used by the doctor (``python -m cublas_guard_ext doctor``), by the cuBLAS
 error messages (a short environment block) and once per device at the first
@@ -16,7 +16,6 @@ import re
 import sys
 import threading
 import warnings
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,17 +29,8 @@ ENV_VARS = (
     "TORCH_CUDA_ARCH_LIST",
 )
 
+# The statuses of arch_support and of the doctor's checks.
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
-
-
-@dataclass
-class Check:
-    """One item of the doctor's checklist."""
-
-    name: str
-    status: str  # OK | WARN | FAIL | SKIP (could not be checked here)
-    reason: str
-    fix: str = ""
 
 
 def _safe(fn, default=None):
@@ -52,9 +42,9 @@ def _safe(fn, default=None):
 
 def native_build_info() -> dict[str, Any]:
     """The extension's own build facts (``cublas_guard::build_info``)."""
-    from . import _loader
+    from . import loader  # late: loading may build the library; facts must import cheaply
 
-    info = _loader.info()
+    info = loader.info()
     facts = _safe(lambda: json.loads(torch.ops.cublas_guard.build_info()), {}) or {}
     facts.update(kind=info.kind, path=info.path, detail=info.detail)
     return facts
@@ -74,7 +64,7 @@ def loaded_libraries(pattern: str = r"lib(cublas|cublasLt|cudart)[.-]") -> list[
     return sorted(paths)
 
 
-def _version_from_path(path: str) -> str | None:
+def version_from_path(path: str) -> str | None:
     match = re.search(r"\.so\.([\d.]+)$", path)
     return match.group(1) if match else None
 
@@ -108,7 +98,7 @@ def arch_support(cc: tuple[int, int], arch_list: list[str]) -> tuple[str, str]:
     return FAIL, f"sm_{device} is not in {', '.join(arch_list) or '(empty list)'} and no PTX covers it"
 
 
-def _cuda_version_text(value: int | None) -> str:
+def cuda_version_text(value: int | None) -> str:
     if not value:
         return "unknown"
     return f"{value // 1000}.{(value % 1000) // 10}"
@@ -151,202 +141,6 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _workspace_bytes(config: str | None) -> int | None:
-    """Bytes CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs) asks for, if set."""
-    if not config:
-        return None
-    total = 0
-    for size, count in re.findall(r":(\d+):(\d+)", config):
-        total += int(size) * 1024 * int(count)
-    return total or None
-
-
-def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]:
-    """The seed's fallback checklist, item by item, plus the build's own facts."""
-    env = env if env is not None else environment()
-    ext = env["extension"]
-    out: list[Check] = []
-
-    built = str(ext.get("built_with_torch", "unknown"))
-    if built == "unknown":
-        out.append(Check("extension build", WARN, "the extension does not say which torch built it"))
-    elif built.split("+")[0] != torch.__version__.split("+")[0]:
-        out.append(Check(
-            "extension build", FAIL,
-            f"built against torch {built}, running torch {torch.__version__}",
-            "rebuild: pip install --no-build-isolation -e .",
-        ))
-    else:
-        out.append(Check("extension build", OK, f"{ext.get('kind')} build for torch {built} ({ext.get('path')})"))
-
-    if not env["cuda_available"]:
-        reason = "no GPU visible" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
-        for name in ("GPU arch vs torch", "GPU arch vs extension", "driver vs runtime",
-                     "cuBLAS libraries", "GPU memory", "live cuBLAS probe"):
-            out.append(Check(name, SKIP, f"could not check: {reason}"))
-    else:
-        runtime = ext.get("cudart_runtime_version")
-        driver = ext.get("driver_version")
-        if not ext.get("cuda_compiled"):
-            out.append(Check(
-                "extension CUDA kernels", FAIL,
-                "a GPU is visible but the extension was built without CUDA",
-                "install a CUDA toolkit (nvcc) and rebuild: pip install --no-build-isolation -e .",
-            ))
-        if driver and runtime and driver < runtime:
-            out.append(Check(
-                "driver vs runtime", FAIL,
-                f"driver supports CUDA {_cuda_version_text(driver)}, the runtime is "
-                f"{_cuda_version_text(runtime)}",
-                "update the NVIDIA driver, or install a torch built for an older CUDA",
-            ))
-        elif driver and runtime:
-            out.append(Check(
-                "driver vs runtime", OK,
-                f"driver CUDA {_cuda_version_text(driver)} >= runtime {_cuda_version_text(runtime)} "
-                f"(torch built with CUDA {env['torch_cuda']})",
-            ))
-        else:
-            out.append(Check("driver vs runtime", WARN, "the driver or runtime version is unknown"))
-        for device in env["devices"]:
-            cc_text = device.get("compute_capability")
-            if not cc_text:
-                continue
-            cc = tuple(int(v) for v in cc_text.split("."))
-            status, reason = arch_support(cc, env["torch_arch_list"])
-            out.append(Check(
-                f"GPU arch vs torch (cuda:{device['index']})", status,
-                f"{device.get('name')}: {reason}",
-                "" if status == OK else "install a torch build that lists this GPU's arch",
-            ))
-            built_archs = [f"sm_{a.strip()[:-1]}" for a in str(ext.get("built_archs", "")).split(",") if a.strip()]
-            if built_archs:
-                # __CUDA_ARCH_LIST__ does not say whether PTX was embedded: count SASS only.
-                status, reason = arch_support(cc, built_archs)
-                out.append(Check(
-                    f"GPU arch vs extension (cuda:{device['index']})", status, reason,
-                    "" if status == OK else
-                    f"rebuild: TORCH_CUDA_ARCH_LIST={cc_text} pip install --no-build-isolation -e .",
-                ))
-            free, total = device.get("free_memory"), device.get("total_memory")
-            if free is not None and total:
-                workspace = _workspace_bytes(env["env"].get("CUBLAS_WORKSPACE_CONFIG")) or 32 << 20
-                needed = workspace + (64 << 20)
-                status = FAIL if free < needed else WARN if free < 0.05 * total else OK
-                out.append(Check(
-                    f"GPU memory (cuda:{device['index']})", status,
-                    f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; torch holds "
-                    f"{(device.get('torch_reserved') or 0) / 2**30:.2f} GiB reserved",
-                    "" if status == OK else
-                    "free memory: smaller batch, torch.cuda.empty_cache(), other processes (nvidia-smi)",
-                ))
-        libs = env["libraries"]
-        cublas = [p for p in libs if re.search(r"libcublas\.so", os.path.basename(p))]
-        cublas_lt = [p for p in libs if re.search(r"libcublasLt\.so", os.path.basename(p))]
-        if len(cublas) > 1 or len(cublas_lt) > 1:
-            out.append(Check("cuBLAS libraries", FAIL, f"several copies loaded: {cublas + cublas_lt}",
-                             "remove the duplicate CUDA installs from LD_LIBRARY_PATH"))
-        elif cublas and cublas_lt:
-            pair = (_version_from_path(cublas[0]), _version_from_path(cublas_lt[0]))
-            same_dir = os.path.dirname(cublas[0]) == os.path.dirname(cublas_lt[0])
-            status = OK if same_dir and pair[0] == pair[1] else WARN
-            out.append(Check(
-                "cuBLAS libraries", status,
-                f"libcublas {cublas[0]}, libcublasLt {cublas_lt[0]}"
-                + ("" if status == OK else " (a mismatched pair is a known cause of cuBLAS failures)"),
-                "" if status == OK else "make both come from the same CUDA release (check LD_LIBRARY_PATH)",
-            ))
-        else:
-            out.append(Check("cuBLAS libraries", WARN, "libcublas is not loaded yet (no GEMM has run)"))
-        if probe:
-            out.append(_probe_cuda())
-
-    out.append(_tf32_check(env))
-    blocking = env["env"].get("CUDA_LAUNCH_BLOCKING")
-    if not env["torch_cuda"]:
-        out.append(Check("CUDA_LAUNCH_BLOCKING", SKIP,
-                         f"not applicable: torch {env['torch']} is a CPU-only build (no CUDA kernels)"))
-    elif blocking == "1":
-        out.append(Check("CUDA_LAUNCH_BLOCKING", OK, "set: errors are raised at the kernel that failed"))
-    else:
-        # Not set is the normal (fast) setting: nothing to fix, so no fix line on an ok row.
-        out.append(Check(
-            "CUDA_LAUNCH_BLOCKING", OK,
-            "not set (normal): an error from an earlier kernel surfaces at a later call; while "
-            "debugging a cuBLAS error, rerun with CUDA_LAUNCH_BLOCKING=1",
-        ))
-    out.append(_mode_check())
-    config = env["env"].get("CUBLAS_WORKSPACE_CONFIG")
-    out.append(Check(
-        "CUBLAS_WORKSPACE_CONFIG", OK,
-        f"{config} ({(_workspace_bytes(config) or 0) >> 20} MiB of workspace)" if config
-        else "not set (cuBLAS's default workspace)",
-    ))
-    return out
-
-
-def _tf32_check(env: dict[str, Any]) -> Check:
-    """TF32 only concerns GEMMs on a CUDA GPU: not applicable to a CPU-only torch."""
-    if not env["torch_cuda"]:
-        return Check("TF32", SKIP,
-                     f"not applicable: torch {env['torch']} is a CPU-only build (TF32 is a GPU setting)")
-    allow_tf32 = env["tf32"]["torch.backends.cuda.matmul.allow_tf32"]
-    if allow_tf32:
-        return Check("TF32", WARN, "TF32 GEMMs are on (faster, ~10-bit mantissa)",
-                     "to rule TF32 out: torch.backends.cuda.matmul.allow_tf32 = False")
-    return Check("TF32", OK, "TF32 GEMMs are off (exact float32)")
-
-
-def _mode_check() -> Check:
-    """CUBLAS_GUARD_MODE is read at every guarded call: a bad value breaks every SafeLinear."""
-    from . import modes
-
-    value = os.environ.get(modes.ENV_VAR)
-    if value is None:
-        return Check("CUBLAS_GUARD_MODE", OK, "not set: layers without their own mode use 'sync'")
-    try:
-        mode = modes._env_default()
-    except ValueError as err:
-        return Check(
-            "CUBLAS_GUARD_MODE", FAIL,
-            f"{str(err).removeprefix('cublas_guard_ext: ')}: every SafeLinear without its own "
-            "mode raises ValueError",
-            f"unset it or set one of {', '.join(sorted(modes.MODE_CODES))}",
-        )
-    return Check("CUBLAS_GUARD_MODE", OK, f"{value!r}: layers without their own mode use {mode!r}")
-
-
-def summary(items: list[Check]) -> dict[str, int]:
-    """Counts per status, as the doctor's last line and its JSON report them."""
-    return {
-        "failed": sum(c.status == FAIL for c in items),
-        "warnings": sum(c.status == WARN for c in items),
-        "skipped": sum(c.status == SKIP for c in items),
-        "ok": sum(c.status == OK for c in items),
-    }
-
-
-def _probe_cuda() -> Check:
-    """A small guarded GEMM on the current GPU: handle creation, kernels, cuBLAS."""
-    from .errors import GuardError
-    from .nn import SafeLinear
-
-    try:
-        layer = SafeLinear(64, 32, device="cuda", mode="sync", name="doctor-probe")
-        x = torch.randn(16, 64, device="cuda")
-        y = layer(x)
-        torch.cuda.synchronize()
-        ok = torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4)
-    except GuardError as err:
-        return Check("live cuBLAS probe", FAIL, str(err).splitlines()[0], "see the error above")
-    except Exception as err:  # a torch/CUDA error outside the guard
-        return Check("live cuBLAS probe", FAIL, f"{type(err).__name__}: {str(err).splitlines()[0]}",
-                     "rerun with CUDA_LAUNCH_BLOCKING=1")
-    if not ok:
-        return Check("live cuBLAS probe", FAIL, "the guarded GEMM disagrees with F.linear")
-    return Check("live cuBLAS probe", OK, "a guarded 16x64x32 GEMM ran and matches F.linear")
-
-
 def error_context() -> dict[str, Any]:
     """The short environment block a cuBLAS/CUDA error carries."""
     ext = _safe(native_build_info, {}) or {}
@@ -358,8 +152,8 @@ def error_context() -> dict[str, Any]:
     }
     if ext.get("cuda_compiled"):
         context.update(
-            driver=_cuda_version_text(ext.get("driver_version")),
-            runtime=_cuda_version_text(ext.get("cudart_runtime_version")),
+            driver=cuda_version_text(ext.get("driver_version")),
+            runtime=cuda_version_text(ext.get("cudart_runtime_version")),
             cublas=ext.get("cublas_runtime_version"),
             extension_archs=ext.get("built_archs"),
         )
@@ -410,9 +204,3 @@ def first_cuda_use(device: torch.device) -> None:
         )
 
 
-def as_json(items: list[Check], env: dict[str, Any]) -> str:
-    return json.dumps(
-        {"summary": summary(items), "checks": [asdict(c) for c in items], "environment": env},
-        indent=2,
-        default=str,
-    )

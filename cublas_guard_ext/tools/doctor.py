@@ -9,14 +9,236 @@ for what this machine cannot check (e.g. no GPU). Exit status 1 on any FAIL.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import sys
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from . import diagnostics
+import torch
+
+from .. import modes
+from .._native import facts
+from .._native.facts import FAIL, OK, SKIP, WARN
+from ..errors import GuardError
+from ..nn import SafeLinear
+
+
+@dataclass
+class Check:
+    """One item of the doctor's checklist."""
+
+    name: str
+    status: str  # OK | WARN | FAIL | SKIP (could not be checked here)
+    reason: str
+    fix: str = ""
+
+
+def _workspace_bytes(config: str | None) -> int | None:
+    """Bytes CUBLAS_WORKSPACE_CONFIG (":SIZE_KiB:COUNT" pairs) asks for, if set."""
+    if not config:
+        return None
+    total = 0
+    for size, count in re.findall(r":(\d+):(\d+)", config):
+        total += int(size) * 1024 * int(count)
+    return total or None
+
+
+def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]:
+    """The seed's fallback checklist, item by item, plus the build's own facts."""
+    env = env if env is not None else facts.environment()
+    ext = env["extension"]
+    out: list[Check] = []
+
+    built = str(ext.get("built_with_torch", "unknown"))
+    if built == "unknown":
+        out.append(Check("extension build", WARN, "the extension does not say which torch built it"))
+    elif built.split("+")[0] != torch.__version__.split("+")[0]:
+        out.append(Check(
+            "extension build", FAIL,
+            f"built against torch {built}, running torch {torch.__version__}",
+            "rebuild: pip install --no-build-isolation -e .",
+        ))
+    else:
+        out.append(Check("extension build", OK, f"{ext.get('kind')} build for torch {built} ({ext.get('path')})"))
+
+    if not env["cuda_available"]:
+        reason = "no GPU visible" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
+        for name in ("GPU arch vs torch", "GPU arch vs extension", "driver vs runtime",
+                     "cuBLAS libraries", "GPU memory", "live cuBLAS probe"):
+            out.append(Check(name, SKIP, f"could not check: {reason}"))
+    else:
+        runtime = ext.get("cudart_runtime_version")
+        driver = ext.get("driver_version")
+        if not ext.get("cuda_compiled"):
+            out.append(Check(
+                "extension CUDA kernels", FAIL,
+                "a GPU is visible but the extension was built without CUDA",
+                "install a CUDA toolkit (nvcc) and rebuild: pip install --no-build-isolation -e .",
+            ))
+        if driver and runtime and driver < runtime:
+            out.append(Check(
+                "driver vs runtime", FAIL,
+                f"driver supports CUDA {facts.cuda_version_text(driver)}, the runtime is "
+                f"{facts.cuda_version_text(runtime)}",
+                "update the NVIDIA driver, or install a torch built for an older CUDA",
+            ))
+        elif driver and runtime:
+            out.append(Check(
+                "driver vs runtime", OK,
+                f"driver CUDA {facts.cuda_version_text(driver)} >= runtime "
+                f"{facts.cuda_version_text(runtime)} "
+                f"(torch built with CUDA {env['torch_cuda']})",
+            ))
+        else:
+            out.append(Check("driver vs runtime", WARN, "the driver or runtime version is unknown"))
+        for device in env["devices"]:
+            cc_text = device.get("compute_capability")
+            if not cc_text:
+                continue
+            cc = tuple(int(v) for v in cc_text.split("."))
+            status, reason = facts.arch_support(cc, env["torch_arch_list"])
+            out.append(Check(
+                f"GPU arch vs torch (cuda:{device['index']})", status,
+                f"{device.get('name')}: {reason}",
+                "" if status == OK else "install a torch build that lists this GPU's arch",
+            ))
+            built_archs = [f"sm_{a.strip()[:-1]}" for a in str(ext.get("built_archs", "")).split(",") if a.strip()]
+            if built_archs:
+                # __CUDA_ARCH_LIST__ does not say whether PTX was embedded: count SASS only.
+                status, reason = facts.arch_support(cc, built_archs)
+                out.append(Check(
+                    f"GPU arch vs extension (cuda:{device['index']})", status, reason,
+                    "" if status == OK else
+                    f"rebuild: TORCH_CUDA_ARCH_LIST={cc_text} pip install --no-build-isolation -e .",
+                ))
+            free, total = device.get("free_memory"), device.get("total_memory")
+            if free is not None and total:
+                workspace = _workspace_bytes(env["env"].get("CUBLAS_WORKSPACE_CONFIG")) or 32 << 20
+                needed = workspace + (64 << 20)
+                status = FAIL if free < needed else WARN if free < 0.05 * total else OK
+                out.append(Check(
+                    f"GPU memory (cuda:{device['index']})", status,
+                    f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; torch holds "
+                    f"{(device.get('torch_reserved') or 0) / 2**30:.2f} GiB reserved",
+                    "" if status == OK else
+                    "free memory: smaller batch, torch.cuda.empty_cache(), other processes (nvidia-smi)",
+                ))
+        libs = env["libraries"]
+        cublas = [p for p in libs if re.search(r"libcublas\.so", os.path.basename(p))]
+        cublas_lt = [p for p in libs if re.search(r"libcublasLt\.so", os.path.basename(p))]
+        if len(cublas) > 1 or len(cublas_lt) > 1:
+            out.append(Check("cuBLAS libraries", FAIL, f"several copies loaded: {cublas + cublas_lt}",
+                             "remove the duplicate CUDA installs from LD_LIBRARY_PATH"))
+        elif cublas and cublas_lt:
+            pair = (facts.version_from_path(cublas[0]), facts.version_from_path(cublas_lt[0]))
+            same_dir = os.path.dirname(cublas[0]) == os.path.dirname(cublas_lt[0])
+            status = OK if same_dir and pair[0] == pair[1] else WARN
+            out.append(Check(
+                "cuBLAS libraries", status,
+                f"libcublas {cublas[0]}, libcublasLt {cublas_lt[0]}"
+                + ("" if status == OK else " (a mismatched pair is a known cause of cuBLAS failures)"),
+                "" if status == OK else "make both come from the same CUDA release (check LD_LIBRARY_PATH)",
+            ))
+        else:
+            out.append(Check("cuBLAS libraries", WARN, "libcublas is not loaded yet (no GEMM has run)"))
+        if probe:
+            out.append(_probe_cuda())
+
+    out.append(_tf32_check(env))
+    blocking = env["env"].get("CUDA_LAUNCH_BLOCKING")
+    if not env["torch_cuda"]:
+        out.append(Check("CUDA_LAUNCH_BLOCKING", SKIP,
+                         f"not applicable: torch {env['torch']} is a CPU-only build (no CUDA kernels)"))
+    elif blocking == "1":
+        out.append(Check("CUDA_LAUNCH_BLOCKING", OK, "set: errors are raised at the kernel that failed"))
+    else:
+        # Not set is the normal (fast) setting: nothing to fix, so no fix line on an ok row.
+        out.append(Check(
+            "CUDA_LAUNCH_BLOCKING", OK,
+            "not set (normal): an error from an earlier kernel surfaces at a later call; while "
+            "debugging a cuBLAS error, rerun with CUDA_LAUNCH_BLOCKING=1",
+        ))
+    out.append(_mode_check())
+    config = env["env"].get("CUBLAS_WORKSPACE_CONFIG")
+    out.append(Check(
+        "CUBLAS_WORKSPACE_CONFIG", OK,
+        f"{config} ({(_workspace_bytes(config) or 0) >> 20} MiB of workspace)" if config
+        else "not set (cuBLAS's default workspace)",
+    ))
+    return out
+
+
+def _tf32_check(env: dict[str, Any]) -> Check:
+    """TF32 only concerns GEMMs on a CUDA GPU: not applicable to a CPU-only torch."""
+    if not env["torch_cuda"]:
+        return Check("TF32", SKIP,
+                     f"not applicable: torch {env['torch']} is a CPU-only build (TF32 is a GPU setting)")
+    allow_tf32 = env["tf32"]["torch.backends.cuda.matmul.allow_tf32"]
+    if allow_tf32:
+        return Check("TF32", WARN, "TF32 GEMMs are on (faster, ~10-bit mantissa)",
+                     "to rule TF32 out: torch.backends.cuda.matmul.allow_tf32 = False")
+    return Check("TF32", OK, "TF32 GEMMs are off (exact float32)")
+
+
+def _mode_check() -> Check:
+    """CUBLAS_GUARD_MODE is read at every guarded call: a bad value breaks every SafeLinear."""
+    value = os.environ.get(modes.ENV_VAR)
+    if value is None:
+        return Check("CUBLAS_GUARD_MODE", OK, "not set: layers without their own mode use 'sync'")
+    try:
+        mode = modes._env_default()
+    except ValueError as err:
+        return Check(
+            "CUBLAS_GUARD_MODE", FAIL,
+            f"{str(err).removeprefix('cublas_guard_ext: ')}: every SafeLinear without its own "
+            "mode raises ValueError",
+            f"unset it or set one of {', '.join(sorted(modes.MODE_CODES))}",
+        )
+    return Check("CUBLAS_GUARD_MODE", OK, f"{value!r}: layers without their own mode use {mode!r}")
+
+
+def summary(items: list[Check]) -> dict[str, int]:
+    """Counts per status, as the doctor's last line and its JSON report them."""
+    return {
+        "failed": sum(c.status == FAIL for c in items),
+        "warnings": sum(c.status == WARN for c in items),
+        "skipped": sum(c.status == SKIP for c in items),
+        "ok": sum(c.status == OK for c in items),
+    }
+
+
+def _probe_cuda() -> Check:
+    """A small guarded GEMM on the current GPU: handle creation, kernels, cuBLAS."""
+    try:
+        layer = SafeLinear(64, 32, device="cuda", mode="sync", name="doctor-probe")
+        x = torch.randn(16, 64, device="cuda")
+        y = layer(x)
+        torch.cuda.synchronize()
+        ok = torch.allclose(y, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4)
+    except GuardError as err:
+        return Check("live cuBLAS probe", FAIL, str(err).splitlines()[0], "see the error above")
+    except Exception as err:  # a torch/CUDA error outside the guard
+        return Check("live cuBLAS probe", FAIL, f"{type(err).__name__}: {str(err).splitlines()[0]}",
+                     "rerun with CUDA_LAUNCH_BLOCKING=1")
+    if not ok:
+        return Check("live cuBLAS probe", FAIL, "the guarded GEMM disagrees with F.linear")
+    return Check("live cuBLAS probe", OK, "a guarded 16x64x32 GEMM ran and matches F.linear")
+
+
+def report_json(items: list[Check], env: dict[str, Any]) -> str:
+    return json.dumps(
+        {"summary": summary(items), "checks": [asdict(c) for c in items], "environment": env},
+        indent=2,
+        default=str,
+    )
+
 
 _MARK = {"OK": "ok  ", "WARN": "WARN", "FAIL": "FAIL", "SKIP": "skip"}
 
 
-def render(items: list[diagnostics.Check], env: dict) -> str:
+def render(items: list[Check], env: dict) -> str:
     ext = env["extension"]
     lines = [
         "cublas_guard_ext doctor",
@@ -29,8 +251,8 @@ def render(items: list[diagnostics.Check], env: dict) -> str:
     ]
     if ext.get("cuda_compiled"):
         lines.append(
-            f"  CUDA driver {diagnostics._cuda_version_text(ext.get('driver_version'))}, runtime "
-            f"{diagnostics._cuda_version_text(ext.get('cudart_runtime_version'))}, cuBLAS "
+            f"  CUDA driver {facts.cuda_version_text(ext.get('driver_version'))}, runtime "
+            f"{facts.cuda_version_text(ext.get('cudart_runtime_version'))}, cuBLAS "
             f"{ext.get('cublas_runtime_version', 'unknown')}"
         )
     for lib in env["libraries"]:
@@ -42,14 +264,14 @@ def render(items: list[diagnostics.Check], env: dict) -> str:
             f"{(device.get('total_memory') or 0) / 2**30:.2f} GiB free"
         )
     set_vars = {k: v for k, v in env["env"].items() if v is not None}
-    lines.append(f"  environment: {set_vars or 'none of ' + ', '.join(diagnostics.ENV_VARS)}")
+    lines.append(f"  environment: {set_vars or 'none of ' + ', '.join(facts.ENV_VARS)}")
     lines.append("")
     width = max(len(c.name) for c in items)
     for check in items:
         lines.append(f"[{_MARK[check.status]}] {check.name:<{width}}  {check.reason}")
         if check.fix:
             lines.append(f"       {'':<{width}}  fix: {check.fix}")
-    counts = diagnostics.summary(items)
+    counts = summary(items)
     lines.append("")
     lines.append(
         f"{counts['failed']} failed, {counts['warnings']} warnings, {counts['skipped']} not checkable "
@@ -59,9 +281,9 @@ def render(items: list[diagnostics.Check], env: dict) -> str:
 
 
 def main(as_json: bool = False, probe: bool = True) -> int:
-    env = diagnostics.environment()
-    items = diagnostics.checks(env, probe=probe)
-    print(diagnostics.as_json(items, env) if as_json else render(items, env))
+    env = facts.environment()
+    items = checks(env, probe=probe)
+    print(report_json(items, env) if as_json else render(items, env))
     return 1 if any(c.status == "FAIL" for c in items) else 0
 
 

@@ -34,7 +34,7 @@ BUILD_STAMP := $(VENV)/.ext-installed
 
 # Everything the compiled _C depends on: a change to any of these must rebuild it,
 # or a stale _C*.so would be tested.
-EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_build.py $(shell find csrc -type f 2>/dev/null)
+EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
 .PHONY: venv demo test cuda-check cuda-build-check clean distclean FORCE

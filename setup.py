@@ -2,7 +2,7 @@
 
 Build with `pip install --no-build-isolation -e .` so the extension is compiled
 against the torch it will run with (build isolation would fetch another torch).
-The source list, flags and the CUDA decision come from cublas_guard_ext/_build.py,
+The source list, flags and the CUDA decision come from cublas_guard_ext/_native/build.py,
 which the JIT loader uses too.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_cublas_guard_build", ROOT / "cublas_guard_ext" / "_build.py")
+_spec = importlib.util.spec_from_file_location("_cublas_guard_build", ROOT / "cublas_guard_ext" / "_native" / "build.py")
 _build = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _build  # dataclasses look their module up there
 _spec.loader.exec_module(_build)

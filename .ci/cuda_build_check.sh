@@ -116,7 +116,7 @@ mkdir -p "$WORK/elsewhere"
 import os, sys
 import torch
 import cublas_guard_ext
-from cublas_guard_ext import _loader
+from cublas_guard_ext._native import loader as _loader
 
 src = os.path.realpath(sys.argv[1])
 path = os.path.realpath(cublas_guard_ext.__file__)

@@ -207,7 +207,7 @@ echo "build: rc $RC in ${BUILD_T}s (log: details/build.log)"
 HAS_CUDA_OPS=0
 if [ $RC -eq 0 ]; then
   if "$PY" - <<'EOF'
-import sys, torch, cublas_guard_ext, cublas_guard_ext._loader as L
+import sys, torch, cublas_guard_ext, cublas_guard_ext._native.loader as L
 info = L.info()
 print("extension:", info.kind, info.path, "| CUDA kernels:", info.has_cuda_kernels, "|", info.detail)
 ok = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")

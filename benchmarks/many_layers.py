@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import bench
+from cublas_guard_ext.tools import bench
 
 
 def measure(n_layers: int, rounds: int, min_run_time: float) -> dict:

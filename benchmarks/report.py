@@ -66,7 +66,7 @@ def _git(*args: str) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    import cublas_guard_ext._loader as loader
+    import cublas_guard_ext._native.loader as loader
 
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

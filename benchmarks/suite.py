@@ -1,7 +1,7 @@
 """The benchmark cases, the presets that choose them, and the measuring loop.
 
 Every case is one *group*: all the functions compared in it are measured
-interleaved, round after round, in one process (cublas_guard_ext.bench.interleaved).
+interleaved, round after round, in one process (cublas_guard_ext.tools.bench.interleaved).
 Reports use the medians of the rounds and ratios within a group only.
 """
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import bench
+from cublas_guard_ext.tools import bench
 
 MODES = ("sync", "async", "off")
 # Measured beside float32 (whose groups carry no dtype param, as before).

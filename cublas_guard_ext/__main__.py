@@ -19,19 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from . import demo as demo_module
+        from .tools import demo as demo_module
 
         return demo_module.run(steps=args.steps, benchmark=not args.no_bench)
     if args.command == "bench":
         import torch
 
-        from . import bench
-        from .demo import _device
+        from .tools import bench
+        from .tools.demo import _device
 
         print(bench.quick(_device()))
         return 0
     if args.command == "doctor":
-        from . import doctor as doctor_module
+        from .tools import doctor as doctor_module
 
         return doctor_module.main(as_json=args.json, probe=not args.no_probe)
     parser.error(f"unknown command {args.command}")

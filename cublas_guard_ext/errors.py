@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._native.facts import error_context
+
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
 _PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)
 
@@ -253,8 +255,6 @@ class GuardError(Exception):
         if message is None and "rank" not in fields:
             fields.update(_distributed_rank())
         if self.with_environment and message is None and "environment" not in fields:
-            from .diagnostics import error_context  # late: diagnostics imports the package
-
             fields["environment"] = error_context()
         self.fields: dict[str, Any] = fields
         super().__init__(message if message is not None else self._format())

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from . import _loader, diagnostics, modes
+from . import modes
+from ._native import facts
+from ._native import loader as _loader
 
 _loader.load()
 _ops = torch.ops.cublas_guard
@@ -146,7 +148,7 @@ def linear(
         # a dense copy of the input (as large as the output's [.., in_features] twin).
         x = x.to_dense()
     if x.is_cuda and not torch.compiler.is_compiling():
-        diagnostics.first_cuda_use(x.device)
+        facts.first_cuda_use(x.device)
     # torch.func transforms and forward-mode AD need the Python autograd path.
     op = _ops.linear.default
     if not torch.compiler.is_compiling() and _transforms.active():

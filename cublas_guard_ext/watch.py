@@ -45,7 +45,8 @@ from typing import Any
 
 import torch
 
-from . import _loader, errors, modes
+from . import errors, modes
+from ._native import loader as _loader
 
 _loader.load()
 torch.ops.cublas_guard._watch_install.default()

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cublas_guard_ext import bench
+from cublas_guard_ext.tools import bench
 
 
 # ---------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
         assert "asynchronously" not in nan + weight
     # all-MiniLM-L6-v2 when sentence-transformers is installed (make's venv), else a small
     # nn.TransformerEncoder: the planted log is named by op and module either way.
-    from cublas_guard_ext import _minilm
+    from cublas_guard_ext.tools import _minilm
 
     module = "0.model.encoder.layer.3.intermediate" if _minilm.available() else ""
     assert re.search(r"aten\.log\.default in module '[^']*" + re.escape(module) + r"[^']*' \(forward\)",

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import diagnostics, doctor, errors
+from cublas_guard_ext import errors
+from cublas_guard_ext._native import facts
+from cublas_guard_ext.tools import doctor
 from conftest import assert_matches
 
 STATUSES = {"OK", "WARN", "FAIL", "SKIP"}
@@ -71,7 +73,7 @@ def test_doctor_text_output() -> None:
 def test_cpu_only_torch_reports_tf32_and_launch_blocking_not_applicable() -> None:
     env = gpu_env(torch_cuda=None, cuda_available=False, devices=[])
     env["env"]["CUDA_LAUNCH_BLOCKING"] = "1"
-    items = diagnostics.checks(env, probe=False)
+    items = doctor.checks(env, probe=False)
     for name in ("TF32", "CUDA_LAUNCH_BLOCKING"):
         check = next(c for c in items if c.name == name)
         assert check.status == "SKIP" and check.reason.startswith("not applicable"), check
@@ -84,9 +86,9 @@ def test_no_ok_row_carries_a_fix(blocking, tf32, monkeypatch) -> None:
                               "torch.get_float32_matmul_precision()": "highest"}})
     env["env"]["CUDA_LAUNCH_BLOCKING"] = blocking
     for environment in (env, gpu_env(torch_cuda=None, cuda_available=False, devices=[])):
-        items = diagnostics.checks(environment, probe=False)
+        items = doctor.checks(environment, probe=False)
         assert [c for c in items if c.status == "OK" and c.fix] == []
-    launch = next(c for c in diagnostics.checks(env, probe=False) if c.name == "CUDA_LAUNCH_BLOCKING")
+    launch = next(c for c in doctor.checks(env, probe=False) if c.name == "CUDA_LAUNCH_BLOCKING")
     assert launch.status == "OK" and not launch.fix
     if blocking != "1":
         assert "rerun with CUDA_LAUNCH_BLOCKING=1" in launch.reason
@@ -99,7 +101,7 @@ def test_the_guard_mode_variable_is_checked(value, status, monkeypatch) -> None:
         monkeypatch.delenv("CUBLAS_GUARD_MODE", raising=False)
     else:
         monkeypatch.setenv("CUBLAS_GUARD_MODE", value)
-    check = next(c for c in diagnostics.checks(gpu_env(), probe=False) if c.name == "CUBLAS_GUARD_MODE")
+    check = next(c for c in doctor.checks(gpu_env(), probe=False) if c.name == "CUBLAS_GUARD_MODE")
     assert check.status == status, check
     if status == "FAIL":
         assert f"{value!r} is not a mode" in check.reason and "raises ValueError" in check.reason
@@ -130,7 +132,7 @@ def gpu_env(**changes) -> dict:
         "torch_arch_list": ["sm_80", "sm_90"], "cuda_available": True,
         "tf32": {"torch.backends.cuda.matmul.allow_tf32": False,
                  "torch.get_float32_matmul_precision()": "highest"},
-        "env": {name: None for name in diagnostics.ENV_VARS},
+        "env": {name: None for name in facts.ENV_VARS},
         "extension": {"built_with_torch": torch.__version__, "cuda_compiled": True,
                       "built_archs": "800,900", "cudart_runtime_version": 13000,
                       "driver_version": 13000, "kind": "prebuilt", "path": "/x/_C.so"},
@@ -153,7 +155,7 @@ def status_of(items, prefix: str) -> str:
 
 
 def test_healthy_gpu_environment_passes() -> None:
-    items = diagnostics.checks(gpu_env(), probe=False)
+    items = doctor.checks(gpu_env(), probe=False)
     assert all(c.status in ("OK", "WARN") for c in items), [c for c in items if c.status == "FAIL"]
     assert status_of(items, "GPU arch vs torch") == "OK"
     assert status_of(items, "cuBLAS libraries") == "OK"
@@ -179,7 +181,7 @@ def test_healthy_gpu_environment_passes() -> None:
     ],
 )
 def test_each_gpu_problem_is_named(changes, item, status, text) -> None:
-    items = diagnostics.checks(gpu_env(**changes), probe=False)
+    items = doctor.checks(gpu_env(**changes), probe=False)
     check = next(c for c in items if c.name.startswith(item))
     assert check.status == status, check
     assert text in check.reason + " " + check.fix
@@ -187,7 +189,7 @@ def test_each_gpu_problem_is_named(changes, item, status, text) -> None:
 
 def test_doctor_exit_status_is_non_zero_on_fail(monkeypatch, capsys) -> None:
     bad = gpu_env(**{"devices.0.compute_capability": "12.0"})
-    monkeypatch.setattr(diagnostics, "environment", lambda: copy.deepcopy(bad))
+    monkeypatch.setattr(facts, "environment", lambda: copy.deepcopy(bad))
     assert doctor.main(as_json=False, probe=False) == 1
     assert "[FAIL] GPU arch vs torch" in capsys.readouterr().out
 
@@ -198,21 +200,21 @@ def test_doctor_exit_status_is_non_zero_on_fail(monkeypatch, capsys) -> None:
      ((9, 0), ["sm_80", "compute_80"], "WARN"), ((10, 0), ["sm_90"], "FAIL"), ((7, 5), [], "FAIL")],
 )
 def test_arch_support(cc, archs, status) -> None:
-    assert diagnostics.arch_support(cc, archs)[0] == status
+    assert facts.arch_support(cc, archs)[0] == status
 
 
 def test_first_cuda_use_warns_once_for_an_unsupported_gpu(monkeypatch) -> None:
     props = SimpleNamespace(name="Future GPU", major=12, minor=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
-    monkeypatch.setattr(diagnostics, "_checked_devices", set())
+    monkeypatch.setattr(facts, "_checked_devices", set())
     with pytest.warns(RuntimeWarning, match="sm_120 is not in sm_80, sm_90"):
-        diagnostics.first_cuda_use(torch.device("cuda", 3))
+        facts.first_cuda_use(torch.device("cuda", 3))
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        diagnostics.first_cuda_use(torch.device("cuda", 3))  # once per device
+        facts.first_cuda_use(torch.device("cuda", 3))  # once per device
 
 
 def test_cublas_errors_carry_the_environment(device: str, inject_fault) -> None:

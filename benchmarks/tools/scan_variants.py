@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
 import cublas_guard_ext as cg  # noqa: E402
-from cublas_guard_ext import bench  # noqa: E402
+from cublas_guard_ext.tools import bench  # noqa: E402
 
 
 def parse_size(s: str) -> int:

@@ -12,9 +12,11 @@ import textwrap
 import torch
 from torch import nn
 
-from . import _loader, bench, modes, ops
-from .errors import GuardError
-from .nn import SafeLinear, replace_linear
+from .. import modes, ops
+from .._native import loader as _loader
+from ..errors import GuardError
+from ..nn import SafeLinear, replace_linear
+from . import bench
 
 
 def _device() -> torch.device:
@@ -189,7 +191,7 @@ def watch_demo() -> int:
     nn.TransformerEncoder. Returns how many faults were named.
     """
     from . import _minilm
-    from .watch import watch
+    from ..watch import watch
 
     _section("watch: which op and module produced the NaN")
     if _minilm.available():

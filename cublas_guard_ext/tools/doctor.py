@@ -1,36 +1,28 @@
-"""Facts about this process's CUDA/cuBLAS environment, and the checks on them.
+"""``python -m cublas_guard_ext doctor``: the first thing to run after a cuBLAS error.
 
-Used by the doctor (``python -m cublas_guard_ext doctor``), by the cuBLAS
-error messages (a short environment block) and once per device at the first
-CUDA use (a warning when the setup cannot work). Everything here is best
-effort: in a broken CUDA context a query fails, and the fact is reported as
-unknown rather than raising.
+Reports the environment (torch, CUDA driver/runtime, cuBLAS version and the
+libraries actually loaded, GPUs and their memory, TF32, the relevant
+environment variables, how the extension was built) and evaluates the
+checklist item by item: OK / WARN / FAIL with the reason and the fix, SKIP
+for what this machine cannot check (e.g. no GPU). Exit status 1 on any FAIL.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import sys
-import threading
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-ENV_VARS = (
-    "CUDA_LAUNCH_BLOCKING",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "CUDA_VISIBLE_DEVICES",
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "CUBLAS_GUARD_MODE",
-    "TORCH_CUDA_ARCH_LIST",
-)
-
-OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
+from .. import modes
+from .._native import facts
+from .._native.facts import FAIL, OK, SKIP, WARN
+from ..errors import GuardError
+from ..nn import SafeLinear
 
 
 @dataclass
@@ -41,114 +33,6 @@ class Check:
     status: str  # OK | WARN | FAIL | SKIP (could not be checked here)
     reason: str
     fix: str = ""
-
-
-def _safe(fn, default=None):
-    try:
-        return fn()
-    except Exception:  # a diagnostic must never raise
-        return default
-
-
-def native_build_info() -> dict[str, Any]:
-    """The extension's own build facts (``cublas_guard::build_info``)."""
-    from . import _loader
-
-    info = _loader.info()
-    facts = _safe(lambda: json.loads(torch.ops.cublas_guard.build_info()), {}) or {}
-    facts.update(kind=info.kind, path=info.path, detail=info.detail)
-    return facts
-
-
-def loaded_libraries(pattern: str = r"lib(cublas|cublasLt|cudart)[.-]") -> list[str]:
-    """Paths of the shared libraries matching ``pattern`` mapped into this process."""
-    paths: set[str] = set()
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and re.search(pattern, os.path.basename(parts[5].strip())):
-                    paths.add(parts[5].strip())
-    except OSError:
-        pass
-    return sorted(paths)
-
-
-def _version_from_path(path: str) -> str | None:
-    match = re.search(r"\.so\.([\d.]+)$", path)
-    return match.group(1) if match else None
-
-
-def _cc(major: int, minor: int) -> int:
-    return major * 10 + minor
-
-
-def arch_support(cc: tuple[int, int], arch_list: list[str]) -> tuple[str, str]:
-    """Whether an arch list (``sm_90``, ``compute_90`` style) runs on a GPU of ``cc``.
-
-    Returns (status, reason): OK for a matching SASS (same major, minor not above
-    the GPU's), WARN when only PTX of an older arch can be JIT-compiled, FAIL else.
-    """
-    device = _cc(*cc)
-    sass, ptx = [], []
-    for arch in arch_list:
-        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)[a-z]?", arch)
-        if not match:
-            continue
-        value = int(match.group(2)) * 10 + int(match.group(3))
-        (sass if match.group(1) == "sm" else ptx).append(value)
-    # SASS runs on the same major with an equal or higher minor.
-    if any(v // 10 == device // 10 and v <= device for v in sass):
-        return OK, f"sm_{device} is covered by {', '.join(arch_list)}"
-    if any(v <= device for v in ptx):
-        return WARN, (
-            f"no SASS for sm_{device} in {', '.join(arch_list)}; PTX of an older arch is "
-            "JIT-compiled at first use (slow start, may miss features)"
-        )
-    return FAIL, f"sm_{device} is not in {', '.join(arch_list) or '(empty list)'} and no PTX covers it"
-
-
-def _cuda_version_text(value: int | None) -> str:
-    if not value:
-        return "unknown"
-    return f"{value // 1000}.{(value % 1000) // 10}"
-
-
-def environment() -> dict[str, Any]:
-    """Every fact the doctor reports, as plain data."""
-    env: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "torch_arch_list": _safe(torch.cuda.get_arch_list, []),
-        "cuda_available": _safe(torch.cuda.is_available, False),
-        "tf32": {
-            "torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision(),
-        },
-        "env": {name: os.environ.get(name) for name in ENV_VARS},
-        "extension": native_build_info(),
-        "libraries": loaded_libraries(),
-        "devices": [],
-    }
-    if env["cuda_available"]:
-        for index in range(_safe(torch.cuda.device_count, 0)):
-            props = _safe(lambda i=index: torch.cuda.get_device_properties(i))
-            free_total = _safe(lambda i=index: torch.cuda.mem_get_info(i))
-            device: dict[str, Any] = {"index": index}
-            if props is not None:
-                device.update(
-                    name=props.name,
-                    compute_capability=f"{props.major}.{props.minor}",
-                    total_memory=props.total_memory,
-                )
-            if free_total is not None:
-                device.update(free_memory=free_total[0], total_memory=free_total[1])
-            device["torch_allocated"] = _safe(lambda i=index: torch.cuda.memory_allocated(i))
-            device["torch_reserved"] = _safe(lambda i=index: torch.cuda.memory_reserved(i))
-            env["devices"].append(device)
-    return env
 
 
 def _workspace_bytes(config: str | None) -> int | None:
@@ -163,7 +47,7 @@ def _workspace_bytes(config: str | None) -> int | None:
 
 def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]:
     """The seed's fallback checklist, item by item, plus the build's own facts."""
-    env = env if env is not None else environment()
+    env = env if env is not None else facts.environment()
     ext = env["extension"]
     out: list[Check] = []
 
@@ -196,14 +80,15 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
         if driver and runtime and driver < runtime:
             out.append(Check(
                 "driver vs runtime", FAIL,
-                f"driver supports CUDA {_cuda_version_text(driver)}, the runtime is "
-                f"{_cuda_version_text(runtime)}",
+                f"driver supports CUDA {facts.cuda_version_text(driver)}, the runtime is "
+                f"{facts.cuda_version_text(runtime)}",
                 "update the NVIDIA driver, or install a torch built for an older CUDA",
             ))
         elif driver and runtime:
             out.append(Check(
                 "driver vs runtime", OK,
-                f"driver CUDA {_cuda_version_text(driver)} >= runtime {_cuda_version_text(runtime)} "
+                f"driver CUDA {facts.cuda_version_text(driver)} >= runtime "
+                f"{facts.cuda_version_text(runtime)} "
                 f"(torch built with CUDA {env['torch_cuda']})",
             ))
         else:
@@ -213,7 +98,7 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
             if not cc_text:
                 continue
             cc = tuple(int(v) for v in cc_text.split("."))
-            status, reason = arch_support(cc, env["torch_arch_list"])
+            status, reason = facts.arch_support(cc, env["torch_arch_list"])
             out.append(Check(
                 f"GPU arch vs torch (cuda:{device['index']})", status,
                 f"{device.get('name')}: {reason}",
@@ -222,7 +107,7 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
             built_archs = [f"sm_{a.strip()[:-1]}" for a in str(ext.get("built_archs", "")).split(",") if a.strip()]
             if built_archs:
                 # __CUDA_ARCH_LIST__ does not say whether PTX was embedded: count SASS only.
-                status, reason = arch_support(cc, built_archs)
+                status, reason = facts.arch_support(cc, built_archs)
                 out.append(Check(
                     f"GPU arch vs extension (cuda:{device['index']})", status, reason,
                     "" if status == OK else
@@ -247,7 +132,7 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
             out.append(Check("cuBLAS libraries", FAIL, f"several copies loaded: {cublas + cublas_lt}",
                              "remove the duplicate CUDA installs from LD_LIBRARY_PATH"))
         elif cublas and cublas_lt:
-            pair = (_version_from_path(cublas[0]), _version_from_path(cublas_lt[0]))
+            pair = (facts.version_from_path(cublas[0]), facts.version_from_path(cublas_lt[0]))
             same_dir = os.path.dirname(cublas[0]) == os.path.dirname(cublas_lt[0])
             status = OK if same_dir and pair[0] == pair[1] else WARN
             out.append(Check(
@@ -299,8 +184,6 @@ def _tf32_check(env: dict[str, Any]) -> Check:
 
 def _mode_check() -> Check:
     """CUBLAS_GUARD_MODE is read at every guarded call: a bad value breaks every SafeLinear."""
-    from . import modes
-
     value = os.environ.get(modes.ENV_VAR)
     if value is None:
         return Check("CUBLAS_GUARD_MODE", OK, "not set: layers without their own mode use 'sync'")
@@ -328,9 +211,6 @@ def summary(items: list[Check]) -> dict[str, int]:
 
 def _probe_cuda() -> Check:
     """A small guarded GEMM on the current GPU: handle creation, kernels, cuBLAS."""
-    from .errors import GuardError
-    from .nn import SafeLinear
-
     try:
         layer = SafeLinear(64, 32, device="cuda", mode="sync", name="doctor-probe")
         x = torch.randn(16, 64, device="cuda")
@@ -347,72 +227,65 @@ def _probe_cuda() -> Check:
     return Check("live cuBLAS probe", OK, "a guarded 16x64x32 GEMM ran and matches F.linear")
 
 
-def error_context() -> dict[str, Any]:
-    """The short environment block a cuBLAS/CUDA error carries."""
-    ext = _safe(native_build_info, {}) or {}
-    context: dict[str, Any] = {
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "env": {k: v for k, v in ((n, os.environ.get(n)) for n in ENV_VARS[:2]) if v is not None},
-    }
-    if ext.get("cuda_compiled"):
-        context.update(
-            driver=_cuda_version_text(ext.get("driver_version")),
-            runtime=_cuda_version_text(ext.get("cudart_runtime_version")),
-            cublas=ext.get("cublas_runtime_version"),
-            extension_archs=ext.get("built_archs"),
-        )
-        libs = [p for p in loaded_libraries(r"libcublas") if p]
-        if libs:
-            context["cublas_libraries"] = libs
-    if _safe(torch.cuda.is_available, False):
-        index = _safe(torch.cuda.current_device, 0)
-        props = _safe(lambda: torch.cuda.get_device_properties(index))
-        if props is not None:
-            cc = (props.major, props.minor)
-            context["gpu"] = f"{props.name}, compute capability {cc[0]}.{cc[1]}"
-            context["arch_check"] = arch_support(cc, _safe(torch.cuda.get_arch_list, []))[1]
-    return context
-
-
-_checked_devices: set[int] = set()
-_checked_lock = threading.Lock()
-
-
-def first_cuda_use(device: torch.device) -> None:
-    """Once per device: warn when this GPU cannot run torch's or the extension's kernels."""
-    index = device.index if device.index is not None else _safe(torch.cuda.current_device, 0)
-    with _checked_lock:
-        if index in _checked_devices:
-            return
-        _checked_devices.add(index)
-    props = _safe(lambda: torch.cuda.get_device_properties(index))
-    if props is None:
-        return
-    cc = (props.major, props.minor)
-    problems = []
-    status, reason = arch_support(cc, _safe(torch.cuda.get_arch_list, []))
-    if status == FAIL:
-        problems.append(f"torch: {reason}")
-    built = str(native_build_info().get("built_archs", ""))
-    archs = [f"sm_{a.strip()[:-1]}" for a in built.split(",") if a.strip()]
-    if archs:
-        status, reason = arch_support(cc, archs)
-        if status == FAIL:
-            problems.append(f"cublas_guard_ext: {reason}")
-    if problems:
-        warnings.warn(
-            f"cublas_guard_ext: cuda:{index} ({props.name}, sm_{cc[0]}{cc[1]}) cannot run: "
-            + "; ".join(problems) + ". Run `python -m cublas_guard_ext doctor`.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def as_json(items: list[Check], env: dict[str, Any]) -> str:
+def report_json(items: list[Check], env: dict[str, Any]) -> str:
     return json.dumps(
         {"summary": summary(items), "checks": [asdict(c) for c in items], "environment": env},
         indent=2,
         default=str,
     )
+
+
+_MARK = {"OK": "ok  ", "WARN": "WARN", "FAIL": "FAIL", "SKIP": "skip"}
+
+
+def render(items: list[Check], env: dict) -> str:
+    ext = env["extension"]
+    lines = [
+        "cublas_guard_ext doctor",
+        f"  python {env['python']} on {env['platform']}",
+        f"  torch {env['torch']} (CUDA {env['torch_cuda'] or 'none'}), arch list: "
+        f"{' '.join(env['torch_arch_list']) or '-'}",
+        f"  extension: {ext.get('kind')} ({ext.get('detail')}), built with torch "
+        f"{ext.get('built_with_torch')}, CUDA kernels: {bool(ext.get('cuda_compiled'))}"
+        + (f", archs {ext.get('built_archs')}" if ext.get("built_archs") else ""),
+    ]
+    if ext.get("cuda_compiled"):
+        lines.append(
+            f"  CUDA driver {facts.cuda_version_text(ext.get('driver_version'))}, runtime "
+            f"{facts.cuda_version_text(ext.get('cudart_runtime_version'))}, cuBLAS "
+            f"{ext.get('cublas_runtime_version', 'unknown')}"
+        )
+    for lib in env["libraries"]:
+        lines.append(f"  loaded: {lib}")
+    for device in env["devices"]:
+        lines.append(
+            f"  cuda:{device['index']}: {device.get('name')} (sm {device.get('compute_capability')}), "
+            f"{(device.get('free_memory') or 0) / 2**30:.2f} / "
+            f"{(device.get('total_memory') or 0) / 2**30:.2f} GiB free"
+        )
+    set_vars = {k: v for k, v in env["env"].items() if v is not None}
+    lines.append(f"  environment: {set_vars or 'none of ' + ', '.join(facts.ENV_VARS)}")
+    lines.append("")
+    width = max(len(c.name) for c in items)
+    for check in items:
+        lines.append(f"[{_MARK[check.status]}] {check.name:<{width}}  {check.reason}")
+        if check.fix:
+            lines.append(f"       {'':<{width}}  fix: {check.fix}")
+    counts = summary(items)
+    lines.append("")
+    lines.append(
+        f"{counts['failed']} failed, {counts['warnings']} warnings, {counts['skipped']} not checkable "
+        f"or not applicable here, {counts['ok']} ok"
+    )
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False, probe: bool = True) -> int:
+    env = facts.environment()
+    items = checks(env, probe=probe)
+    print(report_json(items, env) if as_json else render(items, env))
+    return 1 if any(c.status == "FAIL" for c in items) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main("--json" in sys.argv))

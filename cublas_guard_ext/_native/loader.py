@@ -1,11 +1,17 @@
 """Loading the native ops: a prebuilt ``_C`` if installed, else a JIT build.
 
 The JIT build compiles the same sources with the same flags as ``setup.py``
-(see ``_build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
+(see ``build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
 ``TORCH_EXTENSIONS_DIR`` (torch's default cache when unset) / a directory named
-by ``_build.jit_name``: keyed by the environment's prefix, torch and its CUDA, the
+by ``build.jit_name``: keyed by the environment's prefix, torch and its CUDA, the
 Python ABI and the flags, so two environments never rebuild over each other.
 The build prints its progress to stderr (file, n of N, seconds).
+
+This is the package's bottom layer (README, "Package layout"): it imports no
+module above it at import time. Its one upward reference is the
+``ExtensionBuildError`` it raises when a build cannot work: every user-facing
+message is written in ``errors.py``, so the class is imported there, late, in
+the three functions that raise it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from . import _build
-from .errors import ExtensionBuildError
+from . import build as _build
 
 _lock = threading.Lock()
 
@@ -67,6 +72,8 @@ def _try_prebuilt() -> NativeInfo | None:
 
 def _preflight(plan: _build.BuildPlan) -> None:
     """Say exactly what is missing before a compiler says it less clearly."""
+    from ..errors import ExtensionBuildError  # late: see the module docstring
+
     missing = [s for s in plan.sources if not Path(s).exists()]
     if missing:
         raise ExtensionBuildError(
@@ -117,6 +124,8 @@ def jit_build_directory(plan: _build.BuildPlan, prefix: str | None = None) -> st
 def _jit_build() -> NativeInfo:
     from torch.utils import cpp_extension
 
+    from ..errors import ExtensionBuildError  # late: see the module docstring
+
     plan = _build.plan()
     _preflight(plan)
     _build.apply_env(plan)
@@ -163,6 +172,8 @@ def load() -> NativeInfo:
         if info is None:
             info = _jit_build()
         if not _ops_registered():
+            from ..errors import ExtensionBuildError  # late: see the module docstring
+
             raise ExtensionBuildError(
                 missing="registered ops",
                 detail=f"{info.path} loaded but torch.ops.cublas_guard.linear is not registered",

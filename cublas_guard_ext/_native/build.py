@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
 
 CPU_SOURCES = (

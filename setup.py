@@ -33,11 +33,28 @@ extension = Extension(
     include_dirs=plan.include_dirs,
     extra_compile_args={"cxx": plan.cxx_flags, "nvcc": plan.nvcc_flags},
     extra_link_args=plan.ldflags,
+    libraries=plan.libraries,  # CppExtension appends torch's libraries after these
 )
+
+
+class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension, linking against the one shared libstdc++ torch uses.
+
+    LDFLAGS or a Python's sysconfig may carry -static-libstdc++/-static-libgcc: the
+    extension would then hold a private C++ runtime next to torch's (see build.LINK_FIRST).
+    """
+
+    def build_extensions(self) -> None:
+        for attr in ("linker_so", "linker_so_cxx"):
+            command = getattr(self.compiler, attr, None)
+            if command:
+                setattr(self.compiler, attr, _build.without_static_runtime(list(command)))
+        super().build_extensions()
+
 
 # Progress lines (file, n of N, seconds) go to stderr; pip shows them with `pip install -v`.
 with _build.torch_build_hooks():
     setup(
         ext_modules=[extension],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": BuildWithSharedRuntime},
     )

@@ -117,3 +117,46 @@ def test_jit_without_ninja_raises_a_typed_build_error(tmp_path: Path) -> None:
     result = run(code, env, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "MISSING ninja" in result.stdout and "pip install ninja" in result.stdout
+
+
+def _elf_needed(path: str) -> list[str]:
+    """DT_NEEDED entries of a 64-bit little-endian ELF shared object (no readelf needed)."""
+    import struct
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF"
+    e_shoff, = struct.unpack_from("<Q", data, 0x28)
+    e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
+    dynamic = next(s for s in sections if s[1] == 6)  # SHT_DYNAMIC
+    strtab = sections[dynamic[6]]  # sh_link: the string table the entries index
+    names = []
+    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, value = struct.unpack_from("<qQ", data, offset)
+        if tag == 0:
+            break
+        if tag == 1:  # DT_NEEDED
+            start = strtab[4] + value
+            names.append(data[start:data.index(b"\0", start)].decode())
+    return names
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF shared objects: Linux only")
+def test_the_extension_links_the_shared_libstdcxx_torch_uses() -> None:
+    # On the GPU machine (Ubuntu 24.04, g++ 13) a build without libstdc++.so.6 among its
+    # NEEDED libraries crashed in its first error message that formatted an integer.
+    import torch
+
+    from cublas_guard_ext._native import loader
+
+    needed = _elf_needed(loader.info().path)
+    assert "libstdc++.so.6" in needed, needed
+    torch_needed = _elf_needed(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    assert "libstdc++.so.6" in torch_needed  # the runtime it must share with torch
+
+
+def test_the_link_plan_puts_libstdcxx_first_and_drops_static_runtime_flags() -> None:
+    plan = _build.plan(with_cuda=False)
+    assert plan.libraries[:1] == ["stdc++"]
+    command = ["g++", "-shared", "-static-libstdc++", "-Wl,-O1", "-static-libgcc"]
+    assert _build.without_static_runtime(command) == ["g++", "-shared", "-Wl,-O1"]

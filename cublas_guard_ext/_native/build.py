@@ -55,6 +55,8 @@ class BuildPlan:
     nvcc_flags: list[str]
     ldflags: list[str]
     include_dirs: list[str] = field(default_factory=list)
+    # Linked before torch's own libraries (see LINK_FIRST).
+    libraries: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -146,6 +148,24 @@ def default_arch_list() -> str:
     return ";".join(archs)
 
 
+# libstdc++ first among the libraries, so that the linker resolves the extension's C++
+# runtime references against it (versioned GLIBCXX_* references, libstdc++.so.6 NEEDED)
+# rather than against whatever an earlier library on the command line exports. Seen on the
+# GPU machine (Ubuntu 24.04, g++ 13.3, torch 2.11.0+cu130, 2026-11-30): the extension was
+# built without libstdc++.so.6 among its NEEDED libraries, and the first std::ostringstream
+# in it that formatted an integer crashed inside libstdc++ (SIGSEGV in every error message
+# with a number in it, CPU tensors included), while torch's own messages formatted fine.
+LINK_FIRST = ("stdc++",)
+# Flags that would link a second, private copy of the C++ runtime into the extension; a
+# process that already holds torch's libstdc++.so.6 must have exactly one.
+STATIC_RUNTIME_FLAGS = ("-static-libstdc++", "-static-libgcc")
+
+
+def without_static_runtime(command: list[str]) -> list[str]:
+    """A linker command without the flags that would link the C++ runtime statically."""
+    return [arg for arg in command if arg not in STATIC_RUNTIME_FLAGS]
+
+
 def plan(with_cuda: bool | None = None) -> BuildPlan:
     """The build plan for this machine (``with_cuda`` overrides the decision)."""
     import torch
@@ -188,6 +208,7 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         nvcc_flags=nvcc,
         ldflags=["-fopenmp"],
         include_dirs=include_dirs,
+        libraries=list(LINK_FIRST),
         env=env,
     )
 
@@ -230,6 +251,7 @@ def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, obje
         "cxx_flags": build.cxx_flags,
         "nvcc_flags": build.nvcc_flags if build.with_cuda else [],
         "ldflags": build.ldflags,
+        "libraries": build.libraries,
         "include_dirs": build.include_dirs,
         "pch": pch_enabled(),
     }

@@ -141,7 +141,8 @@ def _jit_build() -> NativeInfo:
                 sources=plan.sources,
                 extra_cflags=plan.cxx_flags,
                 extra_cuda_cflags=plan.nvcc_flags,
-                extra_ldflags=plan.ldflags,
+                # -l<library> before torch's own -l flags, which cpp_extension appends.
+                extra_ldflags=[f"-l{lib}" for lib in plan.libraries] + plan.ldflags,
                 extra_include_paths=plan.include_dirs,
                 build_directory=build_directory,
                 with_cuda=plan.with_cuda,

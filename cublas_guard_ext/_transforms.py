@@ -136,80 +136,56 @@ class _Linear(torch.autograd.Function):
         return out
 
 
-class _GradInput(torch.autograd.Function):
-    """gi = g W (the input gradient), itself differentiable (double backward, hessian)."""
+def _bilinear_function(name: str, doc: str, op_name: str, product, grad_first, grad_second):
+    """An autograd.Function for a native product p(a, b) that is linear in each operand.
 
-    generate_vmap_rule = True
+    Both gradient ops are such products: gi = g W and gw = g^T x. Their backward formulas
+    differ (``grad_first``/``grad_second`` take (a, b, dp, layer)); what they save, and their
+    jvp, p(da, b) + p(a, db), do not.
+    """
 
-    @staticmethod
-    def forward(grad_output, weight, layer):
-        return _native_forward(_ops.linear_grad_input.default, grad_output, weight, layer)
+    def forward(a, b, layer):
+        return _native_forward(getattr(_ops, op_name).default, a, b, layer)
 
-    @staticmethod
     def setup_context(ctx, inputs, output):
-        grad_output, weight, layer = inputs
-        ctx.save_for_backward(
-            grad_output if ctx.needs_input_grad[1] else None,
-            weight if ctx.needs_input_grad[0] else None,
-        )
-        ctx.save_for_forward(grad_output, weight)
+        a, b, layer = inputs
+        # The gradient of each operand reads only the other one.
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        ctx.save_for_forward(a, b)
         ctx.layer = layer
 
-    @staticmethod
-    def backward(ctx, dgi):
-        # dg = dgi W^T = linear(dgi, W);  dW = g^T dgi = grad_weight(g, dgi)
-        grad_output, weight = ctx.saved_tensors
-        dg = linear(dgi, weight, None, ctx.layer, _MODE_OFF, False) if ctx.needs_input_grad[0] else None
-        dw = grad_weight(grad_output, dgi, ctx.layer) if ctx.needs_input_grad[1] else None
-        return dg, dw, None
+    def backward(ctx, dp):
+        a, b = ctx.saved_tensors
+        da = grad_first(a, b, dp, ctx.layer) if ctx.needs_input_grad[0] else None
+        db = grad_second(a, b, dp, ctx.layer) if ctx.needs_input_grad[1] else None
+        return da, db, None
 
-    @staticmethod
-    def jvp(ctx, grad_output_t, weight_t, _):
-        grad_output, weight = ctx.saved_tensors
-        out = None
-        if grad_output_t is not None:
-            out = grad_input(grad_output_t, weight, ctx.layer)
-        if weight_t is not None:
-            out = _add(out, grad_input(grad_output, weight_t, ctx.layer))
+    def jvp(ctx, a_t, b_t, _):
+        a, b = ctx.saved_tensors
+        out = product(a_t, b, ctx.layer) if a_t is not None else None
+        if b_t is not None:
+            out = _add(out, product(a, b_t, ctx.layer))
         return out
 
+    members = {"forward": forward, "setup_context": setup_context, "backward": backward, "jvp": jvp}
+    namespace = {name: staticmethod(fn) for name, fn in members.items()}
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "generate_vmap_rule": True, **namespace})
 
-class _GradWeight(torch.autograd.Function):
-    """gw = g^T x (the weight gradient), itself differentiable."""
 
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(grad_output, x, layer):
-        return _native_forward(_ops.linear_grad_weight.default, grad_output, x, layer)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        grad_output, x, layer = inputs
-        ctx.save_for_backward(
-            grad_output if ctx.needs_input_grad[1] else None,
-            x if ctx.needs_input_grad[0] else None,
-        )
-        ctx.save_for_forward(grad_output, x)
-        ctx.layer = layer
-
-    @staticmethod
-    def backward(ctx, dgw):
-        # dg = x dgw^T = linear(x, dgw);  dx = g dgw = grad_input(g, dgw)
-        grad_output, x = ctx.saved_tensors
-        dg = linear(x, dgw, None, ctx.layer, _MODE_OFF, False) if ctx.needs_input_grad[0] else None
-        dx = grad_input(grad_output, dgw, ctx.layer) if ctx.needs_input_grad[1] else None
-        return dg, dx, None
-
-    @staticmethod
-    def jvp(ctx, grad_output_t, x_t, _):
-        grad_output, x = ctx.saved_tensors
-        out = None
-        if grad_output_t is not None:
-            out = grad_weight(grad_output_t, x, ctx.layer)
-        if x_t is not None:
-            out = _add(out, grad_weight(grad_output, x_t, ctx.layer))
-        return out
+# gi = g W:   dg = dgi W^T = linear(dgi, W);   dW = g^T dgi = grad_weight(g, dgi)
+_GradInput = _bilinear_function(
+    "_GradInput", "gi = g W (the input gradient), itself differentiable (double backward, hessian).",
+    "linear_grad_input", lambda g, w, layer: grad_input(g, w, layer),
+    grad_first=lambda g, w, dgi, layer: linear(dgi, w, None, layer, _MODE_OFF, False),
+    grad_second=lambda g, w, dgi, layer: grad_weight(g, dgi, layer),
+)
+# gw = g^T x:   dg = x dgw^T = linear(x, dgw);   dx = g dgw = grad_input(g, dgw)
+_GradWeight = _bilinear_function(
+    "_GradWeight", "gw = g^T x (the weight gradient), itself differentiable.",
+    "linear_grad_weight", lambda g, x, layer: grad_weight(g, x, layer),
+    grad_first=lambda g, x, dgw, layer: linear(x, dgw, None, layer, _MODE_OFF, False),
+    grad_second=lambda g, x, dgw, layer: grad_input(g, dgw, layer),
+)
 
 
 # ---------------------------------------------------------------------------

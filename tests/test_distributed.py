@@ -188,6 +188,21 @@ def launch(scenario: str, tmp_path: Path, script: str = __file__) -> tuple[list[
     return results, codes, ends
 
 
+def assert_the_other_rank_failed_fast(results: list[dict], codes: list[int], ends: list[float],
+                                      label: str, bad_rank: int, bad_step: int) -> None:
+    """The rank that saw no bad value fails in its next collective, promptly (the peer's
+    closed connection, not the timeout), and every process ends."""
+    other = results[1 - bad_rank]
+    assert other["status"] == "error" and codes[1 - bad_rank] == 2, (codes, other)
+    assert other["steps_done"] == bad_step
+    assert other["elapsed"] - other["step_started"] < LONG_TIMEOUT_S - 5, "it waited for the timeout"
+    print(f"\n[{label}] rank {1 - bad_rank} got {other['other_error']['type']} after "
+          f"{other['elapsed'] - other['step_started']:.1f} s in the step: "
+          f"{other['other_error']['message'][:160]!r}; processes exited at "
+          f"{', '.join(f'{e:.1f}' for e in ends)} s after launch")
+    assert max(ends) < PROCESS_LIMIT_S
+
+
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
     """One launch for the two training tests: (results, saved state dicts) per rank."""
@@ -229,16 +244,8 @@ def test_nan_on_one_rank_raises_there_and_the_other_rank_fails_fast(tmp_path: Pa
     assert f"layer 'rank{BAD_RANK}.0'" in bad["error"]["message"]
     assert "input has 1 NaN" in bad["error"]["message"]
     assert bad["steps_done"] == BAD_STEP and codes[BAD_RANK] == 2
-    # The other rank: fails in its next collective (the backward all-reduce of that step),
-    # promptly -- the peer's closed connection, not the timeout -- and terminates.
-    assert other["status"] == "error" and codes[1 - BAD_RANK] == 2, (codes, other)
-    assert other["steps_done"] == BAD_STEP
-    assert other["elapsed"] - other["step_started"] < LONG_TIMEOUT_S - 5, "it waited for the timeout"
-    print(f"\n[ddp/exit] rank {1 - BAD_RANK} got {other['other_error']['type']} after "
-          f"{other['elapsed'] - other['step_started']:.1f} s in the step: "
-          f"{other['other_error']['message'][:160]!r}; processes exited at "
-          f"{', '.join(f'{e:.1f}' for e in ends)} s after launch")
-    assert max(ends) < PROCESS_LIMIT_S
+    # The other rank: fails in its next collective (the backward all-reduce of that step).
+    assert_the_other_rank_failed_fast(results, codes, ends, "ddp/exit", BAD_RANK, BAD_STEP)
 
 
 @pytest.mark.slow

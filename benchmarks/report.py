@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -208,6 +209,107 @@ def linear_rows(records: list[dict]) -> list[dict]:
             row["gemm_off_nobias_gflops"] = flops / gn / 1e9
         rows.append(row)
     return rows
+
+
+def _paired(base: list[float], other: list[float]) -> tuple[float, float]:
+    """Median and noise (half the interquartile range) of the per-round differences, in us."""
+    diffs = sorted((o - b) * 1e6 for b, o in zip(base, other))
+    if len(diffs) < 2:
+        return (diffs[0] if diffs else 0.0), 0.0
+    q = statistics.quantiles(diffs, n=4, method="inclusive")
+    return statistics.median(diffs), (q[2] - q[0]) / 2
+
+
+def fixed_rows(records: list[dict]) -> list[dict]:
+    """The fixed cost per call (issue 12): each mode's time and its difference to nn.Linear."""
+    rows = []
+    for rec in records:
+        if rec["kind"] != "fixed":
+            continue
+        row: dict = dict(rec["params"])
+        row["dtype"] = _dtype_of(rec["params"])
+        if "skipped" in rec:
+            row["skipped"] = rec["skipped"]
+            rows.append(row)
+            continue
+        for clock, key in (("host", "times_s"), ("wall", "wall_times_s")):
+            times = rec.get(key)
+            if not times:
+                continue
+            base = times["nn.Linear"]
+            row[f"{clock}_nn_us"] = statistics.median(base) * 1e6
+            for mode in ("off", "async", "sync"):
+                row[f"{clock}_{mode}_us"] = statistics.median(times[mode]) * 1e6
+                add, noise = _paired(base, times[mode])
+                row[f"{clock}_{mode}_add_us"] = add
+                row[f"{clock}_{mode}_noise_us"] = noise
+        rows.append(row)
+    return rows
+
+
+def fixed_table(rows: list[dict], device: torch.device) -> str:
+    if not rows:
+        return ""
+    clocks = ("host", "wall") if device.type == "cuda" else ("host",)
+    lines = ["| M | K | N | dtype | threads | pass | clock | nn.Linear | off | async | sync |",
+             "|---:|---:|---:|:-:|:-:|:-:|:-:|---:|---:|---:|---:|"]
+    for r in rows:
+        head = (f"| {r['M']} | {r['K']} | {r['N']} | {r['dtype']} | {r.get('threads', '-')} "
+                f"| {r['direction']} ")
+        if r.get("skipped"):
+            lines.append(head + f"| | skipped: {r['skipped']} |" + " |" * 3)
+            continue
+        for clock in clocks:
+            if f"{clock}_nn_us" not in r:
+                continue
+            cells = [f"{r[f'{clock}_nn_us']:.1f} us"]
+            for mode in ("off", "async", "sync"):
+                cells.append(f"{r[f'{clock}_{mode}_us']:.1f} us ({r[f'{clock}_{mode}_add_us']:+.1f} "
+                             f"± {r[f'{clock}_{mode}_noise_us']:.1f})")
+            lines.append(head + f"| {clock} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+FIXED_NOTE = (
+    "Fixed cost per call: `layer(x)` of nn.Linear and of a SafeLinear sharing its parameters, in each "
+    "mode, interleaved (a batch of back-to-back calls per function and round, the same count for all); "
+    "forward under `torch.no_grad()`, or forward+backward as `torch.autograd.grad(layer(x), (x, weight, "
+    "bias), g)`. Each cell: median us per call (median difference to nn.Linear in the same round ± half "
+    "the interquartile range of those differences). host = until the last call returned; wall = until "
+    "the device finished too (`torch.cuda.synchronize`; CUDA only)."
+)
+
+
+def fixed_targets(rows: list[dict], device: torch.device) -> list[dict]:
+    out = []
+    if device.type == "cpu":
+        for direction, what in (("fwd", "forward under no_grad"), ("fwd+bwd", "forward+backward")):
+            worst: dict[str, tuple[float, str]] = {}
+            for r in rows:
+                if (r.get("skipped") or (r["M"], r["K"], r["N"]) != (1, 16, 16) or "host_nn_us" not in r
+                        or r["direction"] != direction):
+                    continue
+                for mode in ("off", "async", "sync"):
+                    add = r[f"host_{mode}_add_us"]
+                    where = f"{r['dtype']}, {r.get('threads', '-')} thread(s)"
+                    if mode not in worst or add > worst[mode][0]:
+                        worst[mode] = (add, where)
+            tag = "fwd" if direction == "fwd" else "train"
+            for mode, limit in (("off", 2.0), ("async", 2.0), ("sync", 4.0)):
+                v = worst.get(mode)
+                out.append(_target(f"cpu-fixed-{tag}-{mode}", f"SafeLinear mode={mode} adds <= {limit:g} us per "
+                                   f"call over nn.Linear at M=1, K=N=16, {what} (worst of fp32/bf16, 1/2 threads)",
+                                   v[0] if v else None, limit, "<=", ".2f", f"worst: {v[1]}" if v else ""))
+        return out
+    r = next((r for r in rows if (r["M"], r["K"], r["N"], r["dtype"], r["direction"]) == (32, 1024, 1024,
+              "float32", "fwd") and not r.get("skipped") and "host_nn_us" in r), None)
+    for clock, limit in (("host", 3.0), ("wall", 5.0)):
+        out.append(_target(f"gpu-fixed-async-{clock}", f"mode=async adds <= {limit:g} us of {clock} time per "
+                           "call over nn.Linear at M=32, K=N=1024 (fp32 forward, no_grad)",
+                           r.get(f"{clock}_async_add_us") if r else None, limit, "<=", ".2f",
+                           (f"nn.Linear {r[f'{clock}_nn_us']:.1f} us, async {r[f'{clock}_async_us']:.1f} us"
+                            if r and f"{clock}_nn_us" in r else "")))
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -499,47 +601,67 @@ def method_text(device: torch.device, rounds: int) -> str:
 
 
 def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_s: float, device: torch.device,
-                     rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], plot_name: str) -> str:
+                     rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], plot_name: str,
+                     fixed: list[dict] | None = None) -> str:
+    main = bool(scan or linear)  # False for a run of the fixed-cost cases alone
     parts = [
         f"# Benchmarks, preset `{preset_name}` on {device.type.upper()}",
         env_lines(env, command, note, wall_s),
-        method_text(device, rounds),
+        method_text(device, rounds) if main else "",
         "## Targets",
         targets_table(ts),
-        f"![overhead vs size]({plot_name})",
-        "## The scan against the naive checks",
-        scan_table(scan, device),
-        do_bench_lines(scan),
-        "## SafeLinear against nn.Linear (time ratio; `async adds` = async - nn.Linear per call)",
-        linear_table(linear, device),
-        "## The GEMM alone: `cg.linear(x, w, b, mode=\"off\")` (checks + checked GEMM) against `F.linear`",
-        gemm_table(only(linear), device),
-        "## bfloat16, float16, float64",
-        dtype_table(scan, linear, device),
+        f"![overhead vs size]({plot_name})" if main else "",
+    ]
+    if main:
+        parts += [
+            "## The scan against the naive checks",
+            scan_table(scan, device),
+            do_bench_lines(scan),
+            "## SafeLinear against nn.Linear (time ratio; `async adds` = async - nn.Linear per call)",
+            linear_table(linear, device),
+            "## The GEMM alone: `cg.linear(x, w, b, mode=\"off\")` (checks + checked GEMM) against `F.linear`",
+            gemm_table(only(linear), device),
+            "## bfloat16, float16, float64",
+            dtype_table(scan, linear, device),
+        ]
+    parts += [
+        "## Fixed cost per call" if fixed else "",
+        FIXED_NOTE if fixed else "",
+        fixed_table(fixed or [], device),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def results_section(preset_name: str, env: dict, command: str, note: str, wall_s: float, device: torch.device,
                     rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], rel_dir: str,
-                    plot_name: str) -> str:
-    title = {"cpu": "CPU", "gpu": "GPU"}.get(preset_name, preset_name)
+                    plot_name: str, fixed: list[dict] | None = None) -> str:
+    title = {"cpu": "CPU", "gpu": "GPU", "cpu-fixed": "CPU, fixed cost per call",
+             "gpu-fixed": "GPU, fixed cost per call"}.get(preset_name, preset_name)
+    main = bool(scan or linear)  # False for a run of the fixed-cost cases alone
     parts = [
         f"## {title} (preset `{preset_name}`)",
         env_lines(env, command, note, wall_s),
         "### Targets",
         targets_table(ts),
-        f"![overhead vs size]({rel_dir}/{plot_name})",
-        "### The scan against the naive checks",
-        scan_table(scan, device),
-        do_bench_lines(scan),
-        "### SafeLinear forward against nn.Linear, TF32 off (all cases: "
-        f"[{rel_dir}/summary.md]({rel_dir}/summary.md))",
-        linear_table(linear, device, only_fwd_tf32_off=True),
-        "### The GEMM alone",
-        gemm_table([r for r in only(linear) if not r.get("tf32")], device),
-        "### bfloat16, float16, float64 (forward, TF32 off)",
-        dtype_table(scan, linear, device),
+    ]
+    if main:
+        parts += [
+            f"![overhead vs size]({rel_dir}/{plot_name})",
+            "### The scan against the naive checks",
+            scan_table(scan, device),
+            do_bench_lines(scan),
+            "### SafeLinear forward against nn.Linear, TF32 off (all cases: "
+            f"[{rel_dir}/summary.md]({rel_dir}/summary.md))",
+            linear_table(linear, device, only_fwd_tf32_off=True),
+            "### The GEMM alone",
+            gemm_table([r for r in only(linear) if not r.get("tf32")], device),
+            "### bfloat16, float16, float64 (forward, TF32 off)",
+            dtype_table(scan, linear, device),
+        ]
+    parts += [
+        "### Fixed cost per call" if fixed else "",
+        FIXED_NOTE if fixed else "",
+        fixed_table(fixed or [], device),
     ]
     return "\n\n".join(p for p in parts if p)
 

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the quick and smoke presets update none unless given)")
     ap.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
     ap.add_argument("--rounds", type=int, help="override the preset's rounds")
+    ap.add_argument("--only", choices=["fixed", "linear", "scan"],
+                    help="run only the cases of this kind (fixed: the fixed cost per call, issue 12)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and exit")
     ap.add_argument("--from-json", type=Path, metavar="RESULTS_JSON",
                     help="measure nothing: rebuild the tables, plot, targets and RESULTS.md section from a "
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         want = args.device or (p.device if p.device != "auto" else "cpu")
         device = torch.device(want)
-        groups = suite.plan(p, device)
+        groups = suite.plan(p, device, only=args.only)
         print(f"preset {p.name} on {device}: {len(groups)} groups, {p.rounds} rounds, "
               f"min_run_time {p.min_run_time}s per measurement, budget {args.budget_s or p.budget_s:.0f}s")
         print(p.note)
@@ -88,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import report
 
-    out = args.out or HERE / "results" / p.name
+    # A run of one kind of case keeps its own folder and RESULTS.md section (the preset's
+    # full section stays as it is).
+    name = p.name if args.only is None else f"{p.name}-{args.only}"
+    out = args.out or HERE / "results" / name
     out.mkdir(parents=True, exist_ok=True)
     env = report.environment(device)
     print(f"preset {p.name} on {device} ({env.get('gpu') or env['cpu']}), {suite.thread_info()}, "
@@ -101,13 +106,19 @@ def main(argv: list[str] | None = None) -> int:
               "`chrt -f 1 python benchmarks/run.py ...` (see benchmarks/NOTES.md).")
 
     started = time.perf_counter()
-    records = suite.run(p, device, budget_s=args.budget_s)
+    records = suite.run(p, device, budget_s=args.budget_s, only=args.only)
     wall = time.perf_counter() - started
     env["loadavg_end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
     results_md = args.results_md
     if results_md is None and p.name in ("cpu", "gpu"):
         results_md = HERE / "RESULTS.md"
-    write_reports(p.describe(), env, command, wall, records, device, out, results_md)
+    described = p.describe()
+    described["name"] = name
+    if args.only == "fixed":
+        described["note"] = (f"the fixed-cost cases of preset {p.name} only: shapes {p.fixed_shapes}, "
+                             f"dtypes {p.fixed_dtypes}, threads {p.fixed_threads or 'as set'}, "
+                             f"{' and '.join(p.fixed_directions)}, {p.fixed_rounds} rounds")
+    write_reports(described, env, command, wall, records, device, out, results_md)
     return 0
 
 
@@ -120,7 +131,7 @@ def rerender(path: Path, out: Path | None, results_md: Path | None) -> int:
     device = torch.device(payload["env"]["device"])
     out = out or path.parent
     out.mkdir(parents=True, exist_ok=True)
-    if results_md is None and payload["preset"]["name"] in ("cpu", "gpu"):
+    if results_md is None and payload["preset"]["name"].split("-")[0] in ("cpu", "gpu"):
         results_md = HERE / "RESULTS.md"
     write_reports(payload["preset"], payload["env"], payload["command"], payload["wall_s"], payload["records"],
                   device, out, results_md)
@@ -135,10 +146,15 @@ def write_reports(preset: dict, env: dict, command: str, wall: float, records: l
     out.mkdir(parents=True, exist_ok=True)
     scan = report.scan_rows(records, device)
     linear = report.linear_rows(records)
-    ts = report.targets(scan, linear, device)
-    plot_path = report.plot(out / "overhead.png", scan, linear, ts, device, env)
+    fixed = report.fixed_rows(records)
+    ts = report.targets(scan, linear, device) if (scan or linear) else []
+    if fixed:
+        ts += report.fixed_targets(fixed, device)
+    # (A run of the fixed-cost cases alone has nothing to plot.)
+    plot_path = (report.plot(out / "overhead.png", scan, linear, ts, device, env) if (scan or linear)
+                 else out / "overhead.png")
     summary = report.summary_markdown(name, env, command, note, wall, device, rounds, ts, scan, linear,
-                                      plot_path.name)
+                                      plot_path.name, fixed)
     (out / "summary.md").write_text(summary)
     report.write_json(out / "results.json", {"preset": preset, "env": env, "command": command,
                                              "wall_s": wall, "targets": ts, "records": records})
@@ -146,14 +162,20 @@ def write_reports(preset: dict, env: dict, command: str, wall: float, records: l
     if results_md is not None:
         rel = os.path.relpath(out.resolve(), results_md.resolve().parent)
         section = report.results_section(name, env, command, note, wall, device, rounds, ts, scan, linear,
-                                         rel, plot_path.name)
+                                         rel, plot_path.name, fixed)
         report.update_results_md(results_md, name, section)
 
-    print()
-    print(report.scan_table(scan, device))
-    print()
-    print(report.linear_table(linear, device, only_fwd_tf32_off=True))
-    print(f"\nwrote {out}/summary.md, results.json, targets.txt, {plot_path.name}"
+    if scan:
+        print()
+        print(report.scan_table(scan, device))
+    if linear:
+        print()
+        print(report.linear_table(linear, device, only_fwd_tf32_off=True))
+    if fixed:
+        print()
+        print(report.fixed_table(fixed, device))
+    print(f"\nwrote {out}/summary.md, results.json, targets.txt"
+          + (f", {plot_path.name}" if (scan or linear) else "")
           + (f"; updated {results_md}" if results_md else "") + f"  ({wall:.0f} s)")
     print("\nTargets:")
     print(report.short_table(ts))

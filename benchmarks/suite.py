@@ -46,6 +46,14 @@ class Preset:
     # bf16/fp16/fp64 rows: forward (no_grad, TF32 off) at these shapes, the scan at these sizes.
     dtype_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     dtype_scan_sizes: list[int] = field(default_factory=list)
+    # The fixed cost per call (issue 12): SafeLinear in each mode beside nn.Linear at
+    # these shapes, dtypes, torch thread counts ([] = leave torch's) and directions.
+    fixed_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    fixed_dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    fixed_threads: list[int] = field(default_factory=list)
+    fixed_directions: list[str] = field(default_factory=lambda: ["fwd", "fwd+bwd"])
+    fixed_rounds: int = 15
+    fixed_min_time: float = 0.01  # seconds per member per round
 
     def describe(self) -> dict:
         return asdict(self)
@@ -95,6 +103,9 @@ def preset(name: str) -> Preset:
             note=CPU_SUBSET_NOTE,
             dtype_shapes=[(32, 1024, 1024), (1024, 1024, 1024)],
             dtype_scan_sizes=[1 << 20, 1 << 24, 1 << 26],
+            fixed_shapes=[(1, 16, 16), (32, 1024, 1024)],
+            fixed_dtypes=["float32", "bfloat16"],
+            fixed_threads=[1, 2],
         )
     if name == "gpu":
         shapes = [(m, k, n) for m in GRID_M for k, n in GRID_KN]
@@ -113,6 +124,9 @@ def preset(name: str) -> Preset:
             gemm_nobias=True,
             dtype_shapes=[(32, 1024, 1024), (8192, 4096, 4096)],
             dtype_scan_sizes=[1 << 20, 1 << 26, 1 << 28],
+            # ~10 s: 4 groups of 4 members x 15 rounds x 10 ms, plus warm-up.
+            fixed_shapes=[(32, 1024, 1024)],
+            fixed_dtypes=["float32", "bfloat16"],
             note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
             "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
         )
@@ -132,6 +146,8 @@ def preset(name: str) -> Preset:
             note="A small subset for a fast look; the targets need the cpu or gpu preset.",
             dtype_shapes=[(1024, 1024, 1024)],
             dtype_scan_sizes=[1 << 20],
+            fixed_shapes=[(1, 16, 16), (32, 1024, 1024)],
+            fixed_rounds=7,
         )
     if name == "smoke":
         return Preset(
@@ -150,6 +166,11 @@ def preset(name: str) -> Preset:
             note="Exercises every code path with tiny sizes (tests the suite, measures nothing useful).",
             dtype_shapes=[(32, 64, 32)],
             dtype_scan_sizes=[1 << 14],
+            fixed_shapes=[(1, 16, 16)],
+            fixed_dtypes=["float32", "bfloat16"],
+            fixed_threads=[1],
+            fixed_rounds=2,
+            fixed_min_time=0.001,
         )
     raise ValueError(f"unknown preset {name!r}")
 
@@ -175,8 +196,16 @@ def linear_flops(m: int, k: int, n: int, direction: str) -> int:
     return 2 * m * k * n * gemms
 
 
-def plan(p: Preset, device: torch.device) -> list[Group]:
-    """The groups in the order they run: target cases first, then the rest by cost."""
+def plan(p: Preset, device: torch.device, only: str | None = None) -> list[Group]:
+    """The groups in the order they run: target cases first, then the rest by cost.
+
+    ``only``: keep the groups of this kind ("fixed", "linear", "scan").
+    """
+    groups = _plan(p, device)
+    return groups if only is None else [g for g in groups if g.kind == only]
+
+
+def _plan(p: Preset, device: torch.device) -> list[Group]:
     tf32s = p.tf32 if device.type == "cuda" else [False]
     linear: list[Group] = []
     for m, k, n in p.linear_shapes:
@@ -220,7 +249,24 @@ def plan(p: Preset, device: torch.device) -> list[Group]:
             typed.append(Group("scan", {"numel": numel, "dtype": dtype}, members))
     # bf16 first among them: its rows are targets.
     typed.sort(key=lambda g: g.params["dtype"] != "bfloat16")
-    return first + scan + typed + rest
+    return first + fixed_plan(p) + scan + typed + rest
+
+
+FIXED_MEMBERS = ("nn.Linear", "off", "async", "sync")
+
+
+def fixed_plan(p: Preset) -> list[Group]:
+    """The fixed-cost groups (issue 12), small shapes first; right after the target cases."""
+    groups = []
+    for m, k, n in sorted(p.fixed_shapes, key=lambda s: s[0] * s[1] * s[2]):
+        for dtype in p.fixed_dtypes:
+            for threads in p.fixed_threads or [None]:
+                for direction in p.fixed_directions:
+                    params = {"M": m, "K": k, "N": n, "dtype": dtype, "direction": direction}
+                    if threads is not None:
+                        params["threads"] = threads
+                    groups.append(Group("fixed", params, list(FIXED_MEMBERS)))
+    return groups
 
 
 def group_dtype(g: Group | dict) -> torch.dtype:
@@ -357,6 +403,96 @@ def _fits(g: Group, device: torch.device) -> str | None:
     return None
 
 
+def _fixed_fns(g: Group, device: torch.device) -> dict[str, Callable[[], object]]:
+    """One call of nn.Linear / SafeLinear per function, as a user makes it (the module call)."""
+    m, k, n, direction = g.params["M"], g.params["K"], g.params["N"], g.params["direction"]
+    dtype = group_dtype(g)
+    ref = nn.Linear(k, n, device=device, dtype=dtype)
+    layers: dict[str, nn.Module] = {"nn.Linear": ref}
+    for mode in MODES:
+        layers[mode] = cg.SafeLinear.from_linear(ref, mode=mode, name=f"fixed.{mode}")
+    if direction == "fwd":
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        return {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(m, n, device=device, dtype=dtype)
+    inputs = (x, ref.weight, ref.bias)
+    return {name: (lambda layer=layer: torch.autograd.grad(layer(x), inputs, grad_out))
+            for name, layer in layers.items()}
+
+
+def time_fixed(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
+               min_time: float) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Host and wall seconds per call of each function, one value per round, interleaved.
+
+    A batch of back-to-back calls per function and round: host time is the time
+    until the last call returned; wall time adds the wait for the device
+    (torch.cuda.synchronize; the same as host time on the CPU).
+    """
+    cuda = device.type == "cuda"
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    # Size the batch on the slowest function, the same count for all.
+    t0 = time.perf_counter()
+    probes = 0
+    while time.perf_counter() - t0 < min_time / 4:
+        for fn in fns.values():
+            fn()
+        probes += 1
+    if cuda:
+        torch.cuda.synchronize(device)
+    per_call = (time.perf_counter() - t0) / (probes * len(fns))
+    calls = max(5, min(20_000, int(min_time / max(per_call, 1e-7))))
+    host: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            returned = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize(device)
+            done = time.perf_counter()
+            host[name].append((returned - start) / calls)
+            wall[name].append((done - start) / calls)
+    return host, wall
+
+
+def run_fixed(g: Group, device: torch.device, p: Preset) -> dict:
+    started = time.perf_counter()
+    record: dict = {"kind": g.kind, "params": dict(g.params), "members": list(g.members)}
+    old_threads = torch.get_num_threads()
+    old_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        if "threads" in g.params:
+            torch.set_num_threads(int(g.params["threads"]))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        fns = _fixed_fns(g, device)
+        # Forward under no_grad (grad mode off for the whole measurement: no per-call context manager).
+        with torch.set_grad_enabled(g.params["direction"] != "fwd"):
+            host, wall = time_fixed(fns, device, p.fixed_rounds, p.fixed_min_time)
+        cg.check()  # nothing should be recorded; raises if a scan found something
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32[0]
+        torch.set_float32_matmul_precision(old_tf32[1])
+    record["rounds"] = p.fixed_rounds
+    record["times_s"] = host
+    record["median_s"] = {name: statistics.median(v) for name, v in host.items()}
+    if device.type == "cuda":
+        record["wall_times_s"] = wall
+        record["wall_median_s"] = {name: statistics.median(v) for name, v in wall.items()}
+    record["wall_s"] = time.perf_counter() - started
+    return record
+
+
 def run_group(g: Group, device: torch.device, p: Preset) -> dict:
     started = time.perf_counter()
     record: dict = {"kind": g.kind, "params": dict(g.params), "members": list(g.members)}
@@ -364,6 +500,8 @@ def run_group(g: Group, device: torch.device, p: Preset) -> dict:
     if skip:
         record["skipped"] = skip
         return record
+    if g.kind == "fixed":
+        return run_fixed(g, device, p)
     old_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
     try:
         if g.kind == "linear":
@@ -394,9 +532,10 @@ def run_group(g: Group, device: torch.device, p: Preset) -> dict:
     return record
 
 
-def run(p: Preset, device: torch.device, budget_s: float | None = None, log=print) -> list[dict]:
+def run(p: Preset, device: torch.device, budget_s: float | None = None, log=print,
+        only: str | None = None) -> list[dict]:
     budget = p.budget_s if budget_s is None else budget_s
-    groups = plan(p, device)
+    groups = plan(p, device, only=only)
     torch.manual_seed(0)
     started = time.perf_counter()
     records: list[dict] = []

@@ -22,7 +22,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, const std::string& layer,
+                       const c10::optional<at::Tensor>& bias, c10::string_view layer,
                        int64_t mode, bool scan_grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("cublas_guard::linear", "")
@@ -32,7 +32,7 @@ at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight,
   return op.call(x, weight, bias, layer, mode, scan_grad);
 }
 
-void call_guard_values(const at::Tensor& t, const std::string& layer, int64_t role, int64_t mode) {
+void call_guard_values(const at::Tensor& t, c10::string_view layer, int64_t role, int64_t mode) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("cublas_guard::guard_values", "")
@@ -41,7 +41,7 @@ void call_guard_values(const at::Tensor& t, const std::string& layer, int64_t ro
 }
 
 at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weight,
-                           const std::string& layer) {
+                           c10::string_view layer) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("cublas_guard::linear_grad_input", "")
@@ -50,7 +50,7 @@ at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weig
 }
 
 at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x,
-                            const std::string& layer) {
+                            c10::string_view layer) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("cublas_guard::linear_grad_weight", "")
@@ -159,9 +159,27 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
   }
 };
 
+// Whether an autograd node is needed: a gradient will be recorded (grad mode on
+// and an input requires one) or an input carries a forward-mode tangent (the
+// C++ Function then refuses it, as it always did). Otherwise the call goes
+// straight below autograd: no node, no saved state, no string copy (issue 12).
+bool needs_node(std::initializer_list<const at::Tensor*> inputs) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  for (const at::Tensor* t : inputs) {
+    if (t == nullptr || !t->defined()) continue;
+    if (grad_mode && t->requires_grad()) return true;
+    if (t->_fw_grad(/*level=*/0).defined()) return true;
+  }
+  return false;
+}
+
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias, c10::string_view layer,
                            int64_t mode, bool scan_grad) {
+  if (!needs_node({&x, &weight, bias.has_value() ? &*bias : nullptr})) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_linear(x, weight, bias, layer, mode, scan_grad);
+  }
   // nn.Linear reads the weight through `weight.t()`: outside inference mode, a
   // view of an inference tensor is not tracked, so an inference-mode weight gets
   // no gradient there (its bias does). The same here: such a weight counts as
@@ -176,11 +194,19 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
 
 at::Tensor grad_input_autograd(const at::Tensor& grad_output, const at::Tensor& weight,
                                c10::string_view layer) {
+  if (!needs_node({&grad_output, &weight})) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_grad_input(grad_output, weight, layer);
+  }
   return GradInputFunction::apply(grad_output, weight, std::string(layer));
 }
 
 at::Tensor grad_weight_autograd(const at::Tensor& grad_output, const at::Tensor& x,
                                 c10::string_view layer) {
+  if (!needs_node({&grad_output, &x})) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_grad_weight(grad_output, x, layer);
+  }
   return GradWeightFunction::apply(grad_output, x, std::string(layer));
 }
 

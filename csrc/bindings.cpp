@@ -5,8 +5,16 @@
 
 #include "guard.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/TracerMode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cctype>
+#include <cstdlib>
 #include <string>
 
 namespace cublas_guard {
@@ -121,11 +129,152 @@ TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
   m.impl("guard_values", &guard_values_meta);
 }
 
+// ---------------------------------------------------------------------------
+// The fast eager entry (issue 12). `torch.ops.cublas_guard.linear.default(...)`
+// parses its arguments against the schema into a boxed stack on every call
+// (several microseconds); this calls the same op through the dispatcher with a
+// typed handle, so every dispatch key (Autograd, Autocast, Python modes, the
+// backends) runs exactly as it does for torch.ops. It returns None, and the
+// caller takes the torch.ops path, whenever that path could behave otherwise:
+// an argument that is not a plain Tensor/Parameter (subclasses with
+// __torch_function__), an active torch function mode, the JIT tracer, a
+// non-strided input, a CUDA device whose first-use diagnostics have not run,
+// an unreadable default mode. Python calls it only outside torch.compile and
+// torch.func transforms (cublas_guard_ext.ops).
+// ---------------------------------------------------------------------------
+namespace cublas_guard {
+namespace {
+
+std::atomic<uint64_t> cuda_devices_checked{0};  // bit i: cuda:i had its first-use diagnostics
+
+// The CUBLAS_GUARD_MODE default as a mode code, cached on the raw value (the
+// variable may change at run time: os.environ writes go through putenv).
+// -1: not a mode this parser knows (the Python path then decides or raises).
+// Called with the GIL held, which serializes the cache.
+int64_t env_mode_code() {
+  static std::string cached_raw;
+  static bool cached_set = false;
+  static int64_t cached_code = -1;
+  const char* raw = std::getenv("CUBLAS_GUARD_MODE");
+  if (raw == nullptr) return static_cast<int64_t>(GuardMode::kSync);
+  if (cached_set && cached_raw == raw) return cached_code;
+  std::string value(raw);
+  const auto first = value.find_first_not_of(" \t\n\r\f\v");
+  const auto last = value.find_last_not_of(" \t\n\r\f\v");
+  value = first == std::string::npos ? std::string() : value.substr(first, last - first + 1);
+  int64_t code = -1;
+  bool ascii = true;
+  for (char& c : value) {
+    if (static_cast<unsigned char>(c) >= 0x80) ascii = false;
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (!ascii) {
+    code = -1;
+  } else if (value.empty() || value == "sync") {
+    code = static_cast<int64_t>(GuardMode::kSync);
+  } else if (value == "off") {
+    code = static_cast<int64_t>(GuardMode::kOff);
+  } else if (value == "async") {
+    code = static_cast<int64_t>(GuardMode::kAsync);
+  }
+  cached_raw = raw;
+  cached_set = true;
+  cached_code = code;
+  return code;
+}
+
+bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
+
+PyObject* none() { Py_RETURN_NONE; }
+
+// _fast_linear(x, weight, bias, layer: str, mode: int, scan_grad: bool) -> Tensor | None
+// mode: 0 off, 1 sync, 2 async, or -1 for the environment default (CUBLAS_GUARD_MODE).
+PyObject* fast_linear(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 6) return none();
+  PyObject* const px = args[0];
+  PyObject* const pw = args[1];
+  PyObject* const pb = args[2];
+  if (!plain_tensor(px) || !plain_tensor(pw) || (pb != Py_None && !plain_tensor(pb)) ||
+      !PyUnicode_Check(args[3]) || !PyLong_Check(args[4]) || !PyBool_Check(args[5])) {
+    return none();
+  }
+  if (at::impl::torch_function_mode_enabled() || at::tracer::impl::is_dispatch_enabled()) {
+    return none();
+  }
+  const at::Tensor& x = THPVariable_Unpack(px);
+  if (x.layout() != c10::kStrided) return none();
+  if (x.is_cuda()) {
+    const int index = x.device().index();
+    if (index < 0 || index >= 64 ||
+        (cuda_devices_checked.load(std::memory_order_relaxed) & (uint64_t{1} << index)) == 0) {
+      return none();
+    }
+  }
+  int overflow = 0;
+  int64_t mode = PyLong_AsLongLongAndOverflow(args[4], &overflow);
+  if (overflow != 0 || (mode == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return none();
+  }
+  if (mode == -1) {
+    mode = env_mode_code();
+    if (mode < 0) return none();
+  }
+  Py_ssize_t length = 0;
+  const char* layer = PyUnicode_AsUTF8AndSize(args[3], &length);
+  if (layer == nullptr) {
+    PyErr_Clear();
+    return none();
+  }
+  const at::Tensor& weight = THPVariable_Unpack(pw);
+  c10::optional<at::Tensor> bias;
+  if (pb != Py_None) bias = THPVariable_Unpack(pb);
+  const bool scan_grad = args[5] == Py_True;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("cublas_guard::linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const c10::optional<at::Tensor>&, c10::string_view,
+                                         int64_t, bool)>();
+  at::Tensor out;
+  {
+    // As torch.ops does: other Python threads run while the op does.
+    PyThreadState* const saved = PyEval_SaveThread();
+    struct Restore {
+      PyThreadState* state;
+      ~Restore() { PyEval_RestoreThread(state); }
+    } restore{saved};
+    out = op.call(x, weight, bias, c10::string_view(layer, static_cast<size_t>(length)), mode,
+                  scan_grad);
+  }
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// _cuda_first_use_done(index): cuda:index had its first-use diagnostics (Python).
+PyObject* cuda_first_use_done(PyObject* /*self*/, PyObject* arg) {
+  const long index = PyLong_AsLong(arg);
+  if (index == -1 && PyErr_Occurred()) return nullptr;
+  if (index >= 0 && index < 64) cuda_devices_checked.fetch_or(uint64_t{1} << index);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"_fast_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_linear)),
+     METH_FASTCALL, "The guarded linear through a typed dispatcher handle, or None (see bindings.cpp)."},
+    {"_cuda_first_use_done", &cuda_first_use_done, METH_O,
+     "Marks cuda:index as having had its first-use diagnostics."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+}  // namespace cublas_guard
+
 extern "C" {
 // Importing cublas_guard_ext._C loads the library, whose static initializers
-// register the ops above; the module itself has no attributes.
+// register the ops above; the module has the fast eager entry only.
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                          cublas_guard::module_methods};
   return PyModule_Create(&module_def);
 }
 }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -206,6 +207,26 @@ std::mutex& records_mutex() {
 std::vector<RegisteredRecord>& records() {
   static std::vector<RegisteredRecord> all;
   return all;
+}
+
+// The records again, for the check every guarded call makes first: read without
+// the lock and without copying the list (issue 12). Registration publishes a
+// record's address, then the count; past kMaxFastRecords every check takes the
+// locked path.
+constexpr size_t kMaxFastRecords = 64;
+std::array<std::atomic<AsyncRecord*>, kMaxFastRecords> fast_records{};
+std::atomic<size_t> fast_record_count{0};
+std::atomic<bool> fast_records_overflow{false};
+
+// Whether some record may hold a finding (a flag set): false means nothing to raise.
+bool any_record_flagged() {
+  if (fast_records_overflow.load(std::memory_order_acquire)) return true;
+  const size_t n = fast_record_count.load(std::memory_order_acquire);
+  for (size_t i = 0; i < n; ++i) {
+    const AsyncRecord* record = fast_records[i].load(std::memory_order_relaxed);
+    if (__atomic_load_n(&record->flag, __ATOMIC_ACQUIRE) != 0) return true;
+  }
+  return false;
 }
 
 const char* role_name(int64_t role) {
@@ -461,6 +482,7 @@ auto reporting_oom(const LinearBackend& be, c10::Device device, const std::strin
 // [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
 // is explicit: reshape({-1, 0}) is ambiguous for empty tensors.
 at::Tensor flatten_rows(const at::Tensor& t, int64_t cols) {
+  if (t.dim() == 2 && t.size(1) == cols) return t;  // already [rows, cols]: no reshape dispatch
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
   return t.reshape({rows, cols});
@@ -478,9 +500,18 @@ void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
                            RecordHooks hooks) {
   std::lock_guard<std::mutex> lock(records_mutex());
   records().push_back(RegisteredRecord{device, record, claim, hooks});
+  const size_t n = fast_record_count.load(std::memory_order_relaxed);
+  if (n < kMaxFastRecords) {
+    fast_records[n].store(record, std::memory_order_relaxed);
+    fast_record_count.store(n + 1, std::memory_order_release);
+  } else {
+    fast_records_overflow.store(true, std::memory_order_release);
+  }
 }
 
 void raise_if_async_recorded(bool synchronize) {
+  // Without a synchronization to run, a record whose flag is clear has nothing to report.
+  if (!synchronize && !any_record_flagged()) return;
   std::vector<RegisteredRecord> snapshot;
   {
     std::lock_guard<std::mutex> lock(records_mutex());
@@ -531,6 +562,7 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
       beta = 1.0;
     }
     matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
+    if (x.dim() == 2) return out;  // already the output's shape
     return out.view(with_last(x.sizes(), out_features));
   });
 }

@@ -35,9 +35,12 @@ GemmNames gemm_names_cpu(at::ScalarType dtype) {
 }
 
 int gemm_cpu(const GemmCall& call, GemmContext& ctx) {
-  ctx.math_mode = std::string("cpu (torch addmm, ") + call.data_type + ")";
-  ctx.device = "cpu";
-  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
+  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
+    // Read only by a failure's report: built only then (issue 12).
+    ctx.math_mode = std::string("cpu (torch addmm, ") + call.data_type + ")";
+    ctx.device = "cpu";
+    return injected;
+  }
   const at::ScalarType t = call.dtype;
   at::Tensor a = call.trans_a ? column_major(call.a, call.k, call.m, call.lda, t).t()
                               : column_major(call.a, call.m, call.k, call.lda, t);

@@ -8,6 +8,7 @@ csrc/python_errors.cpp), in forward, in backward and in compiled graphs.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -17,10 +18,45 @@ from . import modes
 from ._native import facts
 from ._native import loader as _loader
 
-_loader.load()
+_info = _loader.load()
 _ops = torch.ops.cublas_guard
 
 from . import _transforms  # noqa: E402  (needs the ops loaded)
+
+# The fast eager entry of the prebuilt library (csrc/bindings.cpp): the same op
+# through a typed dispatcher handle, skipping torch.ops' generic argument
+# parsing. It returns None whenever the torch.ops path could behave otherwise
+# (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
+# a CUDA device before its first-use diagnostics, a default mode it cannot
+# read); callers then take that path. A JIT build (no Python module) has none.
+_native_module = sys.modules.get(__package__ + "._C") if _info.kind == "prebuilt" else None
+_fast_linear = getattr(_native_module, "_fast_linear", None)
+_cuda_first_use_done = getattr(_native_module, "_cuda_first_use_done", None)
+_is_compiling = torch.compiler.is_compiling
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = _transforms._forward_ad
+_blocks = modes._blocks
+_MODE_CODES = modes.MODE_CODES
+# The fast entry's code for "the default mode": it reads CUBLAS_GUARD_MODE itself.
+_ENV_DEFAULT = -1
+
+
+def _fast_code(mode: str | None) -> int | None:
+    """The mode code for the fast entry (-1: the environment default), None: take torch.ops."""
+    if mode is None:
+        blocks = _blocks.get()
+        return _MODE_CODES[blocks[-1][1]] if blocks else _ENV_DEFAULT
+    return _MODE_CODES.get(mode) if type(mode) is str else None
+
+
+def fast_path_usable() -> bool:
+    """Whether an eager call may take the fast entry now (outside torch.compile and torch.func)."""
+    return (
+        _fast_linear is not None
+        and not _is_compiling()
+        and not _functorch_active()
+        and _forward_ad._current_level < 0
+    )
 
 # The guards that return nothing (check_features, guard_values: the backward
 # scan of scan_grad, async_check) would be dead code to torch.compile's graphs
@@ -141,6 +177,12 @@ def linear(
     under the same mode (reported with role ``grad_output``).
     ``dtype_policy``: see :data:`DTYPE_POLICIES` ("cast" is deprecated).
     """
+    if dtype_policy == "strict" and fast_path_usable():
+        code = _fast_code(mode)
+        if code is not None:
+            out = _fast_linear(x, weight, bias, layer, code, scan_grad)
+            if out is not None:
+                return out
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
     if x.layout != torch.strided:
@@ -149,6 +191,8 @@ def linear(
         x = x.to_dense()
     if x.is_cuda and not torch.compiler.is_compiling():
         facts.first_cuda_use(x.device)
+        if _cuda_first_use_done is not None and x.device.index is not None:
+            _cuda_first_use_done(x.device.index)
     # torch.func transforms and forward-mode AD need the Python autograd path.
     op = _ops.linear.default
     if not torch.compiler.is_compiling() and _transforms.active():

@@ -230,11 +230,23 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
   }
 }
 
+// The report's device and math-mode text: built only for a failure (issue 12:
+// no string work on the clean path).
+void describe_for_report(GemmContext& ctx, int device, cublasHandle_t handle, at::ScalarType dtype) {
+  ctx.device = describe_device(device);
+  cublasMath_t math = CUBLAS_DEFAULT_MATH;
+  if (dtype == at::kBFloat16 || dtype == at::kHalf) {
+    ctx.math_mode = math_mode_name(half_math_mode(dtype));  // what run_gemm sets
+  } else if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) {
+    ctx.math_mode = math_mode_name(math);
+  }
+}
+
 int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   const int device = c10::cuda::current_device();
-  ctx.device = describe_device(device);
   cublasHandle_t handle = nullptr;
   if (const int injected = take_injected_fault(FaultSite::kHandle)) {
+    ctx.device = describe_device(device);
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
     ctx.math_mode = "unknown (no handle)";
     ErrorReport report("cublas");
@@ -249,6 +261,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     handle = at::cuda::getCurrentCUDABlasHandle();
   } catch (const c10::OutOfMemoryError& e) {
     // torch allocates the handle's workspace through its caching allocator.
+    ctx.device = describe_device(device);
     ErrorReport report("out_of_memory");
     report.add("layer", ctx.layer).add("stage", "cuBLAS handle/workspace creation");
     report.add("detail", e.what_without_backtrace());
@@ -258,6 +271,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
                                "': out of GPU memory while creating the cuBLAS handle/workspace");
   } catch (const c10::Error& e) {
     // cublasCreate failed: NOT_INITIALIZED (often out of memory, or a broken context).
+    ctx.device = describe_device(device);
     const std::string what = e.what_without_backtrace();
     static const std::array<std::pair<const char*, int>, 4> known = {{
         {"CUBLAS_STATUS_NOT_INITIALIZED", 1}, {"CUBLAS_STATUS_ALLOC_FAILED", 3},
@@ -275,21 +289,19 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
                                what);
   }
-  cublasMath_t math = CUBLAS_DEFAULT_MATH;
-  if (call.dtype == at::kBFloat16 || call.dtype == at::kHalf) {
-    ctx.math_mode = math_mode_name(half_math_mode(call.dtype));  // what run_gemm sets
-  } else if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) {
-    ctx.math_mode = math_mode_name(math);
-  }
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
+    describe_for_report(ctx, device, handle, call.dtype);
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
     ctx.memory = memory_snapshot(device);
     return injected;  // as if the routine had returned it (tests only)
   }
 
   const cublasStatus_t status = run_gemm(handle, call);
-  ctx.status_name = cublasGetStatusName(status);
-  if (status != CUBLAS_STATUS_SUCCESS) ctx.memory = memory_snapshot(device);
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    describe_for_report(ctx, device, handle, call.dtype);
+    ctx.status_name = cublasGetStatusName(status);
+    ctx.memory = memory_snapshot(device);
+  }
   return static_cast<int>(status);
 }
 

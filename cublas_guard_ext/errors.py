@@ -811,30 +811,49 @@ _PRODUCER_HINTS = {
 }
 
 
-class NonFiniteOutputError(GuardError, ValueError):
+class _WatchFinding:
+    """What the two watch findings share: the first bad element's coordinates, the counts."""
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self._prepare(fields)
+        if "first_bad_coords" not in fields:
+            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
+        super().__init__(message, **fields)  # type: ignore[call-arg]
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        pass
+
+
+def _counts_text(f: dict[str, Any]) -> str:
+    return f"{f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
+
+
+def _first_bad_line(f: dict[str, Any], name: str) -> str:
+    """'first bad element: flat index i = name[c0, c1]' (watch errors)."""
+    line = f"first bad element: flat index {f.get('first_bad_index')}"
+    if f.get("first_bad_coords") is not None:
+        line += f" = {name}[{', '.join(str(c) for c in f['first_bad_coords'])}]"
+    return line
+
+
+class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
     """An op inside a ``watch`` block produced NaN/+Inf/-Inf from finite inputs."""
 
     kind = "non_finite_output"
 
-    def __init__(self, message: str | None = None, **fields: Any) -> None:
+    def _prepare(self, fields: dict[str, Any]) -> None:
         _fold_inputs(fields)
-        if "first_bad_coords" not in fields:
-            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
-        super().__init__(message, **fields)
 
     def _headline(self) -> str:
         f = self.fields
         return (
             f"watch: {f.get('op')} {_where(f)} ({f.get('phase', 'forward')}) produced "
-            f"{f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf "
-            "from finite inputs"
+            f"{_counts_text(f)} from finite inputs"
         )
 
     def _details(self) -> list[str]:
         f = self.fields
-        first = f"first bad element: flat index {f.get('first_bad_index')}"
-        if f.get("first_bad_coords") is not None:
-            first += f" = output[{', '.join(str(c) for c in f['first_bad_coords'])}]"
+        first = _first_bad_line(f, "output")
         if f.get("first_bad_value") is not None:
             first += f" ({_value_name(f.get('first_bad_value'))})"
         lines = [first, f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}"]
@@ -863,30 +882,21 @@ class NonFiniteOutputError(GuardError, ValueError):
         return steps
 
 
-class NonFiniteEntryError(NonFiniteInputError):
+class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
     """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
 
     kind = "non_finite_entry"
 
-    def __init__(self, message: str | None = None, **fields: Any) -> None:
-        if "first_bad_coords" not in fields:
-            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
-        super().__init__(message, **fields)
-
     def _headline(self) -> str:
         f = self.fields
         return (
-            f"watch: the model's {f.get('role')} '{f.get('name')}' has {f.get('nan_count')} NaN, "
-            f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf on entry "
+            f"watch: the model's {f.get('role')} '{f.get('name')}' has {_counts_text(f)} on entry "
             "(it came into the model non-finite; no op inside produced it)"
         )
 
     def _details(self) -> list[str]:
         f = self.fields
-        first = f"first bad element: flat index {f.get('first_bad_index')}"
-        if f.get("first_bad_coords") is not None:
-            first += f" = {f.get('name')}[{', '.join(str(c) for c in f['first_bad_coords'])}]"
-        return [first, f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}"]
+        return [_first_bad_line(f, str(f.get("name"))), f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}"]
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("role") in ("parameter", "buffer"):

@@ -191,24 +191,39 @@ class watch:
     def _allowed_name(self, name: str) -> bool:
         return bool(self.allow_patterns) and _name_allowed(name, self.allow_patterns)
 
-    def _check_state(self) -> None:
+    def _state_tensors(self) -> Iterable[tuple[str, str, torch.Tensor]]:
         assert self.model is not None
         for role, items in (("parameter", self.model.named_parameters()), ("buffer", self.model.named_buffers())):
             for name, t in items:
-                if not t.is_floating_point() or t.numel() == 0:
+                if t.is_floating_point() and t.numel() > 0:
+                    yield role, name, t
+
+    def _check_state(self) -> list[torch.Tensor]:
+        """Scan the parameters and buffers not known finite at their version; the finite ones."""
+        clean = []
+        for role, name, t in self._state_tensors():
+            version = t._version
+            known = _clean_versions.get(id(t))
+            if known is not None and known[0]() is t and known[1] == version:
+                clean.append(t)
+                continue
+            counts = _native.scan(t)
+            if counts is None:
+                continue
+            if counts[3] >= 0:
+                if self._allowed_name(name):
                     continue
-                version = t._version
-                known = _clean_versions.get(id(t))
-                if known is not None and known[0]() is t and known[1] == version:
-                    continue
-                counts = _native.scan(t)
-                if counts is None:
-                    continue
-                if counts[3] >= 0:
-                    if self._allowed_name(name):
-                        continue
-                    raise _entry_error(role, name, t, counts)
-                _clean_versions[id(t)] = (weakref.ref(t), version)
+                raise _entry_error(role, name, t, counts)
+            _clean_versions[id(t)] = (weakref.ref(t), version)
+            clean.append(t)
+        return clean
+
+    def _note_clean_state(self) -> None:
+        """Parameters the block's own scans left known finite (an optimizer step wrote and scanned
+        them): the next block's entry check need not scan them again."""
+        for _, _, t in self._state_tensors():
+            if _native.known_finite(t):
+                _clean_versions[id(t)] = (weakref.ref(t), t._version)
 
     def _check_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         for path, t in _tensors_in((args, kwargs), ""):
@@ -249,12 +264,13 @@ class watch:
             return self
         names: list[str] = []
         ids: dict[int, int] = {}
+        clean: list[torch.Tensor] = []
         if self.model is not None:
             for name, module in self.model.named_modules():
                 ids[id(module)] = len(names)
                 names.append(name)
             if self.check_parameters:
-                self._check_state()
+                clean = self._check_state()
         allowed = ["1" if self._allowed_name(n) else "0" for n in names]
         tid = threading.get_ident()
         push, pop = _native.push, _native.pop
@@ -275,7 +291,7 @@ class watch:
                 self._handles.append(self.model.register_forward_pre_hook(self._check_args, with_kwargs=True))
                 self._handles.append(nn_module.register_module_forward_pre_hook(pre))
                 self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
-            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops)
+            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops, clean)
         except BaseException:
             self._remove_hooks()
             raise
@@ -291,6 +307,11 @@ class watch:
             return False
         self._active = False
         self._remove_hooks()
+        if self.model is not None and self.check_parameters:
+            try:
+                self._note_clean_state()
+            except Exception:  # only spares the next entry check a scan
+                pass
         pending = _native.end()
         if pending is not None:
             finding = _typed(pending)

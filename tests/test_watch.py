@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -549,3 +550,92 @@ def test_rank_prefix_under_distributed_env(monkeypatch):
             torch.log(-torch.rand(3) - 1.0)
     assert str(info.value).startswith("[rank 1/2] watch: aten.log.default")
     assert info.value.rank == 1
+
+
+_lib = torch.library.Library("cg_watch_test", "DEF")
+_lib.define("log_all_(Tensor(a!)[] xs) -> ()")
+
+
+def _log_all_(xs):
+    # writes behind the dispatcher (a fused kernel would): no inner op to blame
+    for x in xs:
+        a = x.detach().numpy()
+        with np.errstate(invalid="ignore"):
+            a[...] = np.log(a)
+
+
+_lib.impl("log_all_", _log_all_, "CPU")
+
+
+def test_op_returning_nothing_is_judged_on_the_tensors_it_wrote():
+    # ops that return nothing (_foreach_*_, fused optimizers) write their outputs
+    # into their arguments: those are scanned (before: not scanned at all)
+    xs = [torch.rand(5) + 0.5, -(torch.rand(3) + 0.5)]
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.ops.cg_watch_test.log_all_(xs)
+    assert info.value.op == "cg_watch_test.log_all_.default"
+    assert info.value.nan_count == 3
+    ys = [torch.rand(4) + 0.5]
+    with cg.watch(None, mode="sync"):
+        torch.ops.cg_watch_test.log_all_(ys)  # clean: nothing raised
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch._foreach_log_([torch.rand(2) + 0.5, -(torch.rand(3) + 0.5)])
+    # CPU: the foreach op loops over log_ (the producer); CUDA: one fused kernel
+    assert info.value.op in ("aten.log_.default", "aten._foreach_log_.default")
+
+
+def test_foreach_inplace_propagator_is_not_blamed():
+    xs = [torch.tensor([1.0, float("nan")]), torch.rand(3)]
+    with cg.watch(None, mode="sync"):
+        torch._foreach_mul_(xs, 2.0)  # the NaN was there before the op
+
+
+def test_known_values_spare_rescans_but_see_every_write():
+    x = torch.rand(1000) + 0.5
+    with cg.watch(None, mode="sync") as w:
+        y = x * 2.0        # scanned: y known finite
+        y.mul_(3.0)        # y's values before the op are known: no pre-scan
+        _, scanned, saved = w.stats()
+        assert saved >= 1
+        y.sub_(10.0)       # finite -> finite, negative now
+        with pytest.raises(cg.NonFiniteOutputError) as info:
+            y.log_()       # the known "finite" of y is replaced by every write
+    assert info.value.op == "aten.log_.default"
+    z = torch.rand(10) + 0.5
+    with cg.watch(None, mode="sync"):
+        z2 = z * 1.0
+        z2.data.fill_(float("nan"))  # another version counter, same storage: forgotten
+        z2.mul_(2.0)                 # NaN before the op: a propagator, not blamed
+
+
+def test_optimizer_step_inplace_chain_spares_scans():
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(batch()).backward()
+    with cg.watch(model, mode="async") as w:
+        opt.step()
+        ops, scanned, saved = w.stats()
+    assert saved > 0 and scanned > 0
+    # the step's own scans leave the parameters known finite: the next block's
+    # entry check does not scan them again
+    for p in model.parameters():
+        entry = watch_module._clean_versions.get(id(p))
+        assert entry is not None and entry[0]() is p and entry[1] == p._version
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_overflow_is_named(foreach):
+    # a huge but finite gradient: grad * grad overflows in Adam's second moment
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    model(batch()).backward()
+    with torch.no_grad():
+        model.head.weight.grad.fill_(1e30)
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            opt.step()
+    # CPU's foreach ops loop over the per-tensor op; CUDA's are one fused kernel
+    assert info.value.op in ("aten.addcmul_.default", "aten._foreach_addcmul_.Scalar")
+    assert info.value.posinf_count > 0

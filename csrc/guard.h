@@ -4,11 +4,13 @@
 // here: the scan result layout, the error report that carries structured fields
 // to Python, the argument checks (the single source of truth for every rule),
 // the column-major GEMM description handed to cuBLAS (or to torch's CPU BLAS),
-// and the test-only hooks. This header includes only ATen, never
-// <torch/extension.h>: nvcc compiles it too.
+// and the test-only hooks. This header includes only ATen's Tensor class: not
+// <ATen/ATen.h> (all of ATen/Functions.h, the biggest part of a compile) and never
+// <torch/extension.h>: every translation unit and nvcc compile it. A file that calls
+// an at:: function includes its per-op header (<ATen/ops/empty.h>).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "async_record.h"
 

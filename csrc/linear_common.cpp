@@ -3,6 +3,7 @@
 // CUDA kernels differ only in their LinearBackend.
 #include "guard.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>

@@ -3,6 +3,7 @@
 // the argument plan, the limits and every failure report are exercised on CPU.
 #include "guard.h"
 
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <mutex>

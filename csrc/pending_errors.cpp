@@ -2,7 +2,7 @@
 // model of the CUDA runtime's last-error rules (any build, no GPU needed).
 #include "pending_errors.h"
 
-#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <string>

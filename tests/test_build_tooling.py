@@ -98,6 +98,28 @@ def test_rewrite_adds_descriptions_and_the_pch_edge(tmp_path: Path) -> None:
     assert (build / "build.ninja").read_text() == text
 
 
+def test_files_that_do_not_need_the_pch_do_not_wait_for_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(_build, "NO_PCH_SOURCES", frozenset({"a.cpp"}))
+    monkeypatch.setattr(_build, "SLOW_SOURCES", {"a.cpp": 50.0})
+    build = write_project(tmp_path, "c++")
+    _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
+    lines = (build / "build.ninja").read_text().splitlines()
+    gch = build / (_build.PCH_HEADER + ".gch")
+    a_edge = lines.index(f"build a.o: compile {tmp_path / 'src' / 'a.cpp'}")  # no "| gch"
+    assert lines[a_edge + 1] == "  pch_flags ="  # its own, empty value: no -include
+    b_edge = lines.index(f"build b.o: compile {tmp_path / 'src' / 'b.cpp'} | {gch}")
+    # ninja starts ready edges in file order: the PCH, then (once it is built) the files
+    # that wait for it, then the others, even a slower one: they fill the second core.
+    assert lines.index(f"build {gch}: pch {build / _build.PCH_HEADER}") < b_edge < a_edge
+    # The real list names real sources, and none of those that need the op registry or all
+    # of ATen (they are what the PCH is for).
+    monkeypatch.undo()
+    assert _build.NO_PCH_SOURCES and _build.NO_PCH_SOURCES <= set(_build.CPU_SOURCES)
+    for name in _build.NO_PCH_SOURCES if _build.CSRC_DIR.is_dir() else ():  # (an installed build has no csrc/)
+        text = (_build.CSRC_DIR / name).read_text()
+        assert "torch/library.h" not in text and "ATen/ATen.h" not in text, name
+
+
 def test_rewrite_without_pch_only_describes(tmp_path: Path) -> None:
     build = write_project(tmp_path, "c++")
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=False)
@@ -107,7 +129,7 @@ def test_rewrite_without_pch_only_describes(tmp_path: Path) -> None:
 
 
 def test_rewrite_starts_the_slowest_compile_first(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(_build, "SLOW_SOURCES", {"b.cpp": 3.0})
+    monkeypatch.setattr(_build, "SLOW_SOURCES", {"b.cpp": 30.0})
     build = write_project(tmp_path, "c++")
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     edges = [line for line in (build / "build.ninja").read_text().splitlines() if ": compile " in line]
@@ -170,11 +192,15 @@ def test_the_precompiled_header_is_used(tmp_path: Path, monkeypatch) -> None:
     build = write_project(tmp_path, "c++", cflags="-O2 -fPIC", post="-std=c++17 -H -Werror",
                           ldflags="-shared",
                           a_body="int a() { std::vector<std::string> v{\"x\"}; return (int)v.size(); }\n")
+    monkeypatch.setattr(_build, "NO_PCH_SOURCES", frozenset({"b.cpp"}))
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     stream = io.StringIO()
     _build.run_ninja(str(build), "Error", stream=stream, verbose=True)
     text = stream.getvalue()
     assert f"! {build / _build.PCH_HEADER}.gch" in text, text
+    a_cmd = next(c for c in text.splitlines() if "/a.cpp -o" in c)
+    b_cmd = next(c for c in text.splitlines() if "/b.cpp -o" in c)
+    assert f"-include {build / _build.PCH_HEADER}" in a_cmd and "-include" not in b_cmd, text
     # verbose: ninja's own lines (the full commands, with n of N) pass through
     assert "[1/4] c++ -MMD" in text and "-x c++-header" in text
     assert (build / "lib.so").exists()

@@ -14,6 +14,7 @@
 #include "cuda_backend.h"
 #include "../pending_errors.h"
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>

@@ -270,10 +270,17 @@ def jit_name(build: BuildPlan, prefix: str | None = None) -> str:
 # ---------------------------------------------------------------------------
 # Build speed (a precompiled header) and progress, for setup.py and the JIT alike
 # ---------------------------------------------------------------------------
-# Every translation unit includes guard.h (ATen) first; the op registry comes next.
-# Parsing these takes most of a TU's compile time at -O2, so it is done once.
+# Most translation units register ops (torch/library.h, the dispatcher) and three need all
+# of ATen's functions (autocast_mode.h, torch/csrc/autograd/function.h): parsing these takes
+# most of those files' compile time at -O2, so it is done once, into a GCC precompiled header.
 PCH_HEADER = "cublas_guard_pch.h"
 PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
+# Files that do not wait for the PCH: they include only guard.h (ATen's Tensor class) or
+# torch's Python headers, and gain little from it (loading the 430 MB PCH alone takes about
+# 4 CPU-s, as much as parsing <ATen/core/Tensor.h>; the four: 36 CPU-s without it, 30 with
+# it), so they compile on the second core while the first builds the PCH: the 2-core
+# critical path is 88 CPU-s instead of 104 (benchmarks/NOTES.md, "Build time").
+NO_PCH_SOURCES = frozenset({"checks.cpp", "errors.cpp", "scan_cpu.cpp", "python_errors.cpp"})
 PROGRESS_PREFIX = "cublas_guard_ext build:"
 HEARTBEAT_S = 15.0
 
@@ -290,15 +297,21 @@ _VERBS = {"CXX": "compiled", "NVCC": "compiled (nvcc)", "SYCL": "compiled (sycl)
           "DLINK": "device-linked", "LINK": "linked", "PCH": "precompiled header"}
 
 
-# Relative compile cost of the heavier sources (CPU seconds measured with the PCH: autograd.cpp
-# parses torch/autograd.h on top of it, python_errors.cpp pybind11); the rest count 1. Only
-# the start order depends on it.
-SLOW_SOURCES = {".cu": 10.0, "watch.cpp": 4.0, "autograd.cpp": 3.5, "python_errors.cpp": 2.5}
+# Compile cost of the heavier sources, in CPU seconds (measured 2026-11-30, with the PCH
+# where it is used: watch.cpp, autograd.cpp and bindings.cpp parse torch/csrc/autograd on top
+# of it, python_errors.cpp pybind11; an nvcc compile for two archs); the rest count 7. Only the
+# start order depends on it.
+SLOW_SOURCES = {".cu": 100.0, "watch.cpp": 26.0, "autograd.cpp": 25.0, "python_errors.cpp": 19.0,
+                "bindings.cpp": 19.0, "linear_common.cpp": 10.0, "checks.cpp": 9.0}
+
+
+def _source_name(source: str) -> str:
+    return os.path.basename(source.replace("$ ", " "))
 
 
 def _compile_weight(source: str) -> float:
-    name = os.path.basename(source.replace("$ ", " "))
-    return SLOW_SOURCES.get(name, SLOW_SOURCES.get(os.path.splitext(name)[1], 1.0))
+    name = _source_name(source)
+    return SLOW_SOURCES.get(name, SLOW_SOURCES.get(os.path.splitext(name)[1], 7.0))
 
 
 def pch_enabled() -> bool:
@@ -319,7 +332,8 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
 
     The PCH is built by its own edge with the compile rule's exact flags (GCC
     rejects a PCH built with other flags) and force-included (``-include``) in
-    every C++ compile; with ``-Winvalid-pch`` a rejected PCH is a warning and
+    every C++ compile but those of NO_PCH_SOURCES, which start at once instead
+    of waiting for it; with ``-Winvalid-pch`` a rejected PCH is a warning and
     the header is parsed as usual. A file this does not recognise is left as is.
     """
     text = Path(path).read_text()
@@ -362,19 +376,36 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
             described = True
         elif rule == "compile" and pch and line.startswith("  command = "):
             line += " $pch_flags"
-        elif pch and re.match(r"build \S.*: compile ", line) and "|" not in line:
-            line += f" | {gch}"
         out.append(line)
     if rule is not None:
         close_rule()
-    # Longest first: after the PCH every compile is ready at once and ninja starts them in
-    # file order; the slowest one started last would run alone at the end.
+
+    def source(line: str) -> str:
+        return line.split(": ", 1)[1].split()[1]
+
+    def uses_pch(line: str) -> bool:
+        return pch and line.split(": ", 1)[1].startswith("compile ") and \
+            _source_name(source(line)) not in NO_PCH_SOURCES
+
+    # ninja starts ready edges in file order. The PCH edge comes first (above the rules);
+    # then the files that wait for it, longest first (once it is built they are all ready,
+    # and the slowest one started last would run alone at the end); then those that do
+    # not wait for it, longest first, which fill the second core meanwhile.
     edges = [i for i, line in enumerate(out) if re.match(r"build \S.*: (?:compile|cuda_compile) ", line)]
     if edges and edges == list(range(edges[0], edges[0] + len(edges))):
         out[edges[0]:edges[-1] + 1] = sorted(
             (out[i] for i in edges),
-            key=lambda line: -_compile_weight(line.split(": ", 1)[1].split()[1]),
+            key=lambda line: (not uses_pch(line), -_compile_weight(source(line))),
         )
+    if pch:
+        for i in reversed(edges):
+            line = out[i]
+            if "|" in line or not line.split(": ", 1)[1].startswith("compile "):
+                continue
+            if uses_pch(line):
+                out[i] = f"{line} | {gch}"
+            else:
+                out.insert(i + 1, "  pch_flags =")  # this edge's own (empty) value
     if pch:
         content = "".join(f"#include <{h}>\n" for h in PCH_INCLUDES)
         if not os.path.exists(header) or Path(header).read_text() != content:
@@ -441,7 +472,7 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
         if not announced:
             announced = True
             say(f"{title or 'building'}: {steps} compile steps in {build_directory}, ninja -j{jobs} "
-                "(a cold CPU build takes about 100 s on 2 idle cores)")
+                "(a cold CPU build takes about 80 s on 2 idle cores)")
 
     while True:
         try:

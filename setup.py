@@ -34,6 +34,7 @@ extension = Extension(
     extra_compile_args={"cxx": plan.cxx_flags, "nvcc": plan.nvcc_flags},
     extra_link_args=plan.ldflags,
     libraries=plan.libraries,  # CppExtension appends torch's libraries after these
+    library_dirs=plan.library_dirs,
 )
 
 
@@ -41,7 +42,7 @@ class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
     """torch's BuildExtension, linking against the one shared libstdc++ torch uses.
 
     LDFLAGS or a Python's sysconfig may carry -static-libstdc++/-static-libgcc: the
-    extension would then hold a private C++ runtime next to torch's (see build.LINK_FIRST).
+    extension would then hold a private C++ runtime next to torch's (see build.shared_cxx_runtime).
     """
 
     def build_extensions(self) -> None:

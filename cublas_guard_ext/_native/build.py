@@ -55,8 +55,9 @@ class BuildPlan:
     nvcc_flags: list[str]
     ldflags: list[str]
     include_dirs: list[str] = field(default_factory=list)
-    # Linked before torch's own libraries (see LINK_FIRST).
+    # Linked before torch's own libraries, from library_dirs (see shared_cxx_runtime).
     libraries: list[str] = field(default_factory=list)
+    library_dirs: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -148,14 +149,39 @@ def default_arch_list() -> str:
     return ";".join(archs)
 
 
-# libstdc++ first among the libraries, so that the linker resolves the extension's C++
-# runtime references against it (versioned GLIBCXX_* references, libstdc++.so.6 NEEDED)
-# rather than against whatever an earlier library on the command line exports. Seen on the
-# GPU machine (Ubuntu 24.04, g++ 13.3, torch 2.11.0+cu130, 2026-11-30): the extension was
-# built without libstdc++.so.6 among its NEEDED libraries, and the first std::ostringstream
-# in it that formatted an integer crashed inside libstdc++ (SIGSEGV in every error message
-# with a number in it, CPU tensors included), while torch's own messages formatted fine.
-LINK_FIRST = ("stdc++",)
+# The C++ runtime must be the one torch runs with, linked as a shared library. Seen on the
+# GPU machine (2026-11-30): its compiler (/opt/gcc/bin/g++, from CXX) links libstdc++
+# statically, even for an explicit -lstdc++, so the extension carried a private copy of the
+# C++ runtime next to the system libstdc++.so.6 torch uses, and the first std::ostringstream
+# in it that formatted an integer crashed (SIGSEGV in every error message with a number in
+# it; the failure pytorch/pytorch#109923 describes). Linking the very file torch has loaded,
+# by file name (-l:libstdc++.so.6.0.N from its directory), makes it NEEDED and resolves every C++
+# runtime reference against it, whatever the compiler's default.
+SHARED_CXX_RUNTIME = "libstdc++.so.6"
+
+
+def shared_cxx_runtime() -> tuple[list[str], list[str]]:
+    """(libraries, library_dirs) that link the libstdc++.so.6 this process has loaded.
+
+    torch (imported here) has loaded it; /proc/self/maps says from where. Without that
+    file (not Linux, or no libstdc++ loaded) it falls back to the compiler's -lstdc++.
+    """
+    import torch  # noqa: F401  (libc10 brings libstdc++ in)
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                # The mapped file is the real one (libstdc++.so.6.0.33); its SONAME,
+                # libstdc++.so.6, is what the extension will record as NEEDED.
+                name = os.path.basename(path)
+                if name.startswith(SHARED_CXX_RUNTIME) and os.path.isfile(path):
+                    return [":" + name], [os.path.dirname(path)]
+    except OSError:
+        pass
+    return ["stdc++"], []
+
+
 # Flags that would link a second, private copy of the C++ runtime into the extension; a
 # process that already holds torch's libstdc++.so.6 must have exactly one.
 STATIC_RUNTIME_FLAGS = ("-static-libstdc++", "-static-libgcc")
@@ -200,6 +226,7 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             env["TORCH_CUDA_ARCH_LIST"] = default_arch_list()
         cxx.append("-DCUBLAS_GUARD_WITH_CUDA")
+    cxx_runtime_libraries, cxx_runtime_dirs = shared_cxx_runtime()
     return BuildPlan(
         with_cuda=with_cuda,
         reason=reason,
@@ -208,7 +235,8 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         nvcc_flags=nvcc,
         ldflags=["-fopenmp"],
         include_dirs=include_dirs,
-        libraries=list(LINK_FIRST),
+        libraries=cxx_runtime_libraries,
+        library_dirs=cxx_runtime_dirs,
         env=env,
     )
 
@@ -252,6 +280,7 @@ def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, obje
         "nvcc_flags": build.nvcc_flags if build.with_cuda else [],
         "ldflags": build.ldflags,
         "libraries": build.libraries,
+        "library_dirs": build.library_dirs,
         "include_dirs": build.include_dirs,
         "pch": pch_enabled(),
     }

@@ -142,7 +142,8 @@ def _jit_build() -> NativeInfo:
                 extra_cflags=plan.cxx_flags,
                 extra_cuda_cflags=plan.nvcc_flags,
                 # -l<library> before torch's own -l flags, which cpp_extension appends.
-                extra_ldflags=[f"-l{lib}" for lib in plan.libraries] + plan.ldflags,
+                extra_ldflags=[f"-L{d}" for d in plan.library_dirs]
+                + [f"-l{lib}" for lib in plan.libraries] + plan.ldflags,
                 extra_include_paths=plan.include_dirs,
                 build_directory=build_directory,
                 with_cuda=plan.with_cuda,

@@ -600,6 +600,13 @@ def method_text(device: torch.device, rounds: int) -> str:
     return METHOD.format(rounds=rounds, timer=timer, extra=extra)
 
 
+def fixed_parts(fixed: list[dict] | None, device: torch.device, heading: str) -> list[str]:
+    """The fixed-cost table with its heading and note (nothing when there are no such rows)."""
+    if not fixed:
+        return []
+    return [f"{heading} Fixed cost per call", FIXED_NOTE, fixed_table(fixed, device)]
+
+
 def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_s: float, device: torch.device,
                      rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], plot_name: str,
                      fixed: list[dict] | None = None) -> str:
@@ -624,11 +631,7 @@ def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_
             "## bfloat16, float16, float64",
             dtype_table(scan, linear, device),
         ]
-    parts += [
-        "## Fixed cost per call" if fixed else "",
-        FIXED_NOTE if fixed else "",
-        fixed_table(fixed or [], device),
-    ]
+    parts += fixed_parts(fixed, device, "##")
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
@@ -658,11 +661,7 @@ def results_section(preset_name: str, env: dict, command: str, note: str, wall_s
             "### bfloat16, float16, float64 (forward, TF32 off)",
             dtype_table(scan, linear, device),
         ]
-    parts += [
-        "### Fixed cost per call" if fixed else "",
-        FIXED_NOTE if fixed else "",
-        fixed_table(fixed or [], device),
-    ]
+    parts += fixed_parts(fixed, device, "###")
     return "\n\n".join(p for p in parts if p)
 
 

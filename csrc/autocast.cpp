@@ -12,25 +12,14 @@
 // autocast's weight cache, and redispatch. float64 tensors are not eligible
 // and stay float64, as for nn.Linear.
 #include "guard.h"
+#include "op_handles.h"
 
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 namespace cublas_guard {
 namespace {
-
-at::Tensor redispatch_linear(const at::Tensor& x, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                             int64_t mode, bool scan_grad) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("cublas_guard::linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, c10::string_view,
-                                         int64_t, bool)>();
-  return op.call(x, weight, bias, layer, mode, scan_grad);
-}
 
 template <c10::DeviceType device_type>
 at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
@@ -39,7 +28,7 @@ at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return redispatch_linear(at::autocast::cached_cast(dtype, x, device_type),
+  return linear_handle().call(at::autocast::cached_cast(dtype, x, device_type),
                            at::autocast::cached_cast(dtype, weight, device_type),
                            at::autocast::cached_cast(dtype, bias, device_type), layer, mode,
                            scan_grad);

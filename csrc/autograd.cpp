@@ -10,8 +10,8 @@
 //   gi = g W           dgi -> dg = dgi W^T = linear(dgi, W^T) via grad_weight's dual
 //   gw = g^T x         dgw -> dg = x dgw^T,  dx = g dgw
 #include "guard.h"
+#include "op_handles.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -24,38 +24,21 @@ using torch::autograd::variable_list;
 at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias, c10::string_view layer,
                        int64_t mode, bool scan_grad) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("cublas_guard::linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, c10::string_view,
-                                         int64_t, bool)>();
-  return op.call(x, weight, bias, layer, mode, scan_grad);
+  return linear_handle().call(x, weight, bias, layer, mode, scan_grad);
 }
 
 void call_guard_values(const at::Tensor& t, c10::string_view layer, int64_t role, int64_t mode) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("cublas_guard::guard_values", "")
-          .typed<void(const at::Tensor&, c10::string_view, int64_t, int64_t)>();
-  op.call(t, layer, role, mode);
+  guard_values_handle().call(t, layer, role, mode);
 }
 
 at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weight,
                            c10::string_view layer) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("cublas_guard::linear_grad_input", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>();
-  return op.call(grad_output, weight, layer);
+  return grad_input_handle().call(grad_output, weight, layer);
 }
 
 at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x,
                             c10::string_view layer) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("cublas_guard::linear_grad_weight", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>();
-  return op.call(grad_output, x, layer);
+  return grad_weight_handle().call(grad_output, x, layer);
 }
 
 // `t` when a gradient will read it, else an undefined tensor (nothing saved).

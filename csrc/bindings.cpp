@@ -4,18 +4,18 @@
 #include <Python.h>
 
 #include "guard.h"
+#include "op_handles.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/TracerMode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
 #include <atomic>
-#include <cctype>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace cublas_guard {
@@ -148,40 +148,17 @@ namespace {
 
 std::atomic<uint64_t> cuda_devices_checked{0};  // bit i: cuda:i had its first-use diagnostics
 
-// The CUBLAS_GUARD_MODE default as a mode code, cached on the raw value (the
-// variable may change at run time: os.environ writes go through putenv).
-// -1: not a mode this parser knows (the Python path then decides or raises).
-// Called with the GIL held, which serializes the cache.
+// The CUBLAS_GUARD_MODE default as a mode code, read at every call (the
+// variable may change at run time: os.environ writes go through putenv), for
+// the two spellings that need no rule: unset, or exactly a mode's name. -1
+// for anything else: cublas_guard_ext.modes owns the rule (normalizing case
+// and blanks, refusing the rest) and the Python path applies it.
 int64_t env_mode_code() {
-  static std::string cached_raw;
-  static bool cached_set = false;
-  static int64_t cached_code = -1;
   const char* raw = std::getenv("CUBLAS_GUARD_MODE");
-  if (raw == nullptr) return static_cast<int64_t>(GuardMode::kSync);
-  if (cached_set && cached_raw == raw) return cached_code;
-  std::string value(raw);
-  const auto first = value.find_first_not_of(" \t\n\r\f\v");
-  const auto last = value.find_last_not_of(" \t\n\r\f\v");
-  value = first == std::string::npos ? std::string() : value.substr(first, last - first + 1);
-  int64_t code = -1;
-  bool ascii = true;
-  for (char& c : value) {
-    if (static_cast<unsigned char>(c) >= 0x80) ascii = false;
-    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
-  if (!ascii) {
-    code = -1;
-  } else if (value.empty() || value == "sync") {
-    code = static_cast<int64_t>(GuardMode::kSync);
-  } else if (value == "off") {
-    code = static_cast<int64_t>(GuardMode::kOff);
-  } else if (value == "async") {
-    code = static_cast<int64_t>(GuardMode::kAsync);
-  }
-  cached_raw = raw;
-  cached_set = true;
-  cached_code = code;
-  return code;
+  if (raw == nullptr || std::strcmp(raw, "sync") == 0) return static_cast<int64_t>(GuardMode::kSync);
+  if (std::strcmp(raw, "async") == 0) return static_cast<int64_t>(GuardMode::kAsync);
+  if (std::strcmp(raw, "off") == 0) return static_cast<int64_t>(GuardMode::kOff);
+  return -1;
 }
 
 bool plain_tensor(PyObject* obj) { return THPVariable_CheckExact(obj); }
@@ -232,11 +209,7 @@ PyObject* fast_linear(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   c10::optional<at::Tensor> bias;
   if (pb != Py_None) bias = THPVariable_Unpack(pb);
   const bool scan_grad = args[5] == Py_True;
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("cublas_guard::linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, c10::string_view,
-                                         int64_t, bool)>();
+  const auto& op = linear_handle();
   at::Tensor out;
   {
     // As torch.ops does: other Python threads run while the op does.

@@ -21,14 +21,8 @@ __all__ = ["SafeLinear", "replace_linear", "name_layers"]
 
 
 _UNNAMED_NUMBERS = itertools.count(1)
-# The fast eager entry and what deciding to take it reads (see cublas_guard_ext.ops).
-_fast_linear = _ops_module._fast_linear
-_is_compiling = _ops_module._is_compiling
-_functorch_active = _ops_module._functorch_active
-_forward_ad = _ops_module._forward_ad
-_blocks = _ops_module._blocks
-_MODE_CODES = _ops_module._MODE_CODES
-_ENV_DEFAULT = _ops_module._ENV_DEFAULT
+# The fast eager entry (see cublas_guard_ext.ops.fast_linear).
+_fast_linear = _ops_module.fast_linear
 
 
 def _reset_calls(name: str) -> None:
@@ -113,22 +107,13 @@ class SafeLinear(nn.Linear):
 
     @torch.jit.unused
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-        # The fast entry (see cublas_guard_ext.ops): the same op, the same checks;
-        # None sends the call down ops.linear, which decides exactly as before.
-        # (ops.fast_path_usable and ops._fast_code, inlined: this runs on every call.)
-        if (_fast_linear is not None and not _is_compiling() and not _functorch_active()
-                and _forward_ad._current_level < 0 and self.dtype_policy == "strict"):
-            mode = self.mode
-            if mode is None:
-                blocks = _blocks.get()
-                code = _MODE_CODES[blocks[-1][1]] if blocks else _ENV_DEFAULT
-            else:
-                code = _MODE_CODES.get(mode) if type(mode) is str else None
-            if code is not None:
-                out = _fast_linear(input, self.weight, self.bias, self.guard_label, code,
-                                   self.scan_grad)
-                if out is not None:
-                    return out
+        # The fast entry (see cublas_guard_ext.ops.fast_linear): the same op, the
+        # same checks; None sends the call down ops.linear, which decides as before.
+        if self.dtype_policy == "strict":
+            out = _fast_linear(input, self.weight, self.bias, self.guard_label, self.mode,
+                               self.scan_grad)
+            if out is not None:
+                return out
         return _guarded_linear(
             input, self.weight, self.bias, layer=self.guard_label, mode=self.mode,
             scan_grad=self.scan_grad, dtype_policy=self.dtype_policy,

@@ -33,30 +33,34 @@ _native_module = sys.modules.get(__package__ + "._C") if _info.kind == "prebuilt
 _fast_linear = getattr(_native_module, "_fast_linear", None)
 _cuda_first_use_done = getattr(_native_module, "_cuda_first_use_done", None)
 _is_compiling = torch.compiler.is_compiling
-_functorch_active = torch._C._are_functorch_transforms_active
-_forward_ad = _transforms._forward_ad
+_transforms_active = _transforms.active
 _blocks = modes._blocks
 _MODE_CODES = modes.MODE_CODES
 # The fast entry's code for "the default mode": it reads CUBLAS_GUARD_MODE itself.
 _ENV_DEFAULT = -1
 
 
-def _fast_code(mode: str | None) -> int | None:
-    """The mode code for the fast entry (-1: the environment default), None: take torch.ops."""
+def fast_linear(
+    x: Any, weight: Any, bias: Any, layer: str, mode: str | None, scan_grad: bool
+) -> torch.Tensor | None:
+    """The guarded linear through the fast entry, or None: then the torch.ops path decides.
+
+    Taken only outside torch.compile (Dynamo must see the torch.ops call),
+    torch.func transforms and forward-mode AD (they need the Python autograd
+    formulas in cublas_guard_ext._transforms), for a mode given by name or the
+    default; the native side refuses the rest (see above). The one place that
+    decides; SafeLinear's forward calls it too.
+    """
+    if _fast_linear is None or _is_compiling() or _transforms_active():
+        return None
     if mode is None:
         blocks = _blocks.get()
-        return _MODE_CODES[blocks[-1][1]] if blocks else _ENV_DEFAULT
-    return _MODE_CODES.get(mode) if type(mode) is str else None
-
-
-def fast_path_usable() -> bool:
-    """Whether an eager call may take the fast entry now (outside torch.compile and torch.func)."""
-    return (
-        _fast_linear is not None
-        and not _is_compiling()
-        and not _functorch_active()
-        and _forward_ad._current_level < 0
-    )
+        code = _MODE_CODES[blocks[-1][1]] if blocks else _ENV_DEFAULT
+    elif type(mode) is str and mode in _MODE_CODES:
+        code = _MODE_CODES[mode]
+    else:
+        return None
+    return _fast_linear(x, weight, bias, layer, code, scan_grad)
 
 # The guards that return nothing (check_features, guard_values: the backward
 # scan of scan_grad, async_check) would be dead code to torch.compile's graphs
@@ -177,12 +181,10 @@ def linear(
     under the same mode (reported with role ``grad_output``).
     ``dtype_policy``: see :data:`DTYPE_POLICIES` ("cast" is deprecated).
     """
-    if dtype_policy == "strict" and fast_path_usable():
-        code = _fast_code(mode)
-        if code is not None:
-            out = _fast_linear(x, weight, bias, layer, code, scan_grad)
-            if out is not None:
-                return out
+    if dtype_policy == "strict":
+        out = fast_linear(x, weight, bias, layer, mode, scan_grad)
+        if out is not None:
+            return out
     _require_tensor(x, "x")
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
     if x.layout != torch.strided:

@@ -274,7 +274,20 @@ def test_split_and_64bit_per_dtype(device: str, dtype, size_limit, inject_fault)
     got.sum().backward()
     assert_matches(got, want, rel=PARITY[dtype])
     assert_matches(x.grad, want_grads[0], rel=PARITY[dtype])
-    assert_matches(safe.weight.grad, want_grads[1], rel=PARITY[dtype])
+    # grad_weight's reduction runs over the batch (k = 23): split, its pieces accumulate
+    # with beta = 1 in the output dtype, one rounding per piece. In float32/64 that stays
+    # within nn.Linear's tolerance; in bf16/fp16 nn.Linear's single rounding is no
+    # reference (they differ by up to ~2.5% of the max): there the bound for a sum
+    # rounded after each of at most k terms holds, against the exact (float64) product:
+    # |error| <= k * eps * (|g|^T |x|), elementwise. (The split itself is dtype-blind:
+    # the float32 case checks it tightly.)
+    if dtype in (torch.float32, torch.float64):
+        assert_matches(safe.weight.grad, want_grads[1], rel=PARITY[dtype])
+    else:
+        g = torch.ones_like(got).double()
+        exact = g.t() @ x.detach().double()
+        bound = x.shape[0] * torch.finfo(dtype).eps * (g.t() @ x.detach().double().abs())
+        assert (safe.weight.grad.double() - exact).abs().le(bound).all()
     wide = cg.SafeLinear(6, 9, device=device, dtype=dtype, name="wide")  # m = 9 > 7: 64-bit API
     inject_fault("gemm", 13)
     with pytest.raises(cg.CublasError) as info:

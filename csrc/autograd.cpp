@@ -44,6 +44,14 @@ at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x,
 // `t` when a gradient will read it, else an undefined tensor (nothing saved).
 at::Tensor saved_if(bool needed, const at::Tensor& t) { return needed ? t : at::Tensor(); }
 
+// Whether some dim of more than one element repeats its elements (stride 0).
+bool broadcast_in_memory(const at::Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == 0 && t.size(d) > 1) return true;
+  }
+  return false;
+}
+
 // grad_output summed over every dim but the last: the bias gradient.
 at::Tensor bias_grad(const at::Tensor& grad_output) {
   std::vector<int64_t> batch_dims(grad_output.dim() - 1);
@@ -74,7 +82,13 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
     const std::string layer = ctx->saved_data["layer"].toStringRef();
-    const at::Tensor& grad = grads[0];
+    // A gradient broadcast from a reduction (loss = out.sum() or .mean()) arrives
+    // expanded, with zero strides: each GEMM would copy it into a layout cuBLAS
+    // takes (as_column_major); copy it once for both.
+    const at::Tensor grad = broadcast_in_memory(grads[0]) && ctx->needs_input_grad(0) &&
+                                    ctx->needs_input_grad(1)
+                                ? grads[0].contiguous()
+                                : grads[0];
     // The gradient arriving at this layer, scanned under the layer's mode when asked.
     const int64_t grad_mode = ctx->saved_data["grad_mode"].toInt();
     if (grad_mode != static_cast<int64_t>(GuardMode::kOff)) {

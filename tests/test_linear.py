@@ -106,6 +106,21 @@ def test_sizes(device: str, m: int, k: int, n: int) -> None:
     check_against_reference(ref, safe, torch.randn(m, k, device=device))
 
 
+@pytest.mark.parametrize("shape", [(1, 13), (5, 13), (2, 3, 13)])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_gradients_of_a_reduced_loss(device: str, shape: tuple[int, ...], reduce: str) -> None:
+    """loss = out.sum() / out.mean(): the gradient arrives broadcast (zero strides), and
+    both gradient GEMMs read it (copied once for the two); the gradients are nn.Linear's."""
+    ref, safe = pair(13, 7, True, device)
+    x = torch.randn(shape, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    getattr(safe(x), reduce)().backward()
+    getattr(ref(x_ref), reduce)().backward()
+    assert_matches(x.grad, x_ref.grad)
+    assert_matches(safe.weight.grad, ref.weight.grad)
+    assert_matches(safe.bias.grad, ref.bias.grad)
+
+
 def test_only_some_inputs_need_grad(device: str) -> None:
     ref, safe = pair(13, 7, True, device)
     safe.weight.requires_grad_(False)

@@ -501,7 +501,7 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
         if not announced:
             announced = True
             say(f"{title or 'building'}: {steps} compile steps in {build_directory}, ninja -j{jobs} "
-                "(a cold CPU build takes about 80 s on 2 idle cores)")
+                "(a cold CPU build takes 35-85 s on 2 idle cores, by the machine)")
 
     while True:
         try:

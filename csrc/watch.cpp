@@ -576,6 +576,24 @@ bool real_value(const c10::IValue& v, double& out) {
   return std::isfinite(out);
 }
 
+// The value of a one-element CPU tensor (the wrapped numbers that kernels cast
+// to the op's dtype: x * 0.5 on float32 copies a float64 0.5 to float32).
+bool single_value(const at::Tensor& t, double& out) {
+  if (t.numel() != 1 || !t.device().is_cpu() || !t.has_storage() || t.layout() != at::kStrided) {
+    return false;
+  }
+  const void* p = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case at::kDouble: out = *static_cast<const double*>(p); return true;
+    case at::kFloat: out = *static_cast<const float*>(p); return true;
+    case at::kHalf: out = static_cast<float>(*static_cast<const at::Half*>(p)); return true;
+    case at::kBFloat16: out = static_cast<float>(*static_cast<const at::BFloat16*>(p)); return true;
+    case at::kLong: out = static_cast<double>(*static_cast<const int64_t*>(p)); return true;
+    case at::kInt: out = static_cast<double>(*static_cast<const int32_t*>(p)); return true;
+    default: return false;
+  }
+}
+
 bool known_finite(Session& s, const at::Tensor& t) {
   const Known* k = lookup(s, t);
   return k != nullptr && k->finite;
@@ -613,13 +631,17 @@ bool finite_by_construction(Session& s, const OpInfo& info, const std::vector<c1
       const bool inplace = is_inplace_arg(info, static_cast<int>(i));
       for_each_tensor(args[i], [&](const at::Tensor& t) {
         if (!ok || !t.defined()) return;
-        if (!widens(t.scalar_type(), dtype)) {
-          ok = false;
+        double v = 0.0;
+        if (!widens(t.scalar_type(), dtype) &&
+            !(single_value(t, v) && std::isfinite(v) && std::fabs(v) <= limit)) {
+          ok = false;  // a narrowing cast: scanned (fp32 -> fp16 overflows)
           return;
         }
         if (!t.is_floating_point()) return;  // integers and bools are finite
         if (inplace) {
           all_known = all_known && !inplace_bad_before;
+        } else if (single_value(t, v)) {
+          all_known = all_known && std::isfinite(v);
         } else {
           all_known = all_known && readable(t) && known_finite(s, t);
         }

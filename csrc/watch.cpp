@@ -163,15 +163,21 @@ class KnownTable {
     --size_;
   }
 
-  // Drops the entries of freed storages (rehashing into the same capacity).
-  void drop_expired() {
-    std::vector<Slot> old(slots_.size());
-    old.swap(slots_);
+  // Drops the entries of freed storages, and with `finite_only` those of
+  // non-finite values (rehashing into the same capacity, a reused buffer).
+  void drop_expired(bool finite_only = false) {
+    spare_.resize(slots_.size());
+    spare_.swap(slots_);
     size_ = 0;
-    for (Slot& e : old) {
-      if (e.key != nullptr && !e.value.storage.expired()) insert(e.key) = std::move(e.value);
+    for (Slot& e : spare_) {
+      if (e.key != nullptr && !e.value.storage.expired() && (e.value.finite || !finite_only)) {
+        insert(e.key) = std::move(e.value);
+      }
+      e = Slot();
     }
   }
+
+  size_t prune_at = 1024;  // remember() drops freed storages' entries when the size reaches it
 
   size_t size() const { return size_; }
 
@@ -196,8 +202,23 @@ class KnownTable {
     }
   }
   std::vector<Slot> slots_;
+  std::vector<Slot> spare_;
   size_t size_ = 0;
 };
+
+// One table per thread, kept from one watch block to the next: what the last
+// block's scans found finite stays known while the storage lives and its
+// version does not move (an optimizer's state, written at every step by the
+// last block, needs no scan before the next block's first in-place op on it).
+// Writes outside a block through the dispatcher bump the version; writes
+// behind torch's back (numpy, raw pointers, .data) are not seen, the limit the
+// entry check already has. Values found non-finite are dropped at the end of
+// a block. Sessions of backward ops on an engine thread use the table of the
+// forward thread (through its session), as they always did.
+KnownTable& thread_known() {
+  static thread_local KnownTable table;
+  return table;
+}
 
 struct Session {
   int mode = kModeSync;
@@ -214,10 +235,10 @@ struct Session {
   std::string pending_message;
   int64_t ops_seen = 0, outputs_scanned = 0, scans_saved = 0;
   at::Tensor slot;  // int64[4]: the scan's result, reused
-  // Storage -> its last scan. Weak references: a freed storage's entry can
-  // never match a new one (the StorageImpl stays allocated while referenced).
-  KnownTable known;
-  size_t known_prune_at = 1024;
+  // Storage -> its last scan (the thread's table). Weak references: a freed
+  // storage's entry can never match a new one (the StorageImpl stays
+  // allocated while referenced).
+  KnownTable& known = thread_known();
 };
 
 thread_local Session* tls_session = nullptr;
@@ -415,9 +436,9 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
     s.known.erase(key);
     return;
   }
-  if (s.known.size() >= s.known_prune_at) {  // drop the entries of freed storages
+  if (s.known.size() >= s.known.prune_at) {  // drop the entries of freed storages
     s.known.drop_expired();
-    s.known_prune_at = std::max<size_t>(1024, 2 * s.known.size());
+    s.known.prune_at = std::max<size_t>(1024, 2 * s.known.size());
   }
   Known& k = s.known.insert(key);
   k.storage = t.storage().getWeakStorageImpl();
@@ -1062,6 +1083,7 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->seq_base = at::sequence_number::peek();
   s->seq_module.reserve(4096);
   s->outer = tls_session;
+  if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);  // freed since the last block
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
   // Tensors the entry check found finite (parameters, buffers): known.
   const Py_ssize_t n_clean = PySequence_Size(clean);
@@ -1097,6 +1119,7 @@ PyObject* py_end(PyObject*, PyObject*) {
       registry().erase(s->thread_id);
     }
   }
+  if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);
   PyObject* result = s->pending ? PyUnicode_FromString(s->pending_message.c_str()) : Py_None;
   if (result == Py_None) Py_INCREF(Py_None);
   delete s;

@@ -836,3 +836,23 @@ def test_known_table_grows_and_drops_freed_storages():
         assert not any(watch_module._native.known_finite(t) for t in more[:100])
         for t in more[:100]:
             t.mul_(3.0)  # NaN before the op: a propagator, not blamed
+
+
+def test_known_values_carry_to_the_next_block_until_written():
+    x = torch.rand(100) + 0.5
+    with cg.watch(None, mode="sync", allow=["aten.log"]):
+        y = x * 3.0                      # scanned: finite
+        z = torch.log(x - 10.0)          # scanned: NaN (allowed here)
+    with cg.watch(None, mode="sync") as w:
+        y.mul_(3.0)                      # known from the last block: no pre-scan, only the output
+        _, scanned, _ = w.stats()
+    assert scanned == 1
+    y.add_(1.0)                          # a write outside any block bumps the version
+    with cg.watch(None, mode="sync") as w:
+        y.mul_(3.0)                      # pre-scan and output
+        _, scanned, _ = w.stats()
+    assert scanned == 2
+    with cg.watch(None, mode="sync") as w:
+        z.mul_(3.0)                      # non-finite findings are not carried: pre-scanned, a propagator
+        _, scanned, _ = w.stats()
+    assert scanned == 2

@@ -20,12 +20,17 @@
 // op a propagator (an -inf mask, a masked_fill with -inf, the softmax after
 // them). Arguments an op writes in place are scanned before it runs, unless
 // their values are known: a per-storage table of the last scan (range,
-// version, finite or not) answers for a top-level op, where every write that
-// went through the dispatcher either bumped the version or was seen here (an
-// optimizer's chain of in-place ops on one tensor then scans each result
-// once). A composite op (CompositeImplicitAutograd) reuses its inner ops'
-// scans for its outputs; any other op's outputs are always scanned, since its
-// kernel may have written them directly. Ops that return nothing (the
+// version, finite or not) answers for a top-level op and for ops that only
+// composite ops call, where every write that went through the dispatcher
+// either bumped the version or was seen here (an optimizer's chain of in-place
+// ops on one tensor then scans each result once). The table is the thread's
+// and keeps what was found finite from one block to the next (version
+// checked). A composite op (CompositeImplicitAutograd) reuses its inner ops'
+// scans for its outputs; any other op's outputs are scanned, since its kernel
+// may have written them directly, except where they are finite by
+// construction (Values: ops that only move values or write 0/1 or a finite
+// scalar, and x * s, x / s, x + s with a scalar that cannot overflow a known
+// finite x; narrowing casts are always scanned). Ops that return nothing (the
 // _foreach_*_ family, fused optimizers) are judged on the tensors they wrote.
 // Values written behind torch's back (numpy views, raw pointers, .data writes
 // outside the block) are not seen (the entry check has the same limit).

@@ -702,7 +702,9 @@ bool finite_by_construction(Session& s, const OpInfo& info, const std::vector<c1
   } else {
     double alpha = 1.0;
     if (args.size() > 2 && !args[2].isNone() && !real_value(args[2], alpha)) return false;
-    safe = std::fabs(alpha * v) <= add_bound(dtype);
+    // each factor in range too: the kernel casts both to the op's math type first
+    const double bound = add_bound(dtype);
+    safe = std::fabs(alpha) <= limit && std::fabs(v) <= limit && std::fabs(alpha * v) <= bound;
   }
   known = safe;
   return safe;

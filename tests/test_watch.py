@@ -800,6 +800,11 @@ def test_scaling_by_at_most_one_is_not_scanned_and_scaling_up_is():
         with cg.watch(None, mode="sync"):
             torch.full((4,), 65504.0, dtype=torch.float16) + 16.0  # 65520 rounds to inf
     assert info.value.op == "aten.add.Tensor" and info.value.dtype == "torch.float16"
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="async"):
+            x = torch.ones(4) * 1.5
+            torch.add(x, 1e40, alpha=1e-30)  # alpha * other = 1e10, but 1e40 is inf as a float
+    assert info.value.op in ("aten.copy_.default", "aten.add.Tensor") and info.value.posinf_count > 0
 
 
 def test_scaling_an_unknown_input_is_scanned():

@@ -281,13 +281,13 @@ Values value_class(const std::string& base, const std::string& overload) {
     std::unordered_map<std::string, Values> m;
     for (const char* n : {
              // copies and layout changes
-             "clone", "copy_", "_copy_from", "_copy_from_and_resize", "_to_copy", "_unsafe_view",
+             "clone", "copy_", "_to_copy", "_unsafe_view",
              "lift_fresh_copy", "contiguous", "expand_copy", "permute_copy", "transpose_copy",
              "t_copy", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy",
              "diagonal_copy", "as_strided_copy", "alias_copy", "detach_copy", "view_copy",
              "_reshape_copy", "narrow_copy", "unfold_copy", "repeat", "roll", "flip",
              // gathering and joining
-             "cat", "_cat", "stack", "index_select", "gather", "take", "embedding",
+             "cat", "stack", "index_select", "gather", "take", "embedding",
              "masked_select", "masked_scatter", "masked_scatter_",
              // scattering into zeros, zeroing parts
              "slice_backward", "select_backward", "diagonal_backward", "tril", "triu", "tril_",

@@ -84,13 +84,13 @@ constexpr int kModeSync = 1;
 constexpr int kModeAsync = 2;
 
 // Ops whose outputs are finite by construction when their inputs are (see
-// provably_finite): their outputs are not scanned.
+// finite_by_construction): their outputs are not scanned.
 enum class Values : uint8_t {
   kComputed,   // anything: scanned
   kMoves,      // every output value is an input value, a Scalar argument or 0 (clone, cat, where...)
   kZeroOne,    // every output value is 0 or 1 (bernoulli)
   kScaleDown,  // x * s with |s| <= 1, x / s with |s| >= 1 (s a Scalar or a wrapped number)
-  kAddSmall,   // x + alpha * s, x - alpha * s with |alpha * s| below half an ulp of the dtype's max
+  kAddSmall,   // x + alpha * s, x - alpha * s with |alpha * s| <= add_bound(dtype)
 };
 
 // What the fallback needs to know about an operator, computed once per operator.
@@ -543,10 +543,10 @@ double max_finite(at::ScalarType t) {
   }
 }
 
-// |c| below which x + c cannot round past the dtype's largest finite value:
-// a quarter of the gap between it and the next power of two (half an ulp is
-// where round-to-nearest overflows; fp16/bf16 arithmetic runs in float32 and
-// rounds once more, hence the margin).
+// |c| up to which x + c cannot round past the dtype's largest finite value:
+// at most a quarter of the gap between it and the next power of two (half
+// that gap is where round-to-nearest overflows; fp16/bf16 arithmetic runs in
+// float32 and rounds once more, hence the margin).
 double add_bound(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return std::ldexp(1.0, 102);

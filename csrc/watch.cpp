@@ -20,12 +20,17 @@
 // op a propagator (an -inf mask, a masked_fill with -inf, the softmax after
 // them). Arguments an op writes in place are scanned before it runs, unless
 // their values are known: a per-storage table of the last scan (range,
-// version, finite or not) answers for a top-level op, where every write that
-// went through the dispatcher either bumped the version or was seen here (an
-// optimizer's chain of in-place ops on one tensor then scans each result
-// once). A composite op (CompositeImplicitAutograd) reuses its inner ops'
-// scans for its outputs; any other op's outputs are always scanned, since its
-// kernel may have written them directly. Ops that return nothing (the
+// version, finite or not) answers for a top-level op and for ops that only
+// composite ops call, where every write that went through the dispatcher
+// either bumped the version or was seen here (an optimizer's chain of in-place
+// ops on one tensor then scans each result once). The table is the thread's
+// and keeps what was found finite from one block to the next (version
+// checked). A composite op (CompositeImplicitAutograd) reuses its inner ops'
+// scans for its outputs; any other op's outputs are scanned, since its kernel
+// may have written them directly, except where they are finite by
+// construction (Values: ops that only move values or write 0/1 or a finite
+// scalar, and x * s, x / s, x + s with a scalar that cannot overflow a known
+// finite x; narrowing casts are always scanned). Ops that return nothing (the
 // _foreach_*_ family, fused optimizers) are judged on the tensors they wrote.
 // Values written behind torch's back (numpy views, raw pointers, .data writes
 // outside the block) are not seen (the entry check has the same limit).
@@ -64,6 +69,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -77,6 +83,16 @@ constexpr c10::DispatchKey kWatchKey = c10::DispatchKey::TESTING_ONLY_GenericMod
 constexpr int kModeSync = 1;
 constexpr int kModeAsync = 2;
 
+// Ops whose outputs are finite by construction when their inputs are (see
+// finite_by_construction): their outputs are not scanned.
+enum class Values : uint8_t {
+  kComputed,   // anything: scanned
+  kMoves,      // every output value is an input value, a Scalar argument or 0 (clone, cat, where...)
+  kZeroOne,    // every output value is 0 or 1 (bernoulli)
+  kScaleDown,  // x * s with |s| <= 1, x / s with |s| >= 1 (s a Scalar or a wrapped number)
+  kAddSmall,   // x + alpha * s, x - alpha * s with |alpha * s| <= add_bound(dtype)
+};
+
 // What the fallback needs to know about an operator, computed once per operator.
 struct OpInfo {
   bool skip = false;                 // outputs are uninitialised memory (empty, resize_, set_)
@@ -86,7 +102,10 @@ struct OpInfo {
   std::vector<int> written_args;     // every argument the op writes (in place and out=)
   size_t num_args = 0;
   bool scan_written_args = false;    // returns nothing but writes arguments (_foreach_add_)
-  bool composite = false;            // decomposes into dispatched ops above autograd
+  bool composite = false;            // decomposes into dispatched ops, writes nothing itself
+  Values values = Values::kComputed;
+  bool divides = false;              // kScaleDown: div (the scalar is the divisor)
+  std::vector<int> scalar_args;      // arguments of schema type Scalar or Scalar?
 };
 
 struct Counts {
@@ -103,6 +122,109 @@ struct Known {
   bool finite = false;
 };
 
+// Storage -> Known, open addressing with linear probing in one array: no
+// allocation per entry (a node-based map allocated one per scanned output,
+// thousands per training step, long-lived and scattered over the heap; with
+// them the step took ~15,000 more page faults than without, see
+// benchmarks/NOTES.md section 7). Erase shifts the following entries back
+// (no tombstones). Allocates only when it grows, and when the session begins.
+class KnownTable {
+ public:
+  KnownTable() : slots_(kInitial) {}
+
+  Known* find(const c10::StorageImpl* key) {
+    for (size_t i = home(key);; i = (i + 1) & mask()) {
+      if (slots_[i].key == key) return &slots_[i].value;
+      if (slots_[i].key == nullptr) return nullptr;
+    }
+  }
+
+  Known& insert(const c10::StorageImpl* key) {
+    if (2 * (size_ + 1) > slots_.size()) grow();
+    size_t i = home(key);
+    for (; slots_[i].key != nullptr; i = (i + 1) & mask()) {
+      if (slots_[i].key == key) return slots_[i].value;
+    }
+    slots_[i].key = key;
+    ++size_;
+    return slots_[i].value;
+  }
+
+  void erase(const c10::StorageImpl* key) {
+    if (size_ == 0) return;
+    size_t i = home(key);
+    for (; slots_[i].key != key; i = (i + 1) & mask()) {
+      if (slots_[i].key == nullptr) return;
+    }
+    // Backward shift: move each following entry whose probe passes over i.
+    for (size_t j = (i + 1) & mask(); slots_[j].key != nullptr; j = (j + 1) & mask()) {
+      const size_t h = home(slots_[j].key);
+      const bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
+      if (stays) continue;
+      slots_[i] = std::move(slots_[j]);
+      i = j;
+    }
+    slots_[i] = Slot();
+    --size_;
+  }
+
+  // Drops the entries of freed storages, and with `finite_only` those of
+  // non-finite values (rehashing into the same capacity, a reused buffer).
+  void drop_expired(bool finite_only = false) {
+    spare_.resize(slots_.size());
+    spare_.swap(slots_);
+    size_ = 0;
+    for (Slot& e : spare_) {
+      if (e.key != nullptr && !e.value.storage.expired() && (e.value.finite || !finite_only)) {
+        insert(e.key) = std::move(e.value);
+      }
+      e = Slot();
+    }
+  }
+
+  size_t prune_at = 1024;  // remember() drops freed storages' entries when the size reaches it
+
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr size_t kInitial = 4096;  // a power of two
+  struct Slot {
+    const c10::StorageImpl* key = nullptr;
+    Known value;
+  };
+  size_t mask() const { return slots_.size() - 1; }
+  size_t home(const c10::StorageImpl* key) const {
+    // Fibonacci hashing of the address (its low bits are alignment zeros)
+    const uint64_t h = reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>(h >> 20) & mask();
+  }
+  void grow() {
+    std::vector<Slot> old(2 * slots_.size());
+    old.swap(slots_);
+    size_ = 0;
+    for (Slot& e : old) {
+      if (e.key != nullptr) insert(e.key) = std::move(e.value);
+    }
+  }
+  std::vector<Slot> slots_;
+  std::vector<Slot> spare_;
+  size_t size_ = 0;
+};
+
+// One table per thread, kept from one watch block to the next: what the last
+// block's scans found finite stays known while the storage lives and its
+// version does not move (an optimizer's state, written at every step by the
+// last block, needs no scan before the next block's first in-place op on it).
+// Writes outside a block through the dispatcher bump the version; writes
+// behind torch's back (numpy, raw pointers, .data) are not seen, the limit the
+// entry check already has. Values found non-finite are dropped at the end of
+// a block. Sessions of backward ops on an engine thread use the table of the
+// forward thread (through its session), as they always did.
+KnownTable& thread_known() {
+  static thread_local KnownTable table;
+  return table;
+}
+
 struct Session {
   int mode = kModeSync;
   uint64_t thread_id = 0;
@@ -118,14 +240,18 @@ struct Session {
   std::string pending_message;
   int64_t ops_seen = 0, outputs_scanned = 0, scans_saved = 0;
   at::Tensor slot;  // int64[4]: the scan's result, reused
-  // Storage -> its last scan. Weak references: a freed storage's entry can
-  // never match a new one (the StorageImpl stays allocated while referenced).
-  std::unordered_map<const c10::StorageImpl*, Known> known;
-  size_t known_prune_at = 1024;
+  // Storage -> its last scan (the thread's table). Weak references: a freed
+  // storage's entry can never match a new one (the StorageImpl stays
+  // allocated while referenced).
+  KnownTable& known = thread_known();
 };
 
 thread_local Session* tls_session = nullptr;
 thread_local int tls_depth = 0;
+// The depth of the outermost op running now that is not composite (its kernel
+// may write buffers directly, below the dispatcher); INT_MAX when none. The
+// table of known values is trusted only by ops with no such op around them.
+thread_local int tls_kernel_depth = std::numeric_limits<int>::max();
 // Per nesting depth; a deque, so growing it keeps the outer frames' references valid.
 thread_local std::deque<std::vector<c10::IValue>> tls_saved_args;
 thread_local std::unordered_map<const void*, OpInfo> tls_op_info;
@@ -144,6 +270,53 @@ std::unordered_map<uint64_t, Session*>& registry() {
 
 bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
+}
+
+// The explicit lists behind Values (aten ops only; tests/test_watch.py plants
+// a non-finite input through each kMoves/kZeroOne op and overflows through
+// the arithmetic ones). Whole names cover every overload; an op whose
+// overloads differ (scatter's reduce=, index_put's accumulate=) is not listed.
+Values value_class(const std::string& base, const std::string& overload) {
+  static const std::unordered_map<std::string, Values> by_name = [] {
+    std::unordered_map<std::string, Values> m;
+    for (const char* n : {
+             // copies and layout changes
+             "clone", "copy_", "_to_copy", "_unsafe_view",
+             "lift_fresh_copy", "contiguous", "expand_copy", "permute_copy", "transpose_copy",
+             "t_copy", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy",
+             "diagonal_copy", "as_strided_copy", "alias_copy", "detach_copy", "view_copy",
+             "_reshape_copy", "narrow_copy", "unfold_copy", "repeat", "roll", "flip",
+             // gathering and joining
+             "cat", "stack", "index_select", "gather", "take", "embedding",
+             "masked_select", "masked_scatter", "masked_scatter_",
+             // scattering into zeros, zeroing parts
+             "slice_backward", "select_backward", "diagonal_backward", "tril", "triu", "tril_",
+             "triu_", "constant_pad_nd",
+             // choosing between inputs and scalars
+             "where", "masked_fill", "masked_fill_", "relu", "relu_", "clamp", "clamp_",
+             "clamp_min", "clamp_min_", "clamp_max", "clamp_max_",
+             // sign changes
+             "neg", "neg_", "abs", "abs_",
+             // filling with a scalar
+             "fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like",
+             "new_zeros", "new_ones", "new_full", "scalar_tensor",
+         }) {
+      m.emplace(n, Values::kMoves);
+    }
+    m.emplace("bernoulli", Values::kZeroOne);
+    m.emplace("bernoulli_", Values::kZeroOne);
+    for (const char* n : {"mul", "mul_", "div", "div_"}) m.emplace(n, Values::kScaleDown);
+    for (const char* n : {"add", "add_", "sub", "sub_"}) m.emplace(n, Values::kAddSmall);
+    return m;
+  }();
+  if (base == "index") return overload == "Tensor" ? Values::kMoves : Values::kComputed;  // a gather
+  const auto it = by_name.find(base);
+  if (it == by_name.end()) return Values::kComputed;
+  if (it->second == Values::kScaleDown || it->second == Values::kAddSmall) {
+    // Tensor/Scalar overloads only (not div's rounding modes, not out=)
+    if (overload != "Tensor" && overload != "Scalar") return Values::kComputed;
+  }
+  return it->second;
 }
 
 const OpInfo& op_info(const c10::OperatorHandle& op) {
@@ -180,16 +353,27 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
     info.scan_return.push_back(alias == nullptr || alias->isWrite() ? 1 : 0);
   }
   info.scan_written_args = schema.returns().empty() && !info.written_args.empty();
+  for (size_t i = 0; i < info.num_args; ++i) {
+    c10::TypePtr type = schema.arguments()[i].type();
+    if (const auto opt = type->castRaw<c10::OptionalType>()) type = opt->getElementType();
+    if (type->kind() == c10::TypeKind::NumberType) info.scalar_args.push_back(static_cast<int>(i));
+  }
   // CompositeImplicitAutograd kernels are made of dispatcher calls only (they
   // must be, to be differentiable): their outputs are what inner ops returned.
-  // An op with its own backend or autograd kernel uses that one instead.
+  // An op with its own backend kernel uses that one instead. aten's Autograd
+  // kernels of such ops (linear, matmul: VariableType) only redispatch to the
+  // composite kernel; another namespace's Autograd kernel may compute.
   using K = c10::DispatchKey;
+  const bool aten = starts_with(name, "aten::");
   info.composite = op.hasKernelForDispatchKey(K::CompositeImplicitAutograd) &&
                    !op.hasKernelForDispatchKey(K::CPU) && !op.hasKernelForDispatchKey(K::CUDA) &&
-                   !op.hasKernelForDispatchKey(K::Autograd) &&
-                   !op.hasKernelForDispatchKey(K::AutogradCPU) &&
-                   !op.hasKernelForDispatchKey(K::AutogradCUDA) &&
-                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd);
+                   (aten || (!op.hasKernelForDispatchKey(K::Autograd) &&
+                             !op.hasKernelForDispatchKey(K::AutogradCPU) &&
+                             !op.hasKernelForDispatchKey(K::AutogradCUDA))) &&
+                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd) &&
+                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
+  if (aten) info.values = value_class(base, schema.overload_name());
+  info.divides = starts_with(base, "div");
   return tls_op_info.emplace(key, std::move(info)).first->second;
 }
 
@@ -221,16 +405,20 @@ bool storage_range(const at::Tensor& t, int64_t& begin, int64_t& end) {
   return true;
 }
 
-// A known result for t's current values, or nullptr. Consulted only by a
-// top-level op (depth 1) or from Python (depth 0): there, every write that went through the
-// dispatcher either bumped the version (ADInplaceOrView) or was seen by this
-// fallback (forget). Inside a kernel, versions lag and a kernel may write its
-// buffers directly, so nested ops always scan.
+// A known result for t's current values, or nullptr. Consulted only from
+// Python (depth 0), by a top-level op (depth 1) and by ops that only composite
+// ops (CompositeImplicitAutograd: dispatcher calls, no writes of their own)
+// call: there, every write that went through the dispatcher either bumped the
+// version (ADInplaceOrView) or was seen by this fallback (forget). Inside a
+// kernel, versions lag and a kernel may write its buffers directly, so ops
+// nested in a kernel always scan.
+bool trusted() { return tls_depth <= tls_kernel_depth; }
+
 const Known* lookup(Session& s, const at::Tensor& t) {
-  if (tls_depth > 1 || t.is_inference()) return nullptr;
-  const auto it = s.known.find(t.storage().unsafeGetStorageImpl());
-  if (it == s.known.end()) return nullptr;
-  const Known& k = it->second;
+  if (!trusted() || t.is_inference()) return nullptr;
+  const Known* found = s.known.find(t.storage().unsafeGetStorageImpl());
+  if (found == nullptr) return nullptr;
+  const Known& k = *found;
   if (k.version != t._version() || k.storage.expired()) return nullptr;
   int64_t begin = 0, end = 0;
   if (!storage_range(t, begin, end)) return nullptr;
@@ -241,7 +429,7 @@ const Known* lookup(Session& s, const at::Tensor& t) {
 // An op wrote into t's storage: what was known about it is stale (writes
 // inside kernels run below ADInplaceOrView and do not bump the version).
 void forget(Session& s, const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || s.known.empty()) return;
+  if (!t.defined() || !t.has_storage() || s.known.size() == 0) return;
   s.known.erase(t.storage().unsafeGetStorageImpl());
 }
 
@@ -253,13 +441,11 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
     s.known.erase(key);
     return;
   }
-  if (s.known.size() >= s.known_prune_at) {  // drop the entries of freed storages
-    for (auto it = s.known.begin(); it != s.known.end();) {
-      it = it->second.storage.expired() ? s.known.erase(it) : std::next(it);
-    }
-    s.known_prune_at = std::max<size_t>(1024, 2 * s.known.size());
+  if (s.known.size() >= s.known.prune_at) {  // drop the entries of freed storages
+    s.known.drop_expired();
+    s.known.prune_at = std::max<size_t>(1024, 2 * s.known.size());
   }
-  Known& k = s.known[key];
+  Known& k = s.known.insert(key);
   k.storage = t.storage().getWeakStorageImpl();
   k.begin = begin;
   k.end = end;
@@ -333,6 +519,195 @@ void for_each_tensor(const c10::IValue& v, Fn&& fn) {
       if (e.isTensor()) fn(e.toTensor());
     }
   }
+}
+
+
+// ---------------------------------------------------------------------------
+// Outputs that are finite by construction (Values). Skipping their scan never
+// hides a finding: a kMoves/kZeroOne output can only be non-finite where an
+// input is (or never), which makes the op a propagator that is never blamed;
+// the arithmetic classes are skipped only when the input is known finite and
+// the scalar cannot take a finite value out of range (IEEE rounding is
+// monotonic: |round(x * s)| <= |x| for |s| <= 1). What is skipped with finite
+// inputs is remembered finite, as a scan would have.
+// ---------------------------------------------------------------------------
+
+// The largest finite value of a floating dtype (0: not one this file handles).
+double max_finite(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return std::numeric_limits<float>::max();
+    case at::kDouble: return std::numeric_limits<double>::max();
+    case at::kHalf: return 65504.0;
+    case at::kBFloat16: return 3.3895313892515355e38;
+    default: return 0.0;
+  }
+}
+
+// |c| up to which x + c cannot round past the dtype's largest finite value:
+// at most a quarter of the gap between it and the next power of two (half
+// that gap is where round-to-nearest overflows; fp16/bf16 arithmetic runs in
+// float32 and rounds once more, hence the margin).
+double add_bound(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return std::ldexp(1.0, 102);
+    case at::kDouble: return std::ldexp(1.0, 968);
+    case at::kHalf: return 4.0;
+    case at::kBFloat16: return std::ldexp(1.0, 118);
+    default: return 0.0;
+  }
+}
+
+// Every value of dtype `from` is a finite value of dtype `to` (no overflow).
+bool widens(at::ScalarType from, at::ScalarType to) {
+  using S = at::ScalarType;
+  if (max_finite(to) == 0.0) return false;
+  switch (from) {
+    case S::Bool:
+    case S::Byte:
+    case S::Char:
+    case S::Short: return true;  // |v| <= 32767 < 65504
+    case S::Int:
+    case S::Long: return to != S::Half;
+    case S::Half: return true;  // fp16's max is finite in bf16, fp32, fp64
+    case S::BFloat16: return to != S::Half;
+    case S::Float: return to == S::Float || to == S::Double;
+    case S::Double: return to == S::Double;
+    default: return false;
+  }
+}
+
+// A real number from a Scalar argument or a wrapped number (a Python scalar
+// passed where a tensor goes: x * 0.5 calls mul.Tensor).
+bool real_value(const c10::IValue& v, double& out) {
+  if (v.isDouble()) {
+    out = v.toDouble();
+  } else if (v.isInt()) {
+    out = static_cast<double>(v.toInt());
+  } else if (v.isBool()) {
+    out = v.toBool() ? 1.0 : 0.0;
+  } else if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined() || !t.unsafeGetTensorImpl()->is_wrapped_number() || !t.device().is_cpu()) {
+      return false;
+    }
+    switch (t.scalar_type()) {
+      case at::kDouble: out = *static_cast<const double*>(t.const_data_ptr()); break;
+      case at::kLong: out = static_cast<double>(*static_cast<const int64_t*>(t.const_data_ptr())); break;
+      case at::kBool: out = *static_cast<const bool*>(t.const_data_ptr()) ? 1.0 : 0.0; break;
+      default: return false;
+    }
+  } else {
+    return false;
+  }
+  return std::isfinite(out);
+}
+
+// The value of a one-element CPU tensor (the wrapped numbers that kernels cast
+// to the op's dtype: x * 0.5 on float32 copies a float64 0.5 to float32).
+bool single_value(const at::Tensor& t, double& out) {
+  if (t.numel() != 1 || !t.device().is_cpu() || !t.has_storage() || t.layout() != at::kStrided) {
+    return false;
+  }
+  const void* p = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case at::kDouble: out = *static_cast<const double*>(p); return true;
+    case at::kFloat: out = *static_cast<const float*>(p); return true;
+    case at::kHalf: out = static_cast<float>(*static_cast<const at::Half*>(p)); return true;
+    case at::kBFloat16: out = static_cast<float>(*static_cast<const at::BFloat16*>(p)); return true;
+    case at::kLong: out = static_cast<double>(*static_cast<const int64_t*>(p)); return true;
+    case at::kInt: out = static_cast<double>(*static_cast<const int32_t*>(p)); return true;
+    default: return false;
+  }
+}
+
+bool known_finite(Session& s, const at::Tensor& t) {
+  const Known* k = lookup(s, t);
+  return k != nullptr && k->finite;
+}
+
+bool is_inplace_arg(const OpInfo& info, int a) {
+  for (int i : info.inplace_args) {
+    if (i == a) return true;
+  }
+  return false;
+}
+
+// Whether `out` (an output of the op) is finite by construction: its scan
+// can be skipped. `known`: whether it may be remembered as finite.
+bool finite_by_construction(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args,
+                            bool inplace_bad_before, const at::Tensor& out, bool& known) {
+  known = false;
+  const at::ScalarType dtype = out.scalar_type();
+  const double limit = max_finite(dtype);
+  if (info.values == Values::kComputed || limit == 0.0 || args.size() < info.num_args) return false;
+  if (info.values == Values::kZeroOne) {
+    known = true;
+    return true;
+  }
+  if (info.values == Values::kMoves) {
+    for (int a : info.scalar_args) {
+      double v = 0.0;
+      if (args[a].isNone()) continue;
+      if (!real_value(args[a], v) || std::fabs(v) > limit) return false;
+    }
+    bool ok = true;
+    bool all_known = true;
+    for (size_t i = 0; i < info.num_args && ok; ++i) {
+      if (info.is_out_arg[i]) continue;
+      const bool inplace = is_inplace_arg(info, static_cast<int>(i));
+      for_each_tensor(args[i], [&](const at::Tensor& t) {
+        if (!ok || !t.defined()) return;
+        double v = 0.0;
+        if (!widens(t.scalar_type(), dtype) &&
+            !(single_value(t, v) && std::isfinite(v) && std::fabs(v) <= limit)) {
+          ok = false;  // a narrowing cast: scanned (fp32 -> fp16 overflows)
+          return;
+        }
+        if (!t.is_floating_point()) return;  // integers and bools are finite
+        if (inplace) {
+          all_known = all_known && !inplace_bad_before;
+        } else if (single_value(t, v)) {
+          all_known = all_known && std::isfinite(v);
+        } else {
+          all_known = all_known && readable(t) && known_finite(s, t);
+        }
+      });
+    }
+    known = ok && all_known;
+    return ok;
+  }
+  // kScaleDown, kAddSmall: self (or mul's other) is the tensor, the other a real scalar.
+  if (args.size() < 2) return false;
+  int x = 0;
+  double v = 0.0;
+  if (!real_value(args[1], v)) {
+    if (info.values != Values::kScaleDown || info.divides || !info.inplace_args.empty() ||
+        !real_value(args[0], v) || !args[1].isTensor()) {
+      return false;
+    }
+    // 0.5 * x, on mul only (div's scalar must be the divisor)
+    x = 1;
+  }
+  if (!args[x].isTensor()) return false;
+  const at::Tensor& t = args[x].toTensor();
+  if (!readable(t) || t.unsafeGetTensorImpl()->is_wrapped_number() || t.scalar_type() != dtype) {
+    return false;
+  }
+  const bool x_finite = is_inplace_arg(info, x) ? !inplace_bad_before : known_finite(s, t);
+  if (!x_finite) return false;
+  bool safe = false;
+  if (info.values == Values::kScaleDown) {
+    // mul: |v| <= 1; div (the divisor is args[1]): |v| >= 1
+    safe = info.divides ? (x == 0 && std::fabs(v) >= 1.0) : std::fabs(v) <= 1.0;
+  } else {
+    double alpha = 1.0;
+    if (args.size() > 2 && !args[2].isNone() && !real_value(args[2], alpha)) return false;
+    // each factor in range too: the kernel casts both to the op's math type first
+    const double bound = add_bound(dtype);
+    safe = std::fabs(alpha) <= limit && std::fabs(v) <= limit && std::fabs(alpha * v) <= bound;
+  }
+  known = safe;
+  return safe;
 }
 
 Session* current_session() {
@@ -553,6 +928,15 @@ std::string py_str(PyObject* value) {
   return out;
 }
 
+// Around an op's kernel: ops it calls are nested in a kernel unless it is composite.
+struct KernelDepthGuard {
+  int saved = tls_kernel_depth;
+  explicit KernelDepthGuard(bool kernel) {
+    if (kernel) tls_kernel_depth = std::min(tls_kernel_depth, tls_depth);
+  }
+  ~KernelDepthGuard() { tls_kernel_depth = saved; }
+};
+
 struct DepthGuard {
   std::vector<c10::IValue>& saved;
   explicit DepthGuard(std::vector<c10::IValue>& s) : saved(s) { ++tls_depth; }
@@ -576,6 +960,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   const OpInfo& info = op_info(op);
   if (info.skip) {
+    KernelDepthGuard kernel(true);
     op.redispatchBoxed(after, stack);
     return;
   }
@@ -604,6 +989,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   }
 
   try {
+    KernelDepthGuard kernel(!info.composite);
     op.redispatchBoxed(after, stack);
   } catch (python_error& e) {
     pybind11::gil_scoped_acquire gil;
@@ -632,6 +1018,12 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   // produced by the inner ops the fallback saw, so their scan is reused.
   auto check_output = [&](const at::Tensor& t, int64_t index) {
     if (!readable(t)) return;
+    bool known = false;
+    if (finite_by_construction(s, info, saved, inplace_bad_before, t, known)) {
+      ++s.scans_saved;
+      if (known) remember(s, t, true);
+      return;
+    }
     const Counts c = info.composite ? scan_known(s, t) : scan_fresh(s, t);
     if (c.bad()) {
       // a known-bad result's counts were not kept: count them for the report
@@ -698,6 +1090,7 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->seq_base = at::sequence_number::peek();
   s->seq_module.reserve(4096);
   s->outer = tls_session;
+  if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);  // freed since the last block
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
   // Tensors the entry check found finite (parameters, buffers): known.
   const Py_ssize_t n_clean = PySequence_Size(clean);
@@ -733,6 +1126,7 @@ PyObject* py_end(PyObject*, PyObject*) {
       registry().erase(s->thread_id);
     }
   }
+  if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);
   PyObject* result = s->pending ? PyUnicode_FromString(s->pending_message.c_str()) : Py_None;
   if (result == Py_None) Py_INCREF(Py_None);
   delete s;

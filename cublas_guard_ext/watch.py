@@ -322,7 +322,10 @@ class watch:
         return False
 
     def stats(self) -> tuple[int, int, int] | None:
-        """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch."""
+        """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch.
+
+        Saved: values already known (the last scan of the same storage at the same version) or
+        finite by construction (ops that only move values, see ``csrc/watch.cpp``)."""
         return _native.stats()
 
 

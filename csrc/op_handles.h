@@ -16,31 +16,25 @@ using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
 using GradGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using GuardValuesSignature = void(const at::Tensor&, c10::string_view, int64_t, int64_t);
 
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
 inline const c10::TypedOperatorHandle<LinearSignature>& linear_handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("cublas_guard::linear", "")
-                             .typed<LinearSignature>();
+  static const auto op = find_op<LinearSignature>("cublas_guard::linear");
   return op;
 }
-
 inline const c10::TypedOperatorHandle<GradGemmSignature>& grad_input_handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("cublas_guard::linear_grad_input", "")
-                             .typed<GradGemmSignature>();
+  static const auto op = find_op<GradGemmSignature>("cublas_guard::linear_grad_input");
   return op;
 }
-
 inline const c10::TypedOperatorHandle<GradGemmSignature>& grad_weight_handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("cublas_guard::linear_grad_weight", "")
-                             .typed<GradGemmSignature>();
+  static const auto op = find_op<GradGemmSignature>("cublas_guard::linear_grad_weight");
   return op;
 }
-
 inline const c10::TypedOperatorHandle<GuardValuesSignature>& guard_values_handle() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("cublas_guard::guard_values", "")
-                             .typed<GuardValuesSignature>();
+  static const auto op = find_op<GuardValuesSignature>("cublas_guard::guard_values");
   return op;
 }
 

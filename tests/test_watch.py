@@ -912,3 +912,84 @@ def test_known_values_carry_to_the_next_block_until_written():
         z.mul_(3.0)                      # non-finite findings are not carried: pre-scanned, a propagator
         _, scanned, _ = w.stats()
     assert scanned == 2
+
+
+# -- Per device: the same promises on the CPU and, with a GPU, on CUDA (benchmarks/gpu_check.sh's
+# "rest" slot runs the [cuda] cases with -k cuda). On CUDA the watch still reads each scan's
+# counts with a host sync (README, "watch"); these pin what it reports there.
+
+
+class MaskedAttentionOnDevice(nn.Module):
+    """Attention scores with an additive causal -inf mask made on the input's device."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        causal = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        scores = self.proj(x) @ x.transpose(-1, -2) + causal
+        pad = torch.zeros(x.shape[0], t, dtype=torch.bool, device=x.device)
+        pad[:, -1] = True
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        return (F.softmax(scores, dim=-1) @ x).sum()
+
+
+def _feedforward_on(device: str, planted: str) -> nn.Module:
+    return nn.Sequential(FeedForward(16, planted)).to(device)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_per_device_forward_producer_named_by_module_and_op(device, mode):
+    model = _feedforward_on(device, "log")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode=mode):
+            model(torch.randn(2, 5, 16, device=device))
+    err = info.value
+    assert err.op == "aten.log.default" and err.module == "0" and err.phase == "forward"
+    assert err.nan_count == 2 * 5 * 16 and err.first_bad_index == 0
+    assert err.shape == [2, 5, 16]
+    assert f"on {device}" in str(err)
+    nothing_left()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_per_device_backward_only_inf_is_named_with_phase_backward(device, mode):
+    model = _feedforward_on(device, "sqrt")
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode=mode):
+            loss = model(torch.randn(2, 5, 16, device=device)).sum()
+            assert torch.isfinite(loss)
+            loss.backward()  # the engine runs CUDA backward ops on its device thread
+    err = info.value
+    assert err.phase == "backward" and err.module == "0"
+    assert err.backward_node == "SqrtBackward0"
+    assert err.posinf_count + err.neginf_count > 0
+    nothing_left()
+
+
+def test_per_device_minus_inf_masks_raise_nothing_forward_and_backward(device):
+    model = MaskedAttentionOnDevice().to(device)
+    x = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    with cg.watch(model, mode="sync"):
+        loss = model(x)
+        loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    nothing_left()
+
+
+def test_per_device_non_finite_argument_is_reported_at_entry_with_safelinear(device):
+    model = cg.replace_linear(_feedforward_on(device, ""))
+    assert isinstance(model[0].fc1, cg.SafeLinear)
+    x = torch.randn(2, 5, 16, device=device)
+    x[1, 2, 3] = float("inf")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="sync"):
+            model(x)
+    assert info.value.role == "argument" and info.value.posinf_count == 1
+    assert info.value.first_bad_coords == [1, 2, 3]
+    with cg.watch(model, mode="async"):  # clean: nothing reported, results unchanged
+        out = model(torch.ones(2, 5, 16, device=device))
+    assert torch.isfinite(out).all()
+    nothing_left()

@@ -236,3 +236,26 @@ def test_no_piece_operand_spans_beyond_the_limit(device: str, size_limit, inject
     spans = gemm_spans(info.value.fields)
     assert max(spans.values()) <= limit, (info.value.purpose, spans, info.value.chunk)
     assert info.value.api == SGEMM[device][0] and info.value.chunk
+
+
+def test_a_broadcast_gradient_is_copied_once_for_both_gemms() -> None:
+    """out.sum() hands the layer a zero-stride gradient; both gradient GEMMs get one dense copy
+    of it (made once in backward) instead of each copying it for cuBLAS's layout."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    class GradGemmArgs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.cublas_guard.linear_grad_input.default,
+                        torch.ops.cublas_guard.linear_grad_weight.default):
+                seen.append((func.__name__, tuple(args[0].stride())))
+            return func(*args, **(kwargs or {}))
+
+    layer = cg.SafeLinear(13, 7, name="broadcast")
+    x = torch.randn(5, 13, requires_grad=True)
+    out = layer(x).sum()
+    with GradGemmArgs():
+        out.backward()
+    assert sorted(name for name, _ in seen) == ["linear_grad_input.default", "linear_grad_weight.default"]
+    assert all(0 not in strides for _, strides in seen), seen

@@ -29,9 +29,9 @@ at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
       at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
   return linear_handle().call(at::autocast::cached_cast(dtype, x, device_type),
-                           at::autocast::cached_cast(dtype, weight, device_type),
-                           at::autocast::cached_cast(dtype, bias, device_type), layer, mode,
-                           scan_grad);
+                              at::autocast::cached_cast(dtype, weight, device_type),
+                              at::autocast::cached_cast(dtype, bias, device_type), layer, mode,
+                              scan_grad);
 }
 
 }  // namespace

@@ -149,8 +149,8 @@ namespace {
 std::atomic<uint64_t> cuda_devices_checked{0};  // bit i: cuda:i had its first-use diagnostics
 
 // The CUBLAS_GUARD_MODE default as a mode code, read at every call (the
-// variable may change at run time: os.environ writes go through putenv), for
-// the two spellings that need no rule: unset, or exactly a mode's name. -1
+// variable may change at run time: os.environ writes go through putenv), in
+// the cases that need no rule: unset, or exactly a mode's name. -1
 // for anything else: cublas_guard_ext.modes owns the rule (normalizing case
 // and blanks, refusing the rest) and the Python path applies it.
 int64_t env_mode_code() {

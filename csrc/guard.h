@@ -12,7 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "async_record.h"
+#include "report/async_record.h"
 
 #include <cstdint>
 #include <string>

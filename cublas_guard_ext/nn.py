@@ -26,7 +26,7 @@ _fast_linear = _ops_module.fast_linear
 
 
 def _reset_calls(name: str) -> None:
-    torch.ops.cublas_guard._reset_layer_calls.default(name)
+    torch.ops.cublas_guard_internal.reset_layer_calls.default(name)
 
 
 class SafeLinear(nn.Linear):
@@ -234,7 +234,7 @@ def _guard_transformer_layers(model: nn.Module) -> None:
 def _after_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     # Fused optimizers write parameters without bumping their version counters:
     # after any torch.optim step, no parameter is known clean any more.
-    torch.ops.cublas_guard._parameters_changed.default()
+    torch.ops.cublas_guard_internal.parameters_changed.default()
 
 
 _OPTIMIZER_HOOK = register_optimizer_step_post_hook(

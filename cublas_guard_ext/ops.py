@@ -23,7 +23,7 @@ _ops = torch.ops.cublas_guard
 
 from . import _transforms  # noqa: E402  (needs the ops loaded)
 
-# The fast eager entry of the prebuilt library (csrc/bindings.cpp): the same op
+# The fast eager entry of the prebuilt library (csrc/python_module.cpp): the same op
 # through a typed dispatcher handle, skipping torch.ops' generic argument
 # parsing. It returns None whenever the torch.ops path could behave otherwise
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
@@ -67,7 +67,7 @@ def fast_linear(
 # (Dynamo, AOTAutograd, Inductor all eliminate unused pure calls): marked
 # side-effectful, they are kept and run in compiled forward and backward graphs.
 for _op in (_ops.check_features.default, _ops.guard_values.default, _ops.async_check.default,
-            _ops._set_fault.default):
+            torch.ops.cublas_guard_testing.set_fault.default):
     torch.fx.node.has_side_effect(_op)
 
 __all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]

@@ -49,7 +49,7 @@ from . import errors, modes
 from ._native import loader as _loader
 
 _loader.load()
-torch.ops.cublas_guard._watch_install.default()
+torch.ops.cublas_guard_internal.watch_install.default()
 _native = sys.modules["cublas_guard_ext._watch_native"]
 
 __all__ = ["watch", "check_pending"]

@@ -72,11 +72,11 @@ def size_limit():
     previous: list[int] = []
 
     def set_limit(limit: int, allow_64bit: bool = True) -> None:
-        previous.append(torch.ops.cublas_guard._set_size_limit(limit, allow_64bit))
+        previous.append(torch.ops.cublas_guard_testing.set_size_limit(limit, allow_64bit))
 
     yield set_limit
     if previous:
-        torch.ops.cublas_guard._set_size_limit(previous[0], True)
+        torch.ops.cublas_guard_testing.set_size_limit(previous[0], True)
 
 
 @pytest.fixture
@@ -86,11 +86,11 @@ def inject_fault():
 
     def arm(site: str, code: int, times: int = 1) -> None:
         armed.append(site)
-        torch.ops.cublas_guard._set_fault(site, code, times)
+        torch.ops.cublas_guard_testing.set_fault(site, code, times)
 
     yield arm
     for site in armed:
-        torch.ops.cublas_guard._set_fault(site, 0, 0)
+        torch.ops.cublas_guard_testing.set_fault(site, 0, 0)
 
 
 def rss_bytes() -> int:

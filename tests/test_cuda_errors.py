@@ -2,7 +2,7 @@
 
 The decisions live in csrc/pending_errors.cpp and are the ones csrc/cuda/linear.cu runs. On any
 machine they run here against a model of the CUDA runtime's last-error rules (the test op
-``_simulate_cuda_errors``: cudaGetLastError resets all but a sticky error, cudaStreamQuery on a
+``cublas_guard_testing.simulate_cuda_errors``: cudaGetLastError resets all but a sticky error, cudaStreamQuery on a
 busy stream leaves cudaErrorNotReady behind, a query of a capturing stream invalidates the
 capture). The CUDA test at the end provokes the real stray error; it skips without a GPU.
 """
@@ -30,7 +30,7 @@ NOT_STICKY = [INVALID_VALUE, MEMORY_ALLOCATION, NO_KERNEL_IMAGE, NOT_READY, CAPT
 
 def simulate(stage: str, last: int = 0, context: int = 0, busy: bool = False,
              capturing: bool = False) -> dict[str, int]:
-    result = torch.ops.cublas_guard._simulate_cuda_errors(stage, last, context, busy, capturing)
+    result = torch.ops.cublas_guard_testing.simulate_cuda_errors(stage, last, context, busy, capturing)
     return dict(zip(("reported", "left", "queries", "capture_invalidated", "next_call"), result))
 
 

@@ -248,14 +248,14 @@ def test_backward_faults_name_the_purpose(device: str, inject_fault) -> None:
 def test_fault_injection_needs_the_testing_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_GUARD_EXT_TESTING")
     with pytest.raises(RuntimeError, match="test hook"):
-        torch.ops.cublas_guard._set_fault("gemm", 13, 1)
+        torch.ops.cublas_guard_testing.set_fault("gemm", 13, 1)
     with pytest.raises(RuntimeError, match="test hook"):
-        torch.ops.cublas_guard._set_size_limit(5)
+        torch.ops.cublas_guard_testing.set_size_limit(5)
 
 
 def test_unknown_fault_site() -> None:
     with pytest.raises(ValueError, match="unknown fault site"):
-        torch.ops.cublas_guard._set_fault("nowhere", 1, 1)
+        torch.ops.cublas_guard_testing.set_fault("nowhere", 1, 1)
 
 
 # --------------------------------------------------------------------------

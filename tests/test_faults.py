@@ -161,7 +161,7 @@ def test_fault_inside_a_model_names_the_layer(device: str, inject_fault) -> None
     assert info.value.layer == "0"
     with pytest.raises(cg.CublasError) as info:  # the 2nd fault: again the 1st layer
         model(x)
-    torch.ops.cublas_guard._set_fault("gemm", 0, 0)
+    torch.ops.cublas_guard_testing.set_fault("gemm", 0, 0)
     ref = F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias)
     assert_matches(model(x), ref)
 
@@ -184,7 +184,7 @@ def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) 
     codes = list(STATUSES)
 
     def fail_forward(i: int) -> None:
-        torch.ops.cublas_guard._set_fault("gemm", codes[i % len(codes)], 1)
+        torch.ops.cublas_guard_testing.set_fault("gemm", codes[i % len(codes)], 1)
         try:
             safe(x)
         except cg.CublasError:
@@ -193,7 +193,7 @@ def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) 
 
     def fail_backward(i: int) -> None:
         y = safe(x)
-        torch.ops.cublas_guard._set_fault("gemm", codes[i % len(codes)], 1)
+        torch.ops.cublas_guard_testing.set_fault("gemm", codes[i % len(codes)], 1)
         try:
             y.sum().backward()
         except cg.CublasError:
@@ -289,7 +289,7 @@ def test_gpu_memory_flat_over_injected_launch_and_handle_failures(inject_fault) 
     inject_fault("handle", 0)
     for i in range(500):
         site = ("launch", "handle")[i % 2]
-        torch.ops.cublas_guard._set_fault(site, 209 if site == "launch" else 3, 1)
+        torch.ops.cublas_guard_testing.set_fault(site, 209 if site == "launch" else 3, 1)
         with pytest.raises((cg.CudaLaunchError, cg.CublasError)):
             safe(x)
     gc.collect()

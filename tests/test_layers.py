@@ -250,3 +250,25 @@ def test_each_allow_listed_late_import_exists(pair: tuple[str, str]) -> None:
     _, edges = import_edges(PACKAGE_DIR)
     assert any(e.late and (e.importer, e.imported) == pair for e in edges), pair
     assert not any(not e.late and (e.importer, e.imported) == pair for e in edges), pair
+
+
+# The native op namespaces (csrc/ops.cpp, csrc/testing.cpp): what a user sees under
+# torch.ops.cublas_guard is the product; test hooks and the package's private entry
+# points live in namespaces of their own.
+PUBLIC_OPS = {"scan", "linear", "linear_grad_input", "linear_grad_weight", "check_features",
+              "guard_values", "async_check", "build_info",
+              "check_in_graph"}  # (ops.py: check() inside a compiled graph)
+
+
+def _ops_in(namespace: str) -> set[str]:
+    import torch
+
+    prefix = namespace + "::"
+    return {s.name[len(prefix):] for s in torch._C._jit_get_all_schemas() if s.name.startswith(prefix)}
+
+
+def test_the_public_op_namespace_holds_the_product_only() -> None:
+    assert _ops_in("cublas_guard") == PUBLIC_OPS
+    assert {"set_fault", "set_size_limit", "simulate_cuda_errors", "clean_cache_stats"} <= _ops_in(
+        "cublas_guard_testing")
+    assert {"parameters_changed", "reset_layer_calls", "watch_install"} <= _ops_in("cublas_guard_internal")

@@ -87,7 +87,7 @@ def test_ten_thousand_steps_with_errors_constant_memory(device: str, mode: str, 
             return
         loss = F.mse_loss(model(good), target)
         if i % 17 == 3:  # a cuBLAS failure in backward
-            torch.ops.cublas_guard._set_fault("gemm", 13, 1)
+            torch.ops.cublas_guard_testing.set_fault("gemm", 13, 1)
             with pytest.raises(cg.CublasError):
                 loss.backward()
             counts["fault"] += 1

@@ -20,7 +20,7 @@ _ops = torch.ops.cublas_guard
 
 def cache_stats() -> tuple[int, int, int]:
     """(entries, entries whose tensor is alive, generation)."""
-    entries, live, generation = _ops._clean_cache_stats.default()
+    entries, live, generation = torch.ops.cublas_guard_testing.clean_cache_stats.default()
     return entries, live, generation
 
 

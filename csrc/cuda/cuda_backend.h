@@ -1,7 +1,7 @@
 // Declarations shared by the two CUDA translation units (scan.cu, linear.cu).
 #pragma once
 
-#include "../guard.h"
+#include "guard.h"
 
 #include <cuda_runtime.h>
 

@@ -12,7 +12,7 @@
 //   float64   cublasDgemm
 // and the _64 variants (cuBLAS 12+) for arguments beyond the 32-bit limit.
 #include "cuda_backend.h"
-#include "../pending_errors.h"
+#include "report/pending_errors.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -28,18 +28,22 @@ from typing import TextIO
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
 
+# By concern (csrc/README.md). Every base name is unique: torch's JIT builder names each
+# object file after its source's base name alone.
 CPU_SOURCES = (
-    "bindings.cpp",
-    "errors.cpp",
-    "checks.cpp",
-    "linear_common.cpp",
-    "scan_cpu.cpp",
-    "linear_cpu.cpp",
-    "autograd.cpp",
-    "python_errors.cpp",
-    "pending_errors.cpp",
-    "autocast.cpp",
-    "watch.cpp",
+    "ops.cpp",
+    "python_module.cpp",
+    "testing.cpp",
+    "linear/checks.cpp",
+    "linear/linear_common.cpp",
+    "linear/linear_cpu.cpp",
+    "linear/autograd.cpp",
+    "linear/autocast.cpp",
+    "report/errors.cpp",
+    "report/python_errors.cpp",
+    "report/pending_errors.cpp",
+    "scan/scan_cpu.cpp",
+    "watch/watch.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
 
@@ -309,7 +313,9 @@ PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
 # 4 CPU-s, as much as parsing <ATen/core/Tensor.h>; the four: 36 CPU-s without it, 30 with
 # it), so they compile on the second core while the first builds the PCH: the 2-core
 # critical path is 88 CPU-s instead of 104 (benchmarks/NOTES.md, "Build time").
-NO_PCH_SOURCES = frozenset({"checks.cpp", "errors.cpp", "scan_cpu.cpp", "python_errors.cpp"})
+NO_PCH_SOURCES = frozenset(
+    {"linear/checks.cpp", "report/errors.cpp", "scan/scan_cpu.cpp", "report/python_errors.cpp"}
+)
 PROGRESS_PREFIX = "cublas_guard_ext build:"
 HEARTBEAT_S = 15.0
 
@@ -327,15 +333,21 @@ _VERBS = {"CXX": "compiled", "NVCC": "compiled (nvcc)", "SYCL": "compiled (sycl)
 
 
 # Compile cost of the heavier sources, in CPU seconds (measured 2026-11-30, with the PCH
-# where it is used: watch.cpp, autograd.cpp and bindings.cpp parse torch/csrc/autograd on top
+# where it is used: watch.cpp, autograd.cpp and python_module.cpp parse torch/csrc/autograd on top
 # of it, python_errors.cpp pybind11; an nvcc compile for two archs); the rest count 7. Only the
 # start order depends on it.
-SLOW_SOURCES = {".cu": 100.0, "watch.cpp": 26.0, "autograd.cpp": 25.0, "python_errors.cpp": 19.0,
-                "bindings.cpp": 19.0, "linear_common.cpp": 10.0, "checks.cpp": 9.0}
+SLOW_SOURCES = {".cu": 100.0, "watch/watch.cpp": 26.0, "linear/autograd.cpp": 25.0,
+                "report/python_errors.cpp": 19.0, "python_module.cpp": 19.0,
+                "linear/linear_common.cpp": 10.0, "linear/checks.cpp": 9.0}
 
 
 def _source_name(source: str) -> str:
-    return os.path.basename(source.replace("$ ", " "))
+    """A source's name as CPU_SOURCES writes it (relative to csrc/), else its base name."""
+    path = Path(source.replace("$ ", " "))
+    try:
+        return path.resolve().relative_to(CSRC_DIR.resolve()).as_posix()
+    except ValueError:
+        return path.name
 
 
 def _compile_weight(source: str) -> float:

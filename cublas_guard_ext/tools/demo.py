@@ -152,10 +152,10 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
         previous = os.environ.get("CUBLAS_GUARD_EXT_TESTING")
         os.environ["CUBLAS_GUARD_EXT_TESTING"] = "1"
         try:
-            torch.ops.cublas_guard._set_fault("gemm", 13, 1)
+            torch.ops.cublas_guard_testing.set_fault("gemm", 13, 1)
             model(good)
         finally:
-            torch.ops.cublas_guard._set_fault("gemm", 0, 0)
+            torch.ops.cublas_guard_testing.set_fault("gemm", 0, 0)
             if previous is None:
                 del os.environ["CUBLAS_GUARD_EXT_TESTING"]
             else:

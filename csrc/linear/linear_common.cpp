@@ -665,13 +665,17 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
 
 }  // namespace cublas_guard
 
-// Entry points for cublas_guard_ext.nn: the optimizer-step hook, the tests'
-// view of the parameter cache, and the per-name call counters.
-TORCH_LIBRARY_FRAGMENT(cublas_guard, m) {
-  m.def("_parameters_changed() -> ()", [] { cublas_guard::clean_parameters().invalidate(); });
-  // [entries, entries whose tensor is alive, generation]
-  m.def("_clean_cache_stats() -> int[]", [] { return cublas_guard::clean_parameters().stats(); });
+// The package's private entry points (cublas_guard_ext.nn): the optimizer-step
+// hook and the per-name call counters.
+TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("parameters_changed() -> ()", [] { cublas_guard::clean_parameters().invalidate(); });
   // SafeLinear calls it when an instance takes a name (async reports count calls per name).
-  m.def("_reset_layer_calls(str layer) -> ()",
+  m.def("reset_layer_calls(str layer) -> ()",
         [](c10::string_view layer) { cublas_guard::layers().reset(std::string(layer)); });
+}
+
+// The tests' view of the parameter cache (the other hooks are in testing.cpp):
+// [entries, entries whose tensor is alive, generation].
+TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
+  m.def("clean_cache_stats() -> int[]", [] { return cublas_guard::clean_parameters().stats(); });
 }

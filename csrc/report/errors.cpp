@@ -1,4 +1,4 @@
-// Error reports (structured fields -> JSON payload line) and the test-only hooks.
+// Error reports: structured fields -> the JSON payload line Python parses.
 #include "guard.h"
 
 #include <c10/util/Exception.h>
@@ -149,88 +149,5 @@ void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& 
   report.add((p + "_dtype").c_str(), std::string(c10::toString(t.scalar_type())));
   report.add((p + "_device").c_str(), t.device().str());
 }
-
-// ---------------------------------------------------------------------------
-// Test-only hooks
-// ---------------------------------------------------------------------------
-namespace {
-
-struct InjectedFault {
-  std::atomic<int> code{0};
-  std::atomic<int64_t> remaining{0};
-};
-
-std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)>& faults() {
-  static std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)> table;
-  return table;
-}
-
-// Production code reads this on every GEMM; a relaxed atomic load is the whole cost.
-std::atomic<bool>& any_fault_armed() {
-  static std::atomic<bool> armed{false};
-  return armed;
-}
-
-std::atomic<int64_t>& size_limit() {
-  static std::atomic<int64_t> limit{2147483647};  // INT_MAX: cuBLAS's int arguments
-  return limit;
-}
-
-std::atomic<bool>& allow_64bit() {
-  static std::atomic<bool> allowed{true};
-  return allowed;
-}
-
-void require_testing_env(const char* what) {
-  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
-              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
-}
-
-}  // namespace
-
-int take_injected_fault(FaultSite site) {
-  if (!any_fault_armed().load(std::memory_order_relaxed)) return 0;
-  auto& fault = faults()[static_cast<size_t>(site)];
-  int64_t left = fault.remaining.load();
-  while (left > 0) {
-    if (fault.remaining.compare_exchange_weak(left, left - 1)) return fault.code.load();
-  }
-  return 0;
-}
-
-void set_fault_for_testing(const std::string& site, int64_t code, int64_t times) {
-  require_testing_env("fault injection");
-  FaultSite which;
-  if (site == "gemm") {
-    which = FaultSite::kGemmStatus;
-  } else if (site == "launch") {
-    which = FaultSite::kLaunch;
-  } else if (site == "handle") {
-    which = FaultSite::kHandle;
-  } else {
-    TORCH_CHECK_VALUE(false, "cublas_guard_ext: unknown fault site '", site,
-                      "' (expected gemm, launch or handle)");
-  }
-  TORCH_CHECK_VALUE(times >= 0, "cublas_guard_ext: fault count must be >= 0");
-  auto& fault = faults()[static_cast<size_t>(which)];
-  fault.code.store(static_cast<int>(code));
-  fault.remaining.store(times);
-  bool armed = false;
-  for (auto& f : faults()) armed = armed || f.remaining.load() > 0;
-  any_fault_armed().store(armed);
-}
-
-int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
-  require_testing_env("the size limit override");
-  TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
-                    "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
-  allow_64bit().store(allow_64bit_api);
-  return size_limit().exchange(limit);
-}
-
-int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed); }
-
-bool gemm_64bit_allowed() { return allow_64bit().load(std::memory_order_relaxed); }
 
 }  // namespace cublas_guard

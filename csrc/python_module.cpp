@@ -1,6 +1,6 @@
-// The op schema (one namespace, cublas_guard), the Meta kernels that
-// torch.compile / FakeTensor use, the device-independent ops, and a minimal
-// Python module init so the prebuilt library imports as cublas_guard_ext._C.
+// The Python module cublas_guard_ext._C: importing it loads this library,
+// whose static initializers register the ops (ops.cpp and the kernels'
+// files); the module itself holds only the fast eager entry below.
 #include <Python.h>
 
 #include "guard.h"
@@ -8,127 +8,12 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/TracerMode.h>
-#include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/library.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <string>
-
-namespace cublas_guard {
-namespace {
-
-// Sizes as SymInts: under torch.compile(dynamic=...) and torch.export a batch
-// dim is symbolic and must stay so (no sizes(), no guard on it).
-c10::SymDimVector linear_output_shape(const at::Tensor& x, const c10::SymInt& out_features) {
-  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
-  shape.back() = out_features;
-  return shape;
-}
-
-// Meta kernels run the same rule functions as the real ones, so a traced or
-// compiled model refuses the same inputs with the same errors.
-at::Tensor scan_meta(const at::Tensor& x) {
-  check_scannable(x);
-  return at::empty({kScanFields}, x.options().dtype(at::kLong));
-}
-
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                       int64_t mode, bool /*scan_grad*/) {
-  parse_mode(mode);
-  check_linear_args(x, weight, bias, std::string(layer));
-  return at::empty_symint(linear_output_shape(x, weight.sym_size(0)), weight.options());
-}
-
-at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
-                           c10::string_view layer) {
-  check_grad_args(grad_output, weight, weight.sym_size(0), "weight", std::string(layer));
-  return at::empty_symint(linear_output_shape(grad_output, weight.sym_size(1)), weight.options());
-}
-
-at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
-                            c10::string_view layer) {
-  check_grad_args(grad_output, x, grad_output.sym_size(-1), "input", std::string(layer));
-  return at::empty_symint({grad_output.sym_size(-1), x.sym_size(-1)}, x.options());
-}
-
-void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
-  check_input(x, in_features, std::string(layer));
-}
-
-void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/,
-                       int64_t mode) {
-  parse_mode(mode);
-}
-
-void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
-
-void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
-  set_fault_for_testing(std::string(site), code, times);
-}
-
-int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
-  return set_size_limit_for_testing(limit, allow_64bit);
-}
-
-std::string build_info_op() { return build_info_json(); }
-
-std::string (*&cuda_build_info_provider())() {
-  static std::string (*provider)() = nullptr;
-  return provider;
-}
-
-#define CUBLAS_GUARD_STRINGIFY2(...) #__VA_ARGS__
-#define CUBLAS_GUARD_STRINGIFY(...) CUBLAS_GUARD_STRINGIFY2(__VA_ARGS__)
-
-}  // namespace
-
-void set_cuda_build_info(std::string (*provider)()) { cuda_build_info_provider() = provider; }
-
-std::string build_info_json() {
-  std::string out = "{\"built_with_torch\": \"";
-#ifdef CUBLAS_GUARD_TORCH_VERSION
-  out += CUBLAS_GUARD_STRINGIFY(CUBLAS_GUARD_TORCH_VERSION);
-#else
-  out += "unknown";
-#endif
-  out += "\", \"cuda_compiled\": ";
-  const auto provider = cuda_build_info_provider();
-  out += provider != nullptr ? "true, " + provider() : std::string("false");
-  return out + "}";
-}
-
-}  // namespace cublas_guard
-
-TORCH_LIBRARY(cublas_guard, m) {
-  using namespace cublas_guard;
-  m.def("scan(Tensor x) -> Tensor");
-  m.def(
-      "linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1, "
-      "bool scan_grad=False) -> Tensor");
-  m.def("linear_grad_input(Tensor grad_output, Tensor weight, str layer=\"\") -> Tensor");
-  m.def("linear_grad_weight(Tensor grad_output, Tensor x, str layer=\"\") -> Tensor");
-  m.def("check_features(Tensor x, int in_features, str layer=\"\") -> ()");
-  m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
-  m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
-  m.def("_set_fault(str site, int code, int times) -> ()", &set_fault_op);
-  m.def("_set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
-  m.def("build_info() -> str", &build_info_op);
-}
-
-TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
-  using namespace cublas_guard;
-  m.impl("scan", &scan_meta);
-  m.impl("linear", &linear_meta);
-  m.impl("linear_grad_input", &grad_input_meta);
-  m.impl("linear_grad_weight", &grad_weight_meta);
-  m.impl("check_features", &check_features_meta);
-  m.impl("guard_values", &guard_values_meta);
-}
 
 // ---------------------------------------------------------------------------
 // The fast eager entry (issue 12). `torch.ops.cublas_guard.linear.default(...)`
@@ -235,7 +120,7 @@ PyObject* cuda_first_use_done(PyObject* /*self*/, PyObject* arg) {
 
 PyMethodDef module_methods[] = {
     {"_fast_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_linear)),
-     METH_FASTCALL, "The guarded linear through a typed dispatcher handle, or None (see bindings.cpp)."},
+     METH_FASTCALL, "The guarded linear through a typed dispatcher handle, or None (see python_module.cpp)."},
     {"_cuda_first_use_done", &cuda_first_use_done, METH_O,
      "Marks cuda:index as having had its first-use diagnostics."},
     {nullptr, nullptr, 0, nullptr}};

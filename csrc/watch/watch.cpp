@@ -1239,6 +1239,6 @@ void install_python_module() {
 }  // namespace watch
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_FRAGMENT(cublas_guard, m) {
-  m.def("_watch_install() -> ()", &cublas_guard::watch::install_python_module);
+TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("watch_install() -> ()", &cublas_guard::watch::install_python_module);
 }

@@ -1,0 +1,201 @@
+// The test hooks, in their own op namespace (torch.ops.cublas_guard_testing),
+// so the product's namespace holds the product only. Each refuses to act
+// unless CUBLAS_GUARD_EXT_TESTING=1 is set in the environment, so none can be
+// switched on by accident in production:
+//   set_fault             make the next GEMM / launch / handle lookup fail with a code
+//   set_size_limit        lower the 32-bit size limit so the _64 paths run on small tensors
+//   simulate_cuda_errors  run pending_errors.h's decisions against a model of the
+//                         CUDA runtime's last-error rules (any build, no GPU needed)
+//   clean_cache_stats     the parameter cache's counters (defined in linear_common.cpp)
+#include "guard.h"
+#include "report/pending_errors.h"
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace cublas_guard {
+
+// ---------------------------------------------------------------------------
+// Fault injection and the lowered size limit: the state production code reads
+// (a relaxed load per GEMM) and the setters only tests may call.
+// ---------------------------------------------------------------------------
+namespace {
+
+struct InjectedFault {
+  std::atomic<int> code{0};
+  std::atomic<int64_t> remaining{0};
+};
+
+std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)>& faults() {
+  static std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)> table;
+  return table;
+}
+
+// Production code reads this on every GEMM; a relaxed atomic load is the whole cost.
+std::atomic<bool>& any_fault_armed() {
+  static std::atomic<bool> armed{false};
+  return armed;
+}
+
+std::atomic<int64_t>& size_limit() {
+  static std::atomic<int64_t> limit{2147483647};  // INT_MAX: cuBLAS's int arguments
+  return limit;
+}
+
+std::atomic<bool>& allow_64bit() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+void require_testing_env(const char* what) {
+  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
+  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
+              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+}
+
+}  // namespace
+
+int take_injected_fault(FaultSite site) {
+  if (!any_fault_armed().load(std::memory_order_relaxed)) return 0;
+  auto& fault = faults()[static_cast<size_t>(site)];
+  int64_t left = fault.remaining.load();
+  while (left > 0) {
+    if (fault.remaining.compare_exchange_weak(left, left - 1)) return fault.code.load();
+  }
+  return 0;
+}
+
+void set_fault_for_testing(const std::string& site, int64_t code, int64_t times) {
+  require_testing_env("fault injection");
+  FaultSite which;
+  if (site == "gemm") {
+    which = FaultSite::kGemmStatus;
+  } else if (site == "launch") {
+    which = FaultSite::kLaunch;
+  } else if (site == "handle") {
+    which = FaultSite::kHandle;
+  } else {
+    TORCH_CHECK_VALUE(false, "cublas_guard_ext: unknown fault site '", site,
+                      "' (expected gemm, launch or handle)");
+  }
+  TORCH_CHECK_VALUE(times >= 0, "cublas_guard_ext: fault count must be >= 0");
+  auto& fault = faults()[static_cast<size_t>(which)];
+  fault.code.store(static_cast<int>(code));
+  fault.remaining.store(times);
+  bool armed = false;
+  for (auto& f : faults()) armed = armed || f.remaining.load() > 0;
+  any_fault_armed().store(armed);
+}
+
+int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
+  require_testing_env("the size limit override");
+  TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
+                    "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
+  allow_64bit().store(allow_64bit_api);
+  return size_limit().exchange(limit);
+}
+
+int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed); }
+
+bool gemm_64bit_allowed() { return allow_64bit().load(std::memory_order_relaxed); }
+
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// The CUDA runtime's last-error rules, modelled
+// ---------------------------------------------------------------------------
+// The runtime as pending_errors.h describes it, for one thread and one stream.
+struct FakeCuda {
+  int last = 0;          // the thread's last (non-sticky) error
+  int context = 0;       // a sticky error: the context is broken
+  bool busy = false;     // work still queued on the stream
+  bool capturing = false;
+  bool capture_invalidated = false;
+  int queries = 0;
+};
+thread_local FakeCuda* fake = nullptr;
+
+int fake_get_last_error() {
+  const int err = fake->context != 0 ? fake->context : fake->last;
+  fake->last = 0;
+  return err;
+}
+
+int fake_stream_query() {
+  ++fake->queries;
+  int err = cuda_code::kSuccess;
+  if (fake->context != 0) {
+    err = fake->context;
+  } else if (fake->capturing) {
+    fake->capture_invalidated = true;
+    err = cuda_code::kStreamCaptureUnsupported;
+  } else if (fake->busy) {
+    err = cuda_code::kNotReady;
+  }
+  if (err != cuda_code::kSuccess) fake->last = err;
+  return err;
+}
+
+int fake_stream_is_capturing(bool* capturing) {
+  if (fake->context != 0) return fake->context;
+  *capturing = fake->capturing;
+  return cuda_code::kSuccess;
+}
+
+// Runs one decision ("before": a sync-mode call's check; "failure": after torch
+// raised inside a call) on the modelled state, then the next sync-mode call's
+// check on what it left. Returns {reported, last error left (peeked), stream
+// queries made, capture invalidated, what the next call's check reports}.
+std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_error,
+                                          int64_t context_error, bool stream_busy,
+                                          bool capturing) {
+  FakeCuda state;
+  state.last = static_cast<int>(last_error);
+  state.context = static_cast<int>(context_error);
+  state.busy = stream_busy;
+  state.capturing = capturing;
+  fake = &state;
+  const CudaErrorProbe probe{fake_get_last_error, fake_stream_query, fake_stream_is_capturing};
+  int reported = 0;
+  const std::string which(stage);
+  if (which == "before") {
+    reported = take_pending_error(probe);
+  } else if (which == "failure") {
+    reported = sticky_error_behind_failure(probe);
+  } else {
+    fake = nullptr;
+    TORCH_CHECK_VALUE(false, "cublas_guard_ext: stage must be 'before' or 'failure', got '", which, "'");
+  }
+  const int left = state.context != 0 ? state.context : state.last;
+  const int next = take_pending_error(probe);
+  fake = nullptr;
+  return {reported, left, state.queries, state.capture_invalidated ? 1 : 0, next};
+}
+
+void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
+  set_fault_for_testing(std::string(site), code, times);
+}
+
+int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
+  return set_size_limit_for_testing(limit, allow_64bit);
+}
+
+}  // namespace
+}  // namespace cublas_guard
+
+TORCH_LIBRARY(cublas_guard_testing, m) {
+  using namespace cublas_guard;
+  m.def("set_fault(str site, int code, int times) -> ()", &set_fault_op);
+  m.def("set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
+  m.def(
+      "simulate_cuda_errors(str stage, int last_error, int context_error, bool stream_busy, "
+      "bool capturing) -> int[]",
+      &simulate_cuda_errors);
+}

@@ -3,7 +3,7 @@ the GEMM alone. Writes summary.md, results.json and overhead.png, updates RESULT
 and prints PASS/MISS for each target of issue 5.
 
     python benchmarks/run.py --preset cpu      # this 2-core CPU machine (< 10 minutes)
-    python benchmarks/run.py --preset gpu      # an H200 (~4 minutes; see gpu_check.sh)
+    python benchmarks/run.py --preset gpu      # an H200 (~4 minutes; see gpu/gpu_check.sh)
     python benchmarks/run.py --preset quick    # a fast look, either device
     python benchmarks/run.py --preset gpu --dry-run   # list the cases, measure nothing
 """
@@ -19,13 +19,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE))  # the harness package (benchmarks/harness/)
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # the repository's package when it is not installed
 
 
 def main(argv: list[str] | None = None) -> int:
-    import suite  # after sys.path is set
+    from harness import suite  # after sys.path is set
 
     ap = argparse.ArgumentParser(prog="python benchmarks/run.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         p.rounds = args.rounds
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd())] + sys.argv[1:])
-    try:  # the exact command includes `chrt` when the run had a real-time policy (see NOTES.md)
+    try:  # `chrt` is in the exact command when the run had a real-time policy (investigations/NOTES.md)
         policy = os.sched_getscheduler(0)
         if policy in (os.SCHED_FIFO, os.SCHED_RR):
             flag = "-f" if policy == os.SCHED_FIFO else "-r"
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                   "and toolkit (see README, Building)", file=sys.stderr)
             return 2
 
-    import report
+    from harness import report
 
     # A run of one kind of case keeps its own folder and RESULTS.md section (the preset's
     # full section stays as it is).
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"NOTE: the machine is busy (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores). "
               "Each parallel region then waits milliseconds for its second thread to be scheduled, and "
               "small-case figures turn into scheduler quanta. On a shared machine run it as "
-              "`chrt -f 1 python benchmarks/run.py ...` (see benchmarks/NOTES.md).")
+              "`chrt -f 1 python benchmarks/run.py ...` (see benchmarks/investigations/NOTES.md).")
 
     started = time.perf_counter()
     records = suite.run(p, device, budget_s=args.budget_s, only=args.only)
@@ -140,7 +140,7 @@ def rerender(path: Path, out: Path | None, results_md: Path | None) -> int:
 
 def write_reports(preset: dict, env: dict, command: str, wall: float, records: list[dict], device, out: Path,
                   results_md: Path | None) -> None:
-    import report
+    from harness import report
 
     name, note, rounds = preset["name"], preset["note"], preset["rounds"]
     out.mkdir(parents=True, exist_ok=True)

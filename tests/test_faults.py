@@ -171,7 +171,7 @@ def test_fault_inside_a_model_names_the_layer(device: str, inject_fault) -> None
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.slow),
-    pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu_check.sh runs it
+    pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu/gpu_check.sh runs it
     pytest.param("cuda", marks=[pytest.mark.slow, requires_cuda]),
 ])
 def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) -> None:

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh on a machine without a GPU: its --dry-run plan, and its budget."""
+"""benchmarks/gpu/gpu_check.sh on a machine without a GPU: its --dry-run plan, and its budget."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 
 
 def dry_run(tmp_path: Path, **env: str) -> str:

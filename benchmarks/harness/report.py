@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from suite import linear_flops
+from .suite import linear_flops
 
 GIB = 1 << 30
 MIB = 1 << 20

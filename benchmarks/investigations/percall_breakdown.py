@@ -4,7 +4,7 @@ Every piece is timed interleaved with the others in one process: each round
 times N calls of each piece in turn; the figure is the median over rounds of
 the per-call time. Usage (the machine's load matters: say it next to figures):
 
-    python benchmarks/tools/percall_breakdown.py [--rounds 15] [--calls 2000] [--threads 1] [--dtype float32]
+    python benchmarks/investigations/percall_breakdown.py [--rounds 15] [--calls 2000] [--threads 1] [--dtype float32]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// Diagnostic variants of the CPU scan's hot loop, for benchmarks/tools/scan_variants.py.
+// Diagnostic variants of the CPU scan's hot loop, for benchmarks/investigations/scan_variants.py.
 // Each variant runs at::parallel_reduce(grain 1 << 16) over a contiguous float32 tensor
 // exactly as csrc/scan_cpu.cpp does, and returns only "any non-finite?" (no counting pass:
 // the inputs are clean, so that pass never runs in the real scan either).

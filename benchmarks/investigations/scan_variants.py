@@ -1,11 +1,11 @@
 """A/B the CPU scan's hot-loop variants side by side with x.sum() and the real scan.
 
-    python benchmarks/tools/scan_variants.py [--threads 1,2] [--sizes 4M,16M,64M,256M] [--rounds 7]
+    python benchmarks/investigations/scan_variants.py [--threads 1,2] [--sizes 4M,16M,64M,256M] [--rounds 7]
 
 Builds scan_variants.cpp with the extension's CPU flags (-O3 -fopenmp, baseline x86-64) via
 torch.utils.cpp_extension.load (about a minute), then times every variant interleaved with
 x.sum() at each size, and prints GB/s and the fraction of x.sum()'s read bandwidth.
-Used for benchmarks/NOTES.md (the variants are described in scan_variants.cpp).
+Used for benchmarks/investigations/NOTES.md (the variants are described in scan_variants.cpp).
 """
 
 from __future__ import annotations

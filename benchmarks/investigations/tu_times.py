@@ -7,7 +7,7 @@ Objects go to a scratch directory; the build directory is not touched except
 that the precompiled header, when the ninja file has one, is built first (its
 own row) so that the other rows are measured with it, as ninja would.
 
-    python benchmarks/tools/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
+    python benchmarks/investigations/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
         [--extra-flags "-ftime-report"]
 
 Files whose edge sets its own empty `pch_flags` (cublas_guard_ext/_native/build.py's

@@ -88,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                   "and toolkit (see README, Building)", file=sys.stderr)
             return 2
 
-    from harness import report
+    from harness import env_probe
 
     # A run of one kind of case keeps its own folder and RESULTS.md section (the preset's
     # full section stays as it is).
     name = p.name if args.only is None else f"{p.name}-{args.only}"
     out = args.out or HERE / "results" / name
     out.mkdir(parents=True, exist_ok=True)
-    env = report.environment(device)
+    env = env_probe.environment(device)
     print(f"preset {p.name} on {device} ({env.get('gpu') or env['cpu']}), {suite.thread_info()}, "
           f"load average {env['loadavg_start']}; torch {torch.__version__}")
     print(p.note)
@@ -140,25 +140,25 @@ def rerender(path: Path, out: Path | None, results_md: Path | None) -> int:
 
 def write_reports(preset: dict, env: dict, command: str, wall: float, records: list[dict], device, out: Path,
                   results_md: Path | None) -> None:
-    from harness import report
+    from harness import plot, report, rows, tables, targets
 
     name, note, rounds = preset["name"], preset["note"], preset["rounds"]
     out.mkdir(parents=True, exist_ok=True)
-    scan = report.scan_rows(records, device)
-    linear = report.linear_rows(records)
-    fixed = report.fixed_rows(records)
-    ts = report.targets(scan, linear, device) if (scan or linear) else []
+    scan = rows.scan_rows(records, device)
+    linear = rows.linear_rows(records)
+    fixed = rows.fixed_rows(records)
+    ts = targets.targets(scan, linear, device) if (scan or linear) else []
     if fixed:
-        ts += report.fixed_targets(fixed, device)
+        ts += targets.fixed_targets(fixed, device)
     # (A run of the fixed-cost cases alone has nothing to plot.)
-    plot_path = (report.plot(out / "overhead.png", scan, linear, ts, device, env) if (scan or linear)
+    plot_path = (plot.plot(out / "overhead.png", scan, linear, ts, device, env) if (scan or linear)
                  else out / "overhead.png")
     summary = report.summary_markdown(name, env, command, note, wall, device, rounds, ts, scan, linear,
                                       plot_path.name, fixed)
     (out / "summary.md").write_text(summary)
     report.write_json(out / "results.json", {"preset": preset, "env": env, "command": command,
                                              "wall_s": wall, "targets": ts, "records": records})
-    (out / "targets.txt").write_text(report.short_table(ts) + "\n")
+    (out / "targets.txt").write_text(tables.short_table(ts) + "\n")
     if results_md is not None:
         rel = os.path.relpath(out.resolve(), results_md.resolve().parent)
         section = report.results_section(name, env, command, note, wall, device, rounds, ts, scan, linear,
@@ -167,18 +167,18 @@ def write_reports(preset: dict, env: dict, command: str, wall: float, records: l
 
     if scan:
         print()
-        print(report.scan_table(scan, device))
+        print(tables.scan_table(scan, device))
     if linear:
         print()
-        print(report.linear_table(linear, device, only_fwd_tf32_off=True))
+        print(tables.linear_table(linear, device, only_fwd_tf32_off=True))
     if fixed:
         print()
-        print(report.fixed_table(fixed, device))
+        print(tables.fixed_table(fixed, device))
     print(f"\nwrote {out}/summary.md, results.json, targets.txt"
           + (f", {plot_path.name}" if (scan or linear) else "")
           + (f"; updated {results_md}" if results_md else "") + f"  ({wall:.0f} s)")
     print("\nTargets:")
-    print(report.short_table(ts))
+    print(tables.short_table(ts))
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def test_launch_failure(inject_fault, code: int, mode: str) -> None:
 def test_launch_failure_in_scan(inject_fault) -> None:
     inject_fault("launch", 209)
     with pytest.raises(cg.CudaLaunchError):
-        cg.scan(torch.randn(100, device="cuda")).nan_count
+        _ = cg.scan(torch.randn(100, device="cuda")).nan_count  # the read syncs and raises
     r = cg.scan(torch.tensor([1.0, float("nan")], device="cuda"))
     assert (r.nan_count, r.first_bad_index) == (1, 1)
 

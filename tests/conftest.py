@@ -72,8 +72,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.failed:
         seed = seed_for(item.nodeid)
-        report.sections.append(("test seed", f"seed={seed} (torch.manual_seed of CRC32({item.nodeid!r}); "
-                                              "the same on every run of this test)"))
+        report.sections.append(
+            (
+                "test seed",
+                f"seed={seed} (torch.manual_seed of CRC32({item.nodeid!r}); "
+                "the same on every run of this test)",
+            )
+        )
         # junitxml writes the properties of the teardown report, a copy of item.user_properties.
         for props in (item.user_properties, report.user_properties):
             if ("seed", seed) not in props:
@@ -168,6 +173,8 @@ def gemm_spans(fields: dict) -> dict[str, int]:
     m, n, k = fields["m"], fields["n"], fields["k"]
     a_inner, a_outer = (k, m) if fields["transa"] == "T" else (m, k)
     b_inner, b_outer = (n, k) if fields["transb"] == "T" else (k, n)
-    return {"a": (a_outer - 1) * fields["lda"] + a_inner,
-            "b": (b_outer - 1) * fields["ldb"] + b_inner,
-            "c": (n - 1) * fields["ldc"] + m}
+    return {
+        "a": (a_outer - 1) * fields["lda"] + a_inner,
+        "b": (b_outer - 1) * fields["ldb"] + b_inner,
+        "c": (n - 1) * fields["ldc"] + m,
+    }

@@ -17,7 +17,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 
-PLANTED = '''
+PLANTED = """
 import torch
 
 
@@ -27,7 +27,7 @@ def test_draws():
 
 def test_fails():
     assert torch.rand(1).item() > 2.0, "planted failure"
-'''
+"""
 
 
 def run_planted(tmp_path: Path, hash_seed: str, *args: str) -> subprocess.CompletedProcess:
@@ -35,9 +35,22 @@ def run_planted(tmp_path: Path, hash_seed: str, *args: str) -> subprocess.Comple
     (tmp_path / "test_planted.py").write_text(PLANTED)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # rootdir = tmp_path, not this repository
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "--rootdir", str(tmp_path),
-         "test_planted.py", *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-s",
+            "--rootdir",
+            str(tmp_path),
+            "test_planted.py",
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONHASHSEED": hash_seed},
     )
 
@@ -49,7 +62,7 @@ def crc_seed(nodeid: str) -> int:
 def draws(out: str) -> str:
     """The planted test's printed line, from its "initial_seed" on (-s prints it after the file name)."""
     line = next(line for line in out.splitlines() if "initial_seed" in line)
-    return line[line.index("initial_seed"):]
+    return line[line.index("initial_seed") :]
 
 
 @pytest.mark.slow

@@ -47,8 +47,11 @@ def _sched_policy() -> str:
         policy = os.sched_getscheduler(0)
     except (AttributeError, OSError):
         return "unknown"
-    names = {getattr(os, n): n for n in ("SCHED_OTHER", "SCHED_FIFO", "SCHED_RR", "SCHED_BATCH", "SCHED_IDLE")
-             if hasattr(os, n)}
+    names = {
+        getattr(os, n): n
+        for n in ("SCHED_OTHER", "SCHED_FIFO", "SCHED_RR", "SCHED_BATCH", "SCHED_IDLE")
+        if hasattr(os, n)
+    }
     name = names.get(policy, str(policy))
     if name in ("SCHED_FIFO", "SCHED_RR"):
         name += f" priority {os.sched_getparam(0).sched_priority}"
@@ -57,8 +60,9 @@ def _sched_policy() -> str:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=Path(__file__).resolve().parent
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -91,8 +95,15 @@ def environment(device: torch.device) -> dict:
         env["gpu_l2"] = f"{getattr(props, 'L2_cache_size', 0) / MIB:.0f} MiB"
         try:
             smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+                [
+                    "nvidia-smi",
+                    "--query-gpu=driver_version,clocks.max.sm,clocks.max.mem",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             env["nvidia_smi"] = smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else ""
         except (OSError, subprocess.SubprocessError):
             env["nvidia_smi"] = ""

@@ -14,8 +14,14 @@ from .rows import only
 from .suite import linear_flops
 
 
-def plot(path: Path, scan: list[dict], linear: list[dict], ts: list[dict], device: torch.device,
-         env: dict | None = None) -> Path:
+def plot(
+    path: Path,
+    scan: list[dict],
+    linear: list[dict],
+    ts: list[dict],
+    device: torch.device,
+    env: dict | None = None,
+) -> Path:
     """overhead.png with matplotlib (Agg); overhead.svg by hand if matplotlib is missing."""
     scan = [r for r in only(scan) if not r.get("skipped")]
     linear = [r for r in only(linear) if not r.get("skipped")]
@@ -25,17 +31,27 @@ def plot(path: Path, scan: list[dict], linear: list[dict], ts: list[dict], devic
     panels = [
         {
             "title": f"scan bandwidth / {ref} bandwidth",
-            "xlabel": "elements (float32)", "ylabel": "fraction", "logy": False,
-            "series": [("scan" + (" kernel" if device.type == "cuda" else " + decision"),
-                        [(r["numel"], r["frac"]) for r in scan if r.get("frac")])],
+            "xlabel": "elements (float32)",
+            "ylabel": "fraction",
+            "logy": False,
+            "series": [
+                (
+                    "scan" + (" kernel" if device.type == "cuda" else " + decision"),
+                    [(r["numel"], r["frac"]) for r in scan if r.get("frac")],
+                )
+            ],
             "hline": (frac_target, f"target {frac_target:.0%}"),
             "ylim0": True,
         },
         {
             "title": "scan speed-up over the naive checks (with decisions)",
-            "xlabel": "elements (float32)", "ylabel": "time ratio (x)", "logy": True,
-            "series": [("isfinite().all()", [(r["numel"], r["isfinite_x"]) for r in scan if r.get("isfinite_x")]),
-                       ("seed check", [(r["numel"], r["seed_x"]) for r in scan if r.get("seed_x")])],
+            "xlabel": "elements (float32)",
+            "ylabel": "time ratio (x)",
+            "logy": True,
+            "series": [
+                ("isfinite().all()", [(r["numel"], r["isfinite_x"]) for r in scan if r.get("isfinite_x")]),
+                ("seed check", [(r["numel"], r["seed_x"]) for r in scan if r.get("seed_x")]),
+            ],
             "hline": (speed_target, f"target vs isfinite: {speed_target:g}x (large sizes)"),
             "hline2": (2.7, "target vs seed: 2.7x (large sizes)") if device.type == "cuda" else None,
         },
@@ -44,16 +60,28 @@ def plot(path: Path, scan: list[dict], linear: list[dict], ts: list[dict], devic
     for mode in ("sync", "async", "off"):
         for direction in ("fwd", "fwd+bwd"):
             for tf32 in (False, True):
-                pts = sorted((linear_flops(r["M"], r["K"], r["N"], "fwd"), r[f"{mode}_x"]) for r in linear
-                             if r["direction"] == direction and bool(r["tf32"]) == tf32)
+                pts = sorted(
+                    (linear_flops(r["M"], r["K"], r["N"], "fwd"), r[f"{mode}_x"])
+                    for r in linear
+                    if r["direction"] == direction and bool(r["tf32"]) == tf32
+                )
                 if pts:
-                    style = {"color": {"sync": "tab:red", "async": "tab:blue", "off": "tab:green"}[mode],
-                             "ls": "-" if direction == "fwd" else "--", "marker": "^" if tf32 else "o"}
+                    style = {
+                        "color": {"sync": "tab:red", "async": "tab:blue", "off": "tab:green"}[mode],
+                        "ls": "-" if direction == "fwd" else "--",
+                        "marker": "^" if tf32 else "o",
+                    }
                     series.append((f"{mode} {direction}" + (" tf32" if tf32 else ""), pts, style))
-    panels.append({
-        "title": "SafeLinear / nn.Linear time", "xlabel": "GEMM size 2*M*K*N (FLOP)", "ylabel": "time ratio (x)",
-        "logy": False, "series": series, "hline": (1.0, "nn.Linear"),
-    })
+    panels.append(
+        {
+            "title": "SafeLinear / nn.Linear time",
+            "xlabel": "GEMM size 2*M*K*N (FLOP)",
+            "ylabel": "time ratio (x)",
+            "logy": False,
+            "series": series,
+            "hline": (1.0, "nn.Linear"),
+        }
+    )
     try:
         import matplotlib
 
@@ -88,8 +116,11 @@ def plot(path: Path, scan: list[dict], linear: list[dict], ts: list[dict], devic
         ax.legend(fontsize=7)
     env = env or {}
     where = env.get("gpu") or env.get("cpu") or device.type.upper()
-    fig.suptitle(f"cublas_guard_ext overhead: {where}, torch {env.get('torch', torch.__version__)}, "
-                 f"{env.get('date_utc', '')}", fontsize=11)
+    fig.suptitle(
+        f"cublas_guard_ext overhead: {where}, torch {env.get('torch', torch.__version__)}, "
+        f"{env.get('date_utc', '')}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -101,10 +132,24 @@ def _svg(panels: list[dict]) -> str:
     import math
 
     w, h, pad = 420, 300, 48
-    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-              "#bcbd22", "#17becf", "#000000", "#aaaa00"]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels)}" height="{h}" font-size="9" '
-           'font-family="sans-serif">']
+    colors = [
+        "#1f77b4",
+        "#ff7f0e",
+        "#2ca02c",
+        "#d62728",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#7f7f7f",
+        "#bcbd22",
+        "#17becf",
+        "#000000",
+        "#aaaa00",
+    ]
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels)}" height="{h}" font-size="9" '
+        'font-family="sans-serif">'
+    ]
     for i, pnl in enumerate(panels):
         ox = i * w
         pts = [p for _, s, *_ in pnl["series"] for p in s if p[1] and p[1] > 0]
@@ -123,11 +168,15 @@ def _svg(panels: list[dict]) -> str:
         def py(y: float) -> float:
             return h - pad - (ty(y) - y0) / (y1 - y0) * (h - 2 * pad)
 
-        out.append(f'<rect x="{ox + pad}" y="{pad}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#888"/>')
+        out.append(
+            f'<rect x="{ox + pad}" y="{pad}" width="{w - 2 * pad}" height="{h - 2 * pad}" fill="none" stroke="#888"/>'
+        )
         out.append(f'<text x="{ox + w / 2}" y="16" text-anchor="middle" font-size="11">{pnl["title"]}</text>')
         out.append(f'<text x="{ox + w / 2}" y="{h - 8}" text-anchor="middle">{pnl["xlabel"]} (log2)</text>')
         hv = pnl["hline"][0]
-        out.append(f'<line x1="{ox + pad}" x2="{ox + w - pad}" y1="{py(hv):.1f}" y2="{py(hv):.1f}" stroke="#000" stroke-dasharray="4"/>')
+        out.append(
+            f'<line x1="{ox + pad}" x2="{ox + w - pad}" y1="{py(hv):.1f}" y2="{py(hv):.1f}" stroke="#000" stroke-dasharray="4"/>'
+        )
         out.append(f'<text x="{ox + pad + 2}" y="{py(hv) - 3:.1f}">{pnl["hline"][1]}</text>')
         for k, (label, s, *_) in enumerate(pnl["series"]):
             s = [p for p in s if p[1] and p[1] > 0]
@@ -136,10 +185,14 @@ def _svg(panels: list[dict]) -> str:
             c = colors[k % len(colors)]
             path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in s)
             out.append(f'<polyline points="{path}" fill="none" stroke="{c}"/>')
-            out.append(f'<text x="{ox + w - pad - 4}" y="{pad + 12 + 11 * k}" text-anchor="end" fill="{c}">{label}</text>')
+            out.append(
+                f'<text x="{ox + w - pad - 4}" y="{pad + 12 + 11 * k}" text-anchor="end" fill="{c}">{label}</text>'
+            )
         for frac in (0.0, 0.5, 1.0):
             yv = y0 + frac * (y1 - y0)
-            label = f"{10 ** yv:.3g}" if pnl["logy"] else f"{yv:.3g}"
-            out.append(f'<text x="{ox + pad - 3}" y="{h - pad - frac * (h - 2 * pad):.1f}" text-anchor="end">{label}</text>')
+            label = f"{10**yv:.3g}" if pnl["logy"] else f"{yv:.3g}"
+            out.append(
+                f'<text x="{ox + pad - 3}" y="{h - pad - frac * (h - 2 * pad):.1f}" text-anchor="end">{label}</text>'
+            )
     out.append("</svg>")
     return "\n".join(out)

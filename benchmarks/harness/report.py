@@ -14,8 +14,15 @@ from pathlib import Path
 import torch
 
 from .rows import only
-from .tables import (do_bench_lines, dtype_table, fixed_table, gemm_table, linear_table, scan_table,
-                     targets_table)
+from .tables import (
+    do_bench_lines,
+    dtype_table,
+    fixed_table,
+    gemm_table,
+    linear_table,
+    scan_table,
+    targets_table,
+)
 
 
 def env_lines(env: dict, command: str, preset_note: str, wall_s: float) -> str:
@@ -27,12 +34,16 @@ def env_lines(env: dict, command: str, preset_note: str, wall_s: float) -> str:
         f"(1/5/15 min) at start {env['loadavg_start']}, at end {env.get('loadavg_end', '?')}",
     ]
     if "gpu" in env:
-        lines.append(f"- GPU: {env['gpu']} (cc {env['gpu_cc']}, {env['gpu_memory']}, L2 {env['gpu_l2']}); "
-                     f"nvidia-smi driver/max SM clock/max mem clock: {env.get('nvidia_smi') or '?'}")
-    lines.append(f"- Python {env['python']}, torch {env['torch']}"
-                 + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
-                 + (f", triton {env['triton']}" if env.get("triton") else "")
-                 + f"; extension {env['extension']}; git {env['git_commit']}{' + local changes' if env['git_dirty'] else ''}")
+        lines.append(
+            f"- GPU: {env['gpu']} (cc {env['gpu_cc']}, {env['gpu_memory']}, L2 {env['gpu_l2']}); "
+            f"nvidia-smi driver/max SM clock/max mem clock: {env.get('nvidia_smi') or '?'}"
+        )
+    lines.append(
+        f"- Python {env['python']}, torch {env['torch']}"
+        + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
+        + (f", triton {env['triton']}" if env.get("triton") else "")
+        + f"; extension {env['extension']}; git {env['git_commit']}{' + local changes' if env['git_dirty'] else ''}"
+    )
     lines.append(f"- cases: {preset_note}")
     return "\n".join(lines)
 
@@ -51,13 +62,17 @@ host knows the answer: `cg.scan(x).all_finite`, `bool(torch.isfinite(x).all())`,
 def method_text(device: torch.device, rounds: int) -> str:
     if device.type == "cuda":
         timer = "CUDA events around a batch of back-to-back calls (per-call time = batch time / calls)"
-        extra = (" Scan inputs rotate over buffers of at least 3x the L2 cache together, so repeated "
-                 "calls read from HBM. Bandwidth: the scan counts the bytes it reads; the device-to-device "
-                 "copy `dst.copy_(x)` of the same size, measured in the same group, counts bytes read + written.")
+        extra = (
+            " Scan inputs rotate over buffers of at least 3x the L2 cache together, so repeated "
+            "calls read from HBM. Bandwidth: the scan counts the bytes it reads; the device-to-device "
+            "copy `dst.copy_(x)` of the same size, measured in the same group, counts bytes read + written."
+        )
     else:
         timer = "`torch.utils.benchmark.Timer.blocked_autorange` with all torch threads"
-        extra = (" Bandwidth: bytes read per second; the reference is `x.sum()` of the same tensor, measured "
-                 "in the same group.")
+        extra = (
+            " Bandwidth: bytes read per second; the reference is `x.sum()` of the same tensor, measured "
+            "in the same group."
+        )
     return METHOD.format(rounds=rounds, timer=timer, extra=extra)
 
 
@@ -78,9 +93,20 @@ def fixed_parts(fixed: list[dict] | None, device: torch.device, heading: str) ->
     return [f"{heading} Fixed cost per call", FIXED_NOTE, fixed_table(fixed, device)]
 
 
-def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_s: float, device: torch.device,
-                     rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], plot_name: str,
-                     fixed: list[dict] | None = None) -> str:
+def summary_markdown(
+    preset_name: str,
+    env: dict,
+    command: str,
+    note: str,
+    wall_s: float,
+    device: torch.device,
+    rounds: int,
+    ts: list[dict],
+    scan: list[dict],
+    linear: list[dict],
+    plot_name: str,
+    fixed: list[dict] | None = None,
+) -> str:
     main = bool(scan or linear)  # False for a run of the fixed-cost cases alone
     parts = [
         f"# Benchmarks, preset `{preset_name}` on {device.type.upper()}",
@@ -97,7 +123,7 @@ def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_
             do_bench_lines(scan),
             "## SafeLinear against nn.Linear (time ratio; `async adds` = async - nn.Linear per call)",
             linear_table(linear, device),
-            "## The GEMM alone: `cg.linear(x, w, b, mode=\"off\")` (checks + checked GEMM) against `F.linear`",
+            '## The GEMM alone: `cg.linear(x, w, b, mode="off")` (checks + checked GEMM) against `F.linear`',
             gemm_table(only(linear), device),
             "## bfloat16, float16, float64",
             dtype_table(scan, linear, device),
@@ -106,11 +132,27 @@ def summary_markdown(preset_name: str, env: dict, command: str, note: str, wall_
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def results_section(preset_name: str, env: dict, command: str, note: str, wall_s: float, device: torch.device,
-                    rounds: int, ts: list[dict], scan: list[dict], linear: list[dict], rel_dir: str,
-                    plot_name: str, fixed: list[dict] | None = None) -> str:
-    title = {"cpu": "CPU", "gpu": "GPU", "cpu-fixed": "CPU, fixed cost per call",
-             "gpu-fixed": "GPU, fixed cost per call"}.get(preset_name, preset_name)
+def results_section(
+    preset_name: str,
+    env: dict,
+    command: str,
+    note: str,
+    wall_s: float,
+    device: torch.device,
+    rounds: int,
+    ts: list[dict],
+    scan: list[dict],
+    linear: list[dict],
+    rel_dir: str,
+    plot_name: str,
+    fixed: list[dict] | None = None,
+) -> str:
+    title = {
+        "cpu": "CPU",
+        "gpu": "GPU",
+        "cpu-fixed": "CPU, fixed cost per call",
+        "gpu-fixed": "GPU, fixed cost per call",
+    }.get(preset_name, preset_name)
     main = bool(scan or linear)  # False for a run of the fixed-cost cases alone
     parts = [
         f"## {title} (preset `{preset_name}`)",

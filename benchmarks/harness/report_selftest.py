@@ -33,15 +33,28 @@ def fake_times(g: suite.Group, device: torch.device, rounds: int) -> dict[str, l
         n = g.params["numel"]
         bw = 4.0e12 if device.type == "cuda" else 60e9
         launch = 5e-6 if device.type == "cuda" else 1e-6
-        base = {"scan": 4 * n / (0.93 * bw) + 2 * launch, "scan_op": 4 * n / (0.95 * bw) + launch,
-                "isfinite": 6 * n / bw + 3 * launch, "seed": 12 * n / bw + 6 * launch, "sum": 4 * n / bw + launch,
-                "copy": 8 * n / bw + launch}
+        base = {
+            "scan": 4 * n / (0.93 * bw) + 2 * launch,
+            "scan_op": 4 * n / (0.95 * bw) + launch,
+            "isfinite": 6 * n / bw + 3 * launch,
+            "seed": 12 * n / bw + 6 * launch,
+            "sum": 4 * n / bw + launch,
+            "copy": 8 * n / bw + launch,
+        }
     else:
         flops = suite.linear_flops(g.params["M"], g.params["K"], g.params["N"], g.params["direction"])
         rate = (50e12 if not g.params.get("tf32") else 300e12) if device.type == "cuda" else 150e9
         t = flops / rate + 8e-6
-        base = {"nn.Linear": t, "sync": t * 1.03 + 10e-6, "async": t * 1.01 + 4e-6, "off": t * 1.005 + 2e-6,
-                "F.linear": t - 1e-6, "gemm_off": t * 1.01, "F.linear_nobias": t - 2e-6, "gemm_off_nobias": t}
+        base = {
+            "nn.Linear": t,
+            "sync": t * 1.03 + 10e-6,
+            "async": t * 1.01 + 4e-6,
+            "off": t * 1.005 + 2e-6,
+            "F.linear": t - 1e-6,
+            "gemm_off": t * 1.01,
+            "F.linear_nobias": t - 2e-6,
+            "gemm_off_nobias": t,
+        }
     for name in g.members:
         out[name] = [base[name] * (1 + 0.02 * rng.random()) for _ in range(rounds)]
     return out
@@ -57,25 +70,67 @@ def main() -> int:
     records = []
     for g in suite.plan(p, device):
         times = fake_times(g, device, p.rounds)
-        rec = {"kind": g.kind, "params": dict(g.params), "members": g.members, "rounds": p.rounds,
-               "times_s": times, "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()}}
+        rec = {
+            "kind": g.kind,
+            "params": dict(g.params),
+            "members": g.members,
+            "rounds": p.rounds,
+            "times_s": times,
+            "median_s": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+        }
         if g.kind == "scan" and device.type == "cuda" and g.params["numel"] >= (1 << 26):
-            rec["do_bench_ms"] = {"scan_op": rec["median_s"]["scan_op"] * 1e3, "copy": rec["median_s"]["copy"] * 1e3}
+            rec["do_bench_ms"] = {
+                "scan_op": rec["median_s"]["scan_op"] * 1e3,
+                "copy": rec["median_s"]["copy"] * 1e3,
+            }
         if g.kind == "fixed" and device.type == "cuda":
             rec["wall_times_s"] = {k: [t * 1.1 for t in v] for k, v in times.items()}
         records.append(rec)
-    records[-1] = {"kind": records[-1]["kind"], "params": records[-1]["params"], "members": records[-1]["members"],
-                   "skipped": "time budget of 150 s spent (synthetic)"}
-    env = {"date_utc": "synthetic", "cpu": "synthetic CPU", "cpu_cores": 16, "torch_threads": 16, "memory": "?",
-           "python": "3.x", "torch": torch.__version__, "torch_cuda": "13.0", "device": str(device),
-           "loadavg_start": "0", "loadavg_end": "0", "scheduling": "SCHED_OTHER", "git_commit": "synthetic",
-           "git_dirty": False, "extension": "synthetic"}
+    records[-1] = {
+        "kind": records[-1]["kind"],
+        "params": records[-1]["params"],
+        "members": records[-1]["members"],
+        "skipped": "time budget of 150 s spent (synthetic)",
+    }
+    env = {
+        "date_utc": "synthetic",
+        "cpu": "synthetic CPU",
+        "cpu_cores": 16,
+        "torch_threads": 16,
+        "memory": "?",
+        "python": "3.x",
+        "torch": torch.__version__,
+        "torch_cuda": "13.0",
+        "device": str(device),
+        "loadavg_start": "0",
+        "loadavg_end": "0",
+        "scheduling": "SCHED_OTHER",
+        "git_commit": "synthetic",
+        "git_dirty": False,
+        "extension": "synthetic",
+    }
     if device.type == "cuda":
-        env.update({"gpu": "synthetic H200", "gpu_cc": "9.0", "gpu_memory": "139 GiB", "gpu_l2": "60 MiB",
-                    "nvidia_smi": "synthetic", "triton": None})
+        env.update(
+            {
+                "gpu": "synthetic H200",
+                "gpu_cc": "9.0",
+                "gpu_memory": "139 GiB",
+                "gpu_l2": "60 MiB",
+                "nvidia_smi": "synthetic",
+                "triton": None,
+            }
+        )
     args.out.mkdir(parents=True, exist_ok=True)
-    run.write_reports(p.describe(), env, "synthetic", 0.0, records, device, args.out / "results" / p.name,
-                      args.out / "RESULTS.md")
+    run.write_reports(
+        p.describe(),
+        env,
+        "synthetic",
+        0.0,
+        records,
+        device,
+        args.out / "results" / p.name,
+        args.out / "RESULTS.md",
+    )
     return 0
 
 

@@ -242,8 +242,13 @@ def _plan(p: Preset, device: torch.device) -> list[Group]:
     for dtype in EXTRA_DTYPES:
         for m, k, n in p.dtype_shapes:
             members = ["nn.Linear", *MODES, "F.linear", "gemm_off"]
-            typed.append(Group("linear", {"M": m, "K": k, "N": n, "tf32": False, "direction": "fwd",
-                                          "dtype": dtype}, members))
+            typed.append(
+                Group(
+                    "linear",
+                    {"M": m, "K": k, "N": n, "tf32": False, "direction": "fwd", "dtype": dtype},
+                    members,
+                )
+            )
         for numel in p.dtype_scan_sizes:
             members = ["scan", "scan_op", "sum"] + (["copy"] if device.type == "cuda" else [])
             typed.append(Group("scan", {"numel": numel, "dtype": dtype}, members))
@@ -339,7 +344,11 @@ def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], ob
         dst = [torch.empty_like(pool[0]) for _ in range(count)] if "copy" in g.members else []
     elif device.type == "cuda":
         pool = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
-        dst = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device)) if "copy" in g.members else []
+        dst = (
+            bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
+            if "copy" in g.members
+            else []
+        )
     else:
         pool = [torch.randn(numel, device=device, dtype=dtype)]
         dst = []
@@ -361,8 +370,11 @@ def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], ob
             return d.copy_(s)
 
         fns["copy"] = copy
-    info = {"buffers": len(pool), "buffer_bytes": itemsize * numel,
-            "rotated_bytes": itemsize * numel * len(pool)}
+    info = {
+        "buffers": len(pool),
+        "buffer_bytes": itemsize * numel,
+        "rotated_bytes": itemsize * numel * len(pool),
+    }
     if device.type == "cuda" and numel >= (1 << 26) and dtype == torch.float32:
         info["do_bench_ms"] = _do_bench_crosscheck(pool[0], dst[0] if dst else None)
     return {name: fns[name] for name in g.members}, info
@@ -377,7 +389,9 @@ def _do_bench_crosscheck(x: torch.Tensor, dst: torch.Tensor | None) -> dict | No
         return None
     ops = torch.ops.cublas_guard
     try:
-        out = {"scan_op": float(do_bench(lambda: ops.scan.default(x), warmup=10, rep=40, return_mode="median"))}
+        out = {
+            "scan_op": float(do_bench(lambda: ops.scan.default(x), warmup=10, rep=40, return_mode="median"))
+        }
         if dst is not None:
             out["copy"] = float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median"))
     except Exception as err:  # noqa: BLE001 (a cross-check must not cost the run)
@@ -417,12 +431,15 @@ def _fixed_fns(g: Group, device: torch.device) -> dict[str, Callable[[], object]
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(m, n, device=device, dtype=dtype)
     inputs = (x, ref.weight, ref.bias)
-    return {name: (lambda layer=layer: torch.autograd.grad(layer(x), inputs, grad_out))
-            for name, layer in layers.items()}
+    return {
+        name: (lambda layer=layer: torch.autograd.grad(layer(x), inputs, grad_out))
+        for name, layer in layers.items()
+    }
 
 
-def time_fixed(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-               min_time: float) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def time_fixed(
+    fns: dict[str, Callable[[], object]], device: torch.device, rounds: int, min_time: float
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Host and wall seconds per call of each function, one value per round, interleaved.
 
     A batch of back-to-back calls per function and round: host time is the time
@@ -532,8 +549,9 @@ def run_group(g: Group, device: torch.device, p: Preset) -> dict:
     return record
 
 
-def run(p: Preset, device: torch.device, budget_s: float | None = None, log=print,
-        only: str | None = None) -> list[dict]:
+def run(
+    p: Preset, device: torch.device, budget_s: float | None = None, log=print, only: str | None = None
+) -> list[dict]:
     budget = p.budget_s if budget_s is None else budget_s
     groups = plan(p, device, only=only)
     torch.manual_seed(0)
@@ -542,19 +560,31 @@ def run(p: Preset, device: torch.device, budget_s: float | None = None, log=prin
     for i, g in enumerate(groups, 1):
         elapsed = time.perf_counter() - started
         if elapsed > budget:
-            records.append({"kind": g.kind, "params": dict(g.params), "members": g.members,
-                            "skipped": f"time budget of {budget:.0f} s spent"})
+            records.append(
+                {
+                    "kind": g.kind,
+                    "params": dict(g.params),
+                    "members": g.members,
+                    "skipped": f"time budget of {budget:.0f} s spent",
+                }
+            )
             continue
         try:
             rec = run_group(g, device, p)
         except Exception as err:  # noqa: BLE001 (one failing case must not cost the whole run)
             traceback.print_exc()
             first = (str(err).strip().splitlines() or [""])[0][:200]
-            rec = {"kind": g.kind, "params": dict(g.params), "members": g.members,
-                   "skipped": f"ERROR {type(err).__name__}: {first}"}
+            rec = {
+                "kind": g.kind,
+                "params": dict(g.params),
+                "members": g.members,
+                "skipped": f"ERROR {type(err).__name__}: {first}",
+            }
         records.append(rec)
-        log(f"[{i:3d}/{len(groups)} {time.perf_counter() - started:6.1f}s] {g.key()}"
-            + (f"  SKIPPED: {rec['skipped']}" if "skipped" in rec else f"  ({rec['wall_s']:.1f}s)"))
+        log(
+            f"[{i:3d}/{len(groups)} {time.perf_counter() - started:6.1f}s] {g.key()}"
+            + (f"  SKIPPED: {rec['skipped']}" if "skipped" in rec else f"  ({rec['wall_s']:.1f}s)")
+        )
     return records
 
 
@@ -570,4 +600,3 @@ def resolve_device(p: Preset, override: str | None) -> torch.device:
 
 def thread_info() -> str:
     return f"{torch.get_num_threads()} torch threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
-

@@ -44,15 +44,25 @@ def main() -> int:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
-    variants = ["v0_single_acc", "v1_vec4_sse2", "v1_vec4_avx2", "v1_noblock", "v2_max", "v1_prefetch", "read_or"]
+    variants = [
+        "v0_single_acc",
+        "v1_vec4_sse2",
+        "v1_vec4_avx2",
+        "v1_noblock",
+        "v2_max",
+        "v1_prefetch",
+        "read_or",
+    ]
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for n in [parse_size(s) for s in args.sizes.split(",")]:
             x = torch.randn(n)
             fns = {"x.sum()": lambda: x.sum(), "cg.scan (built)": lambda: cg.scan(x).all_finite}
             for v in variants:
-                fns[v] = lambda f=getattr(mod, v): f(x)
-            times = bench.interleaved(fns, torch.device("cpu"), rounds=args.rounds, min_run_time=args.min_run_time)
+                fns[v] = lambda f=getattr(mod, v): f(x)  # noqa: B008 (binds this variant now)
+            times = bench.interleaved(
+                fns, torch.device("cpu"), rounds=args.rounds, min_run_time=args.min_run_time
+            )
             med = {k: statistics.median(v) for k, v in times.items()}
             ref = 4 * n / med["x.sum()"] / 1e9
             print(f"threads={threads} n={n:,} ({4 * n / 2**20:.0f} MiB): x.sum() {ref:.1f} GB/s")

@@ -25,14 +25,14 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness import suite  # after sys.path is set
+    from harness import presets, suite  # after sys.path is set
 
     ap = argparse.ArgumentParser(
         prog="python benchmarks/run.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--preset", choices=suite.PRESETS, default="cpu")
+    ap.add_argument("--preset", choices=presets.PRESETS, default="cpu")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="override the preset's device")
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<preset>)")
     ap.add_argument(
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    p = suite.preset(args.preset)
+    p = presets.preset(args.preset)
     if args.rounds:
         p.rounds = args.rounds
     command = "python " + " ".join(
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {g.key():60s} {', '.join(g.members)}")
         return 0
 
-    device = suite.resolve_device(p, args.device)
+    device = presets.resolve_device(p, args.device)
     import cublas_guard_ext._native.loader as loader
 
     if device.type == "cuda":

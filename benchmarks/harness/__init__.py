@@ -1,6 +1,7 @@
 """The benchmark harness behind benchmarks/run.py, one concern per module:
 
-suite.py           the presets, the cases and their interleaved timing
+presets.py         the presets: cases, rounds and budget per device
+suite.py           the cases of a preset and their interleaved timing
 env_probe.py       the machine a run ran on
 rows.py            records -> derived rows (us, GB/s, FLOP/s, ratios of one group)
 targets.py         the PASS / MISS thresholds of the issues

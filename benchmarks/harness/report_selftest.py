@@ -23,7 +23,7 @@ sys.path.insert(1, str(HERE.parent.parent))
 import torch  # noqa: E402
 
 import run  # noqa: E402
-from harness import suite  # noqa: E402
+from harness import presets, suite  # noqa: E402
 
 
 def fake_times(g: suite.Group, device: torch.device, rounds: int) -> dict[str, list[float]]:
@@ -62,10 +62,10 @@ def fake_times(g: suite.Group, device: torch.device, rounds: int) -> dict[str, l
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="gpu", choices=suite.PRESETS)
+    ap.add_argument("--preset", default="gpu", choices=presets.PRESETS)
     ap.add_argument("--out", type=Path, default=Path("/tmp/report-selftest"))
     args = ap.parse_args()
-    p = suite.preset(args.preset)
+    p = presets.preset(args.preset)
     device = torch.device("cuda" if p.device in ("cuda", "auto") else "cpu")
     records = []
     for g in suite.plan(p, device):

@@ -80,7 +80,8 @@ CXX_FORMAT_SOURCES = $(shell find csrc benchmarks -type f \( -name '*.cpp' -o -n
 lint: $(DEPS_STAMP)
 	@rc=0; \
 	echo '== ruff check'; $(VENV)/bin/ruff check . || rc=1; \
-	echo '== ruff format --check'; $(VENV)/bin/ruff format --check . || rc=1; \
+	echo '== ruff format --check (the changes: ruff format --diff)'; \
+	$(VENV)/bin/ruff format --check --output-format concise . || rc=1; \
 	echo '== clang-format --dry-run -Werror: $(words $(CXX_FORMAT_SOURCES)) files, <= 3 findings each'; \
 	$(VENV)/bin/clang-format --dry-run -Werror --ferror-limit=3 $(CXX_FORMAT_SOURCES) || rc=1; \
 	if [ $$rc = 0 ]; then echo 'make lint: clean'; \

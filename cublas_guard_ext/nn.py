@@ -74,8 +74,11 @@ class SafeLinear(nn.Linear):
 
     # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]: values
     # torch.jit reads at run time, kept in typing's spelling rather than str | None).
-    __annotations__ = {**nn.Linear.__annotations__, "mode": Optional[str],  # noqa: UP045
-                       "guard_name": Optional[str]}  # noqa: UP045
+    __annotations__ = {
+        **nn.Linear.__annotations__,
+        "mode": Optional[str],  # noqa: UP045
+        "guard_name": Optional[str],  # noqa: UP045
+    }
 
     @property
     def guard_label(self) -> str:

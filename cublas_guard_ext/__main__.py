@@ -23,8 +23,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_module.run(steps=args.steps, benchmark=not args.no_bench)
     if args.command == "bench":
-        import torch
-
         from .tools import bench
         from .tools.demo import _device
 

@@ -72,9 +72,13 @@ class SafeLinear(nn.Linear):
         if name:
             _reset_calls(name)
 
-    # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]).
-    __annotations__ = {**nn.Linear.__annotations__, "mode": Optional[str],
-                       "guard_name": Optional[str]}
+    # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]: values
+    # torch.jit reads at run time, kept in typing's spelling rather than str | None).
+    __annotations__ = {
+        **nn.Linear.__annotations__,
+        "mode": Optional[str],  # noqa: UP045
+        "guard_name": Optional[str],  # noqa: UP045
+    }
 
     @property
     def guard_label(self) -> str:

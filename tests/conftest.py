@@ -1,8 +1,9 @@
-"""Shared fixtures: devices, TF32 off, the test hooks, tolerance helpers."""
+"""Shared fixtures: devices, TF32 off, per-test seeds, the test hooks, tolerance helpers."""
 
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -44,16 +45,44 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def seed_for(nodeid: str) -> int:
+    """The torch seed of one test: a CRC32 of its id ("tests/test_x.py::test_y[cpu]"), the same
+    in every process and on every machine (hash() of a str is salted per process), so a failure
+    seen once replays by running that test again."""
+    return zlib.crc32(nodeid.encode()) % (2**31)
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32_and_fresh_seed(request: pytest.FixtureRequest):
-    """TF32 off (exact float32 GEMMs), and a per-test seed that still differs per test."""
+    """TF32 off (exact float32 GEMMs), and a per-test seed that differs per test (seed_for)."""
     old = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    torch.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    torch.manual_seed(seed_for(request.node.nodeid))
     yield
     torch.backends.cuda.matmul.allow_tf32 = old[0]
     torch.set_float32_matmul_precision(old[1])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report names its seed: a "test seed" section under the failure and a
+    `seed` property in --junitxml output."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seed = seed_for(item.nodeid)
+        report.sections.append(
+            (
+                "test seed",
+                f"seed={seed} (torch.manual_seed of CRC32({item.nodeid!r}); "
+                "the same on every run of this test)",
+            )
+        )
+        # junitxml writes the properties of the teardown report, a copy of item.user_properties.
+        for props in (item.user_properties, report.user_properties):
+            if ("seed", seed) not in props:
+                props.append(("seed", seed))
 
 
 @pytest.fixture(autouse=True)
@@ -144,6 +173,8 @@ def gemm_spans(fields: dict) -> dict[str, int]:
     m, n, k = fields["m"], fields["n"], fields["k"]
     a_inner, a_outer = (k, m) if fields["transa"] == "T" else (m, k)
     b_inner, b_outer = (n, k) if fields["transb"] == "T" else (k, n)
-    return {"a": (a_outer - 1) * fields["lda"] + a_inner,
-            "b": (b_outer - 1) * fields["ldb"] + b_inner,
-            "c": (n - 1) * fields["ldc"] + m}
+    return {
+        "a": (a_outer - 1) * fields["lda"] + a_inner,
+        "b": (b_outer - 1) * fields["ldb"] + b_inner,
+        "c": (n - 1) * fields["ldc"] + m,
+    }

@@ -1,4 +1,4 @@
-"""CUDA-only tests: they skip without a GPU and run in benchmarks/gpu_check.sh.
+"""CUDA-only tests: they skip without a GPU and run in benchmarks/gpu/gpu_check.sh.
 
 (The device-parametrized tests in the other files also run on CUDA there.)
 """

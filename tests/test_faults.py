@@ -171,7 +171,7 @@ def test_fault_inside_a_model_names_the_layer(device: str, inject_fault) -> None
 # --------------------------------------------------------------------------
 @pytest.mark.parametrize("device", [
     pytest.param("cpu", marks=pytest.mark.slow),
-    pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu_check.sh runs it
+    pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu/gpu_check.sh runs it
     pytest.param("cuda", marks=[pytest.mark.slow, requires_cuda]),
 ])
 def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) -> None:
@@ -248,7 +248,7 @@ def test_launch_failure(inject_fault, code: int, mode: str) -> None:
 def test_launch_failure_in_scan(inject_fault) -> None:
     inject_fault("launch", 209)
     with pytest.raises(cg.CudaLaunchError):
-        cg.scan(torch.randn(100, device="cuda")).nan_count
+        _ = cg.scan(torch.randn(100, device="cuda")).nan_count  # the read syncs and raises
     r = cg.scan(torch.tensor([1.0, float("nan")], device="cuda"))
     assert (r.nan_count, r.first_bad_index) == (1, 1)
 

@@ -23,7 +23,7 @@ WARMUP = 1_000
 QUICK_STEPS = 2_000  # the GPU quick variant: allocated bytes are exact, so any per-step leak shows
 
 # cpu and cuda run the full count and are marked slow; "cuda-quick" (not slow) is what
-# benchmarks/gpu_check.sh runs (it runs `-m "not slow"`) within its test budget.
+# benchmarks/gpu/gpu_check.sh runs (it runs `-m "not slow"`) within its test budget.
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.slow),
     pytest.param("cuda-quick", marks=requires_cuda),

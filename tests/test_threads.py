@@ -24,7 +24,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import pytest
 import torch
 import torch.nn.functional as F
 

@@ -914,7 +914,7 @@ def test_known_values_carry_to_the_next_block_until_written():
     assert scanned == 2
 
 
-# -- Per device: the same promises on the CPU and, with a GPU, on CUDA (benchmarks/gpu_check.sh's
+# -- Per device: the same promises on the CPU and, with a GPU, on CUDA (benchmarks/gpu/gpu_check.sh's
 # "rest" slot runs the [cuda] cases with -k cuda). On CUDA the watch still reads each scan's
 # counts with a host sync (README, "watch"); these pin what it reports there.
 

@@ -312,7 +312,7 @@ PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
 # torch's Python headers, and gain little from it (loading the 430 MB PCH alone takes about
 # 4 CPU-s, as much as parsing <ATen/core/Tensor.h>; the four: 36 CPU-s without it, 30 with
 # it), so they compile on the second core while the first builds the PCH: the 2-core
-# critical path is 88 CPU-s instead of 104 (benchmarks/NOTES.md, "Build time").
+# critical path is 88 CPU-s instead of 104 (benchmarks/investigations/NOTES.md, "Build time").
 NO_PCH_SOURCES = frozenset(
     {"linear/checks.cpp", "report/errors.cpp", "scan/scan_cpu.cpp", "report/python_errors.cpp"}
 )

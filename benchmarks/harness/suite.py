@@ -1,4 +1,4 @@
-"""The benchmark cases, the presets that choose them, and the measuring loop.
+"""The benchmark cases a preset (presets.py) chooses, and the measuring loop.
 
 Every case is one *group*: all the functions compared in it are measured
 interleaved, round after round, in one process (cublas_guard_ext.tools.bench.interleaved).
@@ -12,7 +12,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,161 +21,11 @@ from torch import nn
 import cublas_guard_ext as cg
 from cublas_guard_ext.tools import bench
 
+from .presets import Preset, cpu_mem_available
+
 MODES = ("sync", "async", "off")
 # Measured beside float32 (whose groups carry no dtype param, as before).
 EXTRA_DTYPES = ("bfloat16", "float16", "float64")
-GRID_M = (1, 32, 512, 4096, 8192)
-GRID_KN = ((256, 256), (1024, 1024), (4096, 4096), (4096, 11008))
-
-
-@dataclass
-class Preset:
-    name: str
-    device: str  # "cpu" | "cuda" | "auto"
-    linear_shapes: list[tuple[int, int, int]]
-    directions: list[str]  # "fwd" (no_grad) | "fwd+bwd"
-    tf32: list[bool]
-    scan_sizes: list[int]
-    slow_baseline_max: int  # largest numel for isfinite()/seed check (they are slow on CPU)
-    rounds: int
-    min_run_time: float
-    budget_s: float
-    target_shapes: list[tuple[int, int, int]] = field(default_factory=list)  # measured first
-    gemm_nobias: bool = False
-    note: str = ""
-    # bf16/fp16/fp64 rows: forward (no_grad, TF32 off) at these shapes, the scan at these sizes.
-    dtype_shapes: list[tuple[int, int, int]] = field(default_factory=list)
-    dtype_scan_sizes: list[int] = field(default_factory=list)
-    # The fixed cost per call (issue 12): SafeLinear in each mode beside nn.Linear at
-    # these shapes, dtypes, torch thread counts ([] = leave torch's) and directions.
-    fixed_shapes: list[tuple[int, int, int]] = field(default_factory=list)
-    fixed_dtypes: list[str] = field(default_factory=lambda: ["float32"])
-    fixed_threads: list[int] = field(default_factory=list)
-    fixed_directions: list[str] = field(default_factory=lambda: ["fwd", "fwd+bwd"])
-    fixed_rounds: int = 15
-    fixed_min_time: float = 0.01  # seconds per member per round
-
-    def describe(self) -> dict:
-        return asdict(self)
-
-
-def _pow2_sizes(lo_log2: int, hi_log2: int, step: int = 2) -> list[int]:
-    return [1 << e for e in range(lo_log2, hi_log2 + 1, step)]
-
-
-def _cpu_mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
-
-
-CPU_SUBSET_NOTE = (
-    "CPU subset of the issue's grid (the 2-core CPU runs fp32 GEMMs at roughly 50-100 GFLOP/s, so "
-    "M >= 4096 or M = 512 with K = 4096 would take seconds per call): M in {1, 32, 512} x (K, N) in "
-    "{(256, 256), (1024, 1024)}; M in {1, 32} x (4096, 4096); M = 1 x (4096, 11008); plus the CPU "
-    "target shape M = K = N = 1024. TF32 is a CUDA tensor-core mode: it does not exist on the CPU, "
-    "so only TF32 off is measured here."
-)
-
-
-def preset(name: str) -> Preset:
-    if name == "cpu":
-        shapes = [(m, k, n) for m in (1, 32, 512) for k, n in ((256, 256), (1024, 1024))]
-        shapes += [(1024, 1024, 1024), (1, 4096, 4096), (32, 4096, 4096), (1, 4096, 11008)]
-        top = 28 if _cpu_mem_available() >= (10 << 30) else 26
-        return Preset(
-            name="cpu",
-            device="cpu",
-            linear_shapes=shapes,
-            directions=["fwd", "fwd+bwd"],
-            tf32=[False],
-            scan_sizes=_pow2_sizes(10, top),
-            slow_baseline_max=1 << 28,
-            rounds=5,
-            min_run_time=0.1,
-            budget_s=540.0,
-            target_shapes=[(1024, 1024, 1024)],
-            note=CPU_SUBSET_NOTE,
-            dtype_shapes=[(32, 1024, 1024), (1024, 1024, 1024)],
-            dtype_scan_sizes=[1 << 20, 1 << 24, 1 << 26],
-            fixed_shapes=[(1, 16, 16), (32, 1024, 1024)],
-            fixed_dtypes=["float32", "bfloat16"],
-            fixed_threads=[1, 2],
-        )
-    if name == "gpu":
-        shapes = [(m, k, n) for m in GRID_M for k, n in GRID_KN]
-        return Preset(
-            name="gpu",
-            device="cuda",
-            linear_shapes=shapes,
-            directions=["fwd", "fwd+bwd"],
-            tf32=[False, True],
-            scan_sizes=_pow2_sizes(10, 30),
-            slow_baseline_max=1 << 30,
-            rounds=3,
-            min_run_time=0.04,
-            budget_s=150.0,
-            target_shapes=[(8192, 4096, 4096), (32, 1024, 1024)],
-            gemm_nobias=True,
-            dtype_shapes=[(32, 1024, 1024), (8192, 4096, 4096)],
-            dtype_scan_sizes=[1 << 20, 1 << 26, 1 << 28],
-            # ~10 s: 4 groups of 4 members x 15 rounds x 10 ms, plus warm-up.
-            fixed_shapes=[(32, 1024, 1024)],
-            fixed_dtypes=["float32", "bfloat16"],
-            note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
-            "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
-        )
-    if name == "quick":
-        return Preset(
-            name="quick",
-            device="auto",
-            linear_shapes=[(32, 1024, 1024), (1024, 1024, 1024)],
-            directions=["fwd", "fwd+bwd"],
-            tf32=[False],
-            scan_sizes=[1 << 10, 1 << 16, 1 << 20, 1 << 24],
-            slow_baseline_max=1 << 24,
-            rounds=3,
-            min_run_time=0.05,
-            budget_s=120.0,
-            target_shapes=[(1024, 1024, 1024)],
-            note="A small subset for a fast look; the targets need the cpu or gpu preset.",
-            dtype_shapes=[(1024, 1024, 1024)],
-            dtype_scan_sizes=[1 << 20],
-            fixed_shapes=[(1, 16, 16), (32, 1024, 1024)],
-            fixed_rounds=7,
-        )
-    if name == "smoke":
-        return Preset(
-            name="smoke",
-            device="auto",
-            linear_shapes=[(4, 16, 8), (32, 64, 32)],
-            directions=["fwd", "fwd+bwd"],
-            tf32=[False, True],
-            scan_sizes=[1 << 10, 1 << 14],
-            slow_baseline_max=1 << 14,
-            rounds=1,
-            min_run_time=0.005,
-            budget_s=60.0,
-            target_shapes=[(32, 64, 32)],
-            gemm_nobias=True,
-            note="Exercises every code path with tiny sizes (tests the suite, measures nothing useful).",
-            dtype_shapes=[(32, 64, 32)],
-            dtype_scan_sizes=[1 << 14],
-            fixed_shapes=[(1, 16, 16)],
-            fixed_dtypes=["float32", "bfloat16"],
-            fixed_threads=[1],
-            fixed_rounds=2,
-            fixed_min_time=0.001,
-        )
-    raise ValueError(f"unknown preset {name!r}")
-
-
-PRESETS = ("cpu", "gpu", "quick", "smoke")
 
 
 # ---------------------------------------------------------------------------
@@ -242,8 +92,13 @@ def _plan(p: Preset, device: torch.device) -> list[Group]:
     for dtype in EXTRA_DTYPES:
         for m, k, n in p.dtype_shapes:
             members = ["nn.Linear", *MODES, "F.linear", "gemm_off"]
-            typed.append(Group("linear", {"M": m, "K": k, "N": n, "tf32": False, "direction": "fwd",
-                                          "dtype": dtype}, members))
+            typed.append(
+                Group(
+                    "linear",
+                    {"M": m, "K": k, "N": n, "tf32": False, "direction": "fwd", "dtype": dtype},
+                    members,
+                )
+            )
         for numel in p.dtype_scan_sizes:
             members = ["scan", "scan_op", "sum"] + (["copy"] if device.type == "cuda" else [])
             typed.append(Group("scan", {"numel": numel, "dtype": dtype}, members))
@@ -339,7 +194,11 @@ def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], ob
         dst = [torch.empty_like(pool[0]) for _ in range(count)] if "copy" in g.members else []
     elif device.type == "cuda":
         pool = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
-        dst = bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device)) if "copy" in g.members else []
+        dst = (
+            bench.rotation_pool(numel, device, min_total_bytes=3 * _l2_bytes(device))
+            if "copy" in g.members
+            else []
+        )
     else:
         pool = [torch.randn(numel, device=device, dtype=dtype)]
         dst = []
@@ -361,8 +220,11 @@ def _scan_fns(g: Group, device: torch.device) -> tuple[dict[str, Callable[[], ob
             return d.copy_(s)
 
         fns["copy"] = copy
-    info = {"buffers": len(pool), "buffer_bytes": itemsize * numel,
-            "rotated_bytes": itemsize * numel * len(pool)}
+    info = {
+        "buffers": len(pool),
+        "buffer_bytes": itemsize * numel,
+        "rotated_bytes": itemsize * numel * len(pool),
+    }
     if device.type == "cuda" and numel >= (1 << 26) and dtype == torch.float32:
         info["do_bench_ms"] = _do_bench_crosscheck(pool[0], dst[0] if dst else None)
     return {name: fns[name] for name in g.members}, info
@@ -377,7 +239,9 @@ def _do_bench_crosscheck(x: torch.Tensor, dst: torch.Tensor | None) -> dict | No
         return None
     ops = torch.ops.cublas_guard
     try:
-        out = {"scan_op": float(do_bench(lambda: ops.scan.default(x), warmup=10, rep=40, return_mode="median"))}
+        out = {
+            "scan_op": float(do_bench(lambda: ops.scan.default(x), warmup=10, rep=40, return_mode="median"))
+        }
         if dst is not None:
             out["copy"] = float(do_bench(lambda: dst.copy_(x), warmup=10, rep=40, return_mode="median"))
     except Exception as err:  # noqa: BLE001 (a cross-check must not cost the run)
@@ -397,7 +261,7 @@ def _fits(g: Group, device: torch.device) -> str | None:
             return f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     else:
         need = int(nbytes * 1.6) + (256 << 20)
-        avail = _cpu_mem_available()
+        avail = cpu_mem_available()
         if need > 0.8 * avail:
             return f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
     return None
@@ -417,12 +281,15 @@ def _fixed_fns(g: Group, device: torch.device) -> dict[str, Callable[[], object]
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(m, n, device=device, dtype=dtype)
     inputs = (x, ref.weight, ref.bias)
-    return {name: (lambda layer=layer: torch.autograd.grad(layer(x), inputs, grad_out))
-            for name, layer in layers.items()}
+    return {
+        name: (lambda layer=layer: torch.autograd.grad(layer(x), inputs, grad_out))
+        for name, layer in layers.items()
+    }
 
 
-def time_fixed(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int,
-               min_time: float) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def time_fixed(
+    fns: dict[str, Callable[[], object]], device: torch.device, rounds: int, min_time: float
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Host and wall seconds per call of each function, one value per round, interleaved.
 
     A batch of back-to-back calls per function and round: host time is the time
@@ -532,8 +399,9 @@ def run_group(g: Group, device: torch.device, p: Preset) -> dict:
     return record
 
 
-def run(p: Preset, device: torch.device, budget_s: float | None = None, log=print,
-        only: str | None = None) -> list[dict]:
+def run(
+    p: Preset, device: torch.device, budget_s: float | None = None, log=print, only: str | None = None
+) -> list[dict]:
     budget = p.budget_s if budget_s is None else budget_s
     groups = plan(p, device, only=only)
     torch.manual_seed(0)
@@ -542,32 +410,33 @@ def run(p: Preset, device: torch.device, budget_s: float | None = None, log=prin
     for i, g in enumerate(groups, 1):
         elapsed = time.perf_counter() - started
         if elapsed > budget:
-            records.append({"kind": g.kind, "params": dict(g.params), "members": g.members,
-                            "skipped": f"time budget of {budget:.0f} s spent"})
+            records.append(
+                {
+                    "kind": g.kind,
+                    "params": dict(g.params),
+                    "members": g.members,
+                    "skipped": f"time budget of {budget:.0f} s spent",
+                }
+            )
             continue
         try:
             rec = run_group(g, device, p)
         except Exception as err:  # noqa: BLE001 (one failing case must not cost the whole run)
             traceback.print_exc()
             first = (str(err).strip().splitlines() or [""])[0][:200]
-            rec = {"kind": g.kind, "params": dict(g.params), "members": g.members,
-                   "skipped": f"ERROR {type(err).__name__}: {first}"}
+            rec = {
+                "kind": g.kind,
+                "params": dict(g.params),
+                "members": g.members,
+                "skipped": f"ERROR {type(err).__name__}: {first}",
+            }
         records.append(rec)
-        log(f"[{i:3d}/{len(groups)} {time.perf_counter() - started:6.1f}s] {g.key()}"
-            + (f"  SKIPPED: {rec['skipped']}" if "skipped" in rec else f"  ({rec['wall_s']:.1f}s)"))
-    return records
-
-
-def resolve_device(p: Preset, override: str | None) -> torch.device:
-    want = override or p.device
-    if want == "auto":
-        has_cuda_ops = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "cublas_guard::linear", "CUDA"
+        log(
+            f"[{i:3d}/{len(groups)} {time.perf_counter() - started:6.1f}s] {g.key()}"
+            + (f"  SKIPPED: {rec['skipped']}" if "skipped" in rec else f"  ({rec['wall_s']:.1f}s)")
         )
-        want = "cuda" if has_cuda_ops else "cpu"
-    return torch.device(want)
+    return records
 
 
 def thread_info() -> str:
     return f"{torch.get_num_threads()} torch threads (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"
-

@@ -5,7 +5,7 @@ per layer: nn.Linear, SafeLinear off and async. The table lists every dispatcher
 aten ops they call: empty, expand, copy_, ...) and, on CUDA, the runtime calls (cudaLaunchKernel,
 cuBLAS's), by self CPU time, so the next device run shows at once which piece makes the gap.
 
-    python benchmarks/tools/profile_call.py [--device cuda] [--calls 200]
+    python benchmarks/investigations/profile_call.py [--device cuda] [--calls 200]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-// Diagnostic variants of the CPU scan's hot loop, for benchmarks/tools/scan_variants.py.
+// Diagnostic variants of the CPU scan's hot loop, for benchmarks/investigations/scan_variants.py.
 // Each variant runs at::parallel_reduce(grain 1 << 16) over a contiguous float32 tensor
 // exactly as csrc/scan_cpu.cpp does, and returns only "any non-finite?" (no counting pass:
 // the inputs are clean, so that pass never runs in the real scan either).
@@ -11,8 +11,8 @@
 //   v2_max        : and + unsigned max (two vector ops per 32 bytes instead of three), AVX2
 //   v1_prefetch   : v1_vec4_avx2 with a software prefetch 2 KiB ahead
 //   read_or       : the least work that still reads every byte: OR of all words (AVX2)
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <cstring>
 
@@ -20,7 +20,11 @@ namespace {
 constexpr uint32_t kExp = 0x7f800000u, kStep = 0x00800000u;
 constexpr int64_t kBlock = 4096, kGrain = 1 << 16;
 
-inline uint32_t bits_of(float v) { uint32_t b; std::memcpy(&b, &v, 4); return b; }
+inline uint32_t bits_of(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
 
 uint32_t v0(const float* d, int64_t n) {
   uint32_t acc = 0;
@@ -35,14 +39,22 @@ template <typename V>
 __attribute__((always_inline)) inline uint32_t vec(const float* d, int64_t n) {
   constexpr int L = sizeof(V) / 4;
   V m, s;
-  for (int l = 0; l < L; ++l) { m[l] = kExp; s[l] = kStep; }
+  for (int l = 0; l < L; ++l) {
+    m[l] = kExp;
+    s[l] = kStep;
+  }
   V a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
   for (; i + 4 * L <= n; i += 4 * L) {
     V x0, x1, x2, x3;
-    std::memcpy(&x0, d + i, sizeof(V)); std::memcpy(&x1, d + i + L, sizeof(V));
-    std::memcpy(&x2, d + i + 2 * L, sizeof(V)); std::memcpy(&x3, d + i + 3 * L, sizeof(V));
-    a0 |= (x0 & m) + s; a1 |= (x1 & m) + s; a2 |= (x2 & m) + s; a3 |= (x3 & m) + s;
+    std::memcpy(&x0, d + i, sizeof(V));
+    std::memcpy(&x1, d + i + L, sizeof(V));
+    std::memcpy(&x2, d + i + 2 * L, sizeof(V));
+    std::memcpy(&x3, d + i + 3 * L, sizeof(V));
+    a0 |= (x0 & m) + s;
+    a1 |= (x1 & m) + s;
+    a2 |= (x2 & m) + s;
+    a3 |= (x3 & m) + s;
   }
   V a = (a0 | a1) | (a2 | a3);
   uint32_t r = 0;
@@ -56,9 +68,14 @@ __attribute__((target("avx2"))) uint32_t read_or(const float* d, int64_t n) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     U8 x0, x1, x2, x3;
-    std::memcpy(&x0, d + i, 32); std::memcpy(&x1, d + i + 8, 32);
-    std::memcpy(&x2, d + i + 16, 32); std::memcpy(&x3, d + i + 24, 32);
-    a0 |= x0; a1 |= x1; a2 |= x2; a3 |= x3;
+    std::memcpy(&x0, d + i, 32);
+    std::memcpy(&x1, d + i + 8, 32);
+    std::memcpy(&x2, d + i + 16, 32);
+    std::memcpy(&x3, d + i + 24, 32);
+    a0 |= x0;
+    a1 |= x1;
+    a2 |= x2;
+    a3 |= x3;
   }
   U8 a = (a0 | a1) | (a2 | a3);
   uint32_t r = 0;
@@ -75,12 +92,22 @@ __attribute__((target("avx2"))) uint32_t v2_max(const float* d, int64_t n) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     U8 x0, x1, x2, x3;
-    std::memcpy(&x0, d + i, 32); std::memcpy(&x1, d + i + 8, 32);
-    std::memcpy(&x2, d + i + 16, 32); std::memcpy(&x3, d + i + 24, 32);
-    x0 &= m; x1 &= m; x2 &= m; x3 &= m;
-    a0 = a0 > x0 ? a0 : x0; a1 = a1 > x1 ? a1 : x1; a2 = a2 > x2 ? a2 : x2; a3 = a3 > x3 ? a3 : x3;
+    std::memcpy(&x0, d + i, 32);
+    std::memcpy(&x1, d + i + 8, 32);
+    std::memcpy(&x2, d + i + 16, 32);
+    std::memcpy(&x3, d + i + 24, 32);
+    x0 &= m;
+    x1 &= m;
+    x2 &= m;
+    x3 &= m;
+    a0 = a0 > x0 ? a0 : x0;
+    a1 = a1 > x1 ? a1 : x1;
+    a2 = a2 > x2 ? a2 : x2;
+    a3 = a3 > x3 ? a3 : x3;
   }
-  a0 = a0 > a1 ? a0 : a1; a2 = a2 > a3 ? a2 : a3; a0 = a0 > a2 ? a0 : a2;
+  a0 = a0 > a1 ? a0 : a1;
+  a2 = a2 > a3 ? a2 : a3;
+  a0 = a0 > a2 ? a0 : a2;
   uint32_t r = 0;
   for (int l = 0; l < 8; ++l) r = r > a0[l] ? r : a0[l];
   return (r >= kExp ? 0x80000000u : 0u) | v0(d + i, n - i);
@@ -88,15 +115,23 @@ __attribute__((target("avx2"))) uint32_t v2_max(const float* d, int64_t n) {
 // v1_prefetch: v1_vec4_avx2 plus a software prefetch 2 KiB ahead.
 __attribute__((target("avx2"))) uint32_t v1_prefetch(const float* d, int64_t n) {
   U8 m, s;
-  for (int l = 0; l < 8; ++l) { m[l] = kExp; s[l] = kStep; }
+  for (int l = 0; l < 8; ++l) {
+    m[l] = kExp;
+    s[l] = kStep;
+  }
   U8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     __builtin_prefetch(d + i + 512);
     U8 x0, x1, x2, x3;
-    std::memcpy(&x0, d + i, 32); std::memcpy(&x1, d + i + 8, 32);
-    std::memcpy(&x2, d + i + 16, 32); std::memcpy(&x3, d + i + 24, 32);
-    a0 |= (x0 & m) + s; a1 |= (x1 & m) + s; a2 |= (x2 & m) + s; a3 |= (x3 & m) + s;
+    std::memcpy(&x0, d + i, 32);
+    std::memcpy(&x1, d + i + 8, 32);
+    std::memcpy(&x2, d + i + 16, 32);
+    std::memcpy(&x3, d + i + 24, 32);
+    a0 |= (x0 & m) + s;
+    a1 |= (x1 & m) + s;
+    a2 |= (x2 & m) + s;
+    a3 |= (x3 & m) + s;
   }
   U8 a = (a0 | a1) | (a2 | a3);
   uint32_t r = 0;

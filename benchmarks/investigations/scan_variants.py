@@ -1,11 +1,11 @@
 """A/B the CPU scan's hot-loop variants side by side with x.sum() and the real scan.
 
-    python benchmarks/tools/scan_variants.py [--threads 1,2] [--sizes 4M,16M,64M,256M] [--rounds 7]
+    python benchmarks/investigations/scan_variants.py [--threads 1,2] [--sizes 4M,16M,64M,256M] [--rounds 7]
 
 Builds scan_variants.cpp with the extension's CPU flags (-O3 -fopenmp, baseline x86-64) via
 torch.utils.cpp_extension.load (about a minute), then times every variant interleaved with
 x.sum() at each size, and prints GB/s and the fraction of x.sum()'s read bandwidth.
-Used for benchmarks/NOTES.md (the variants are described in scan_variants.cpp).
+Used for benchmarks/investigations/NOTES.md (the variants are described in scan_variants.cpp).
 """
 
 from __future__ import annotations
@@ -44,15 +44,25 @@ def main() -> int:
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )
-    variants = ["v0_single_acc", "v1_vec4_sse2", "v1_vec4_avx2", "v1_noblock", "v2_max", "v1_prefetch", "read_or"]
+    variants = [
+        "v0_single_acc",
+        "v1_vec4_sse2",
+        "v1_vec4_avx2",
+        "v1_noblock",
+        "v2_max",
+        "v1_prefetch",
+        "read_or",
+    ]
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for n in [parse_size(s) for s in args.sizes.split(",")]:
             x = torch.randn(n)
             fns = {"x.sum()": lambda: x.sum(), "cg.scan (built)": lambda: cg.scan(x).all_finite}
             for v in variants:
-                fns[v] = lambda f=getattr(mod, v): f(x)
-            times = bench.interleaved(fns, torch.device("cpu"), rounds=args.rounds, min_run_time=args.min_run_time)
+                fns[v] = lambda f=getattr(mod, v): f(x)  # noqa: B008 (binds this variant now)
+            times = bench.interleaved(
+                fns, torch.device("cpu"), rounds=args.rounds, min_run_time=args.min_run_time
+            )
             med = {k: statistics.median(v) for k, v in times.items()}
             ref = 4 * n / med["x.sum()"] / 1e9
             print(f"threads={threads} n={n:,} ({4 * n / 2**20:.0f} MiB): x.sum() {ref:.1f} GB/s")

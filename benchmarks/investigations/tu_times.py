@@ -7,7 +7,7 @@ Objects go to a scratch directory; the build directory is not touched except
 that the precompiled header, when the ninja file has one, is built first (its
 own row) so that the other rows are measured with it, as ninja would.
 
-    python benchmarks/tools/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
+    python benchmarks/investigations/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
         [--extra-flags "-ftime-report"]
 
 Files whose edge sets its own empty `pch_flags` (cublas_guard_ext/_native/build.py's
@@ -31,7 +31,9 @@ import tempfile
 import time
 
 
-def parse_ninja(path: str) -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, str, dict[str, str]]]]:
+def parse_ninja(
+    path: str,
+) -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, str, dict[str, str]]]]:
     variables: dict[str, str] = {}
     rules: dict[str, str] = {}
     edges: list[tuple[str, str, str, dict[str, str]]] = []
@@ -46,7 +48,7 @@ def parse_ninja(path: str) -> tuple[dict[str, str], dict[str, str], list[tuple[s
             rule = m.group(1)
             continue
         if rule and line.startswith("  command = "):
-            rules[rule] = line[len("  command = "):]
+            rules[rule] = line[len("  command = ") :]
             continue
         if not line.startswith(" "):
             rule = None
@@ -126,8 +128,9 @@ def main() -> int:
         elif rule in ("compile", "cuda_compile"):
             if args.only and os.path.basename(inp) not in args.only:
                 continue
-            cmd = expand(rules[rule], {**variables, **bindings}, inp,
-                         os.path.join(scratch, os.path.basename(out)))
+            cmd = expand(
+                rules[rule], {**variables, **bindings}, inp, os.path.join(scratch, os.path.basename(out))
+            )
             waits[os.path.basename(inp)] = bool(expand("$pch_flags", {**variables, **bindings}, inp, out))
         else:
             continue
@@ -144,8 +147,10 @@ def main() -> int:
         print(f"  {name:28s} {cpu:7.1f} CPU-s {wall:7.1f} wall-s", flush=True)
     total = sum(r[1] for r in rows)
     tus = [(r[1], waits.get(r[0], False)) for r in rows if not r[0].endswith(".h")]
-    print(f"  {'total':28s} {total:7.1f} CPU-s  ({len(tus)} TUs{', + PCH' if pch_cpu else ''}); "
-          f"2-job critical path {critical_path(pch_cpu, tus):.1f} CPU-s (ninja's order)")
+    print(
+        f"  {'total':28s} {total:7.1f} CPU-s  ({len(tus)} TUs{', + PCH' if pch_cpu else ''}); "
+        f"2-job critical path {critical_path(pch_cpu, tus):.1f} CPU-s (ninja's order)"
+    )
     return 0
 
 

@@ -4,7 +4,7 @@ Every piece is timed interleaved with the others in one process: each round
 times N calls of each piece in turn; the figure is the median over rounds of
 the per-call time. Usage (the machine's load matters: say it next to figures):
 
-    python benchmarks/tools/percall_breakdown.py [--rounds 15] [--calls 2000] [--threads 1] [--dtype float32]
+    python benchmarks/investigations/percall_breakdown.py [--rounds 15] [--calls 2000] [--threads 1] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def main() -> None:
     ap.add_argument("--kn", type=int, default=16)
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--grad", action="store_true", help="forward+backward instead of no_grad forward")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (host time per call; wall in its own column)")
+    ap.add_argument(
+        "--device", default="cpu", help="cpu or cuda (host time per call; wall in its own column)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -39,8 +41,10 @@ def main() -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     lin = nn.Linear(args.kn, args.kn, dtype=dtype, device=dev)
-    safe = {m: cg.SafeLinear(args.kn, args.kn, dtype=dtype, mode=m, name="l", device=dev)
-            for m in ("off", "async", "sync")}
+    safe = {
+        m: cg.SafeLinear(args.kn, args.kn, dtype=dtype, mode=m, name="l", device=dev)
+        for m in ("off", "async", "sync")
+    }
     for s in safe.values():
         s.load_state_dict(lin.state_dict())
     x = torch.randn(args.m, args.kn, dtype=dtype, device=dev)
@@ -65,20 +69,22 @@ def main() -> None:
             "SafeLinear sync": lambda: safe["sync"](xg).sum().backward(),
         }
     else:
-        fns.update({
-            "ops.linear(mode=off)": lambda: ops.linear(x, w, b, layer="l", mode="off"),
-            "ops.linear(mode=None)": lambda: ops.linear(x, w, b, layer="l"),
-            "torch.ops ... .default off": lambda: op(x, w, b, "l", 0, False),
-            "torch.ops ... .default async": lambda: op(x, w, b, "l", 2, False),
-            "torch.ops ... .default sync": lambda: op(x, w, b, "l", 1, False),
-            "OpOverload._op off (no Python __call__)": lambda: raw(x, w, b, "l", 0, False),
-            "modes.current()": modes.current,
-            "torch.compiler.is_compiling()": torch.compiler.is_compiling,
-            "_transforms.active()": _transforms.active,
-            "os.environ.get": lambda: os.environ.get("CUBLAS_GUARD_MODE"),
-            "SafeLinear.guard_label": lambda: safe["off"].guard_label,
-            "empty Python call": lambda: None,
-        })
+        fns.update(
+            {
+                "ops.linear(mode=off)": lambda: ops.linear(x, w, b, layer="l", mode="off"),
+                "ops.linear(mode=None)": lambda: ops.linear(x, w, b, layer="l"),
+                "torch.ops ... .default off": lambda: op(x, w, b, "l", 0, False),
+                "torch.ops ... .default async": lambda: op(x, w, b, "l", 2, False),
+                "torch.ops ... .default sync": lambda: op(x, w, b, "l", 1, False),
+                "OpOverload._op off (no Python __call__)": lambda: raw(x, w, b, "l", 0, False),
+                "modes.current()": modes.current,
+                "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+                "_transforms.active()": _transforms.active,
+                "os.environ.get": lambda: os.environ.get("CUBLAS_GUARD_MODE"),
+                "SafeLinear.guard_label": lambda: safe["off"].guard_label,
+                "empty Python call": lambda: None,
+            }
+        )
         if fast is not None:
             fns["_fast_linear off"] = lambda: fast(x, w, b, "l", 0, False)
             fns["_fast_linear async"] = lambda: fast(x, w, b, "l", 2, False)
@@ -114,12 +120,16 @@ def main() -> None:
             per["torch.ops ... .default off, below autograd"] = below
             wall["torch.ops ... .default off, below autograd"] = below
     base = statistics.median(per["nn.Linear"])
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}, "
-          f"threads {args.threads}, {args.dtype}, M={args.m} K=N={args.kn}, "
-          f"{'fwd+bwd' if args.grad else 'fwd no_grad'}, {args.rounds} rounds x {args.calls} calls, {dev}")
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.2f}, "
+        f"threads {args.threads}, {args.dtype}, M={args.m} K=N={args.kn}, "
+        f"{'fwd+bwd' if args.grad else 'fwd no_grad'}, {args.rounds} rounds x {args.calls} calls, {dev}"
+    )
     wbase = statistics.median(wall["nn.Linear"])
-    print(f"{'piece':45s} {'median us':>10s} {'min us':>8s} {'vs nn.Linear':>13s}"
-          + (f" {'wall us':>8s} {'wall vs nn':>10s}" if cuda else ""))
+    print(
+        f"{'piece':45s} {'median us':>10s} {'min us':>8s} {'vs nn.Linear':>13s}"
+        + (f" {'wall us':>8s} {'wall vs nn':>10s}" if cuda else "")
+    )
     for k, v in per.items():
         med = statistics.median(v)
         line = f"{k:45s} {med:10.2f} {min(v):8.2f} {med - base:+13.2f}"

@@ -4,11 +4,11 @@
 # multi-block sizes, the async-mode record) and the checked GEMM (forward + backward) -- and
 # compares every result with torch's, so a wrong answer under the sanitizer also fails.
 #
-#     bash benchmarks/gpu_extra_checks.sh                  # both tools, ~90 s budget
-#     bash benchmarks/gpu_extra_checks.sh --workload-only  # the workload alone, no sanitizer
-#     WORKLOAD_DEVICE=cpu bash benchmarks/gpu_extra_checks.sh --workload-only   # smoke test, no GPU
+#     bash benchmarks/gpu/gpu_extra_checks.sh                  # both tools, ~90 s budget
+#     bash benchmarks/gpu/gpu_extra_checks.sh --workload-only  # the workload alone, no sanitizer
+#     WORKLOAD_DEVICE=cpu bash benchmarks/gpu/gpu_extra_checks.sh --workload-only   # smoke test, no GPU
 #
-# Called by benchmarks/gpu_check.sh with GPU_EXTRA_BUDGET_S (seconds for everything, default 90),
+# Called by benchmarks/gpu/gpu_check.sh with GPU_EXTRA_BUDGET_S (seconds for everything, default 90),
 # OUT_EXTRA (where logs go; else $OUT/gpu_extra_checks when OUT is set, else a temp dir) and
 # PYTHON (default: python, else python3). SANITIZER=/path/to/compute-sanitizer overrides the search
 # (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin). TOOLS="memcheck racecheck" (initcheck, synccheck
@@ -28,7 +28,7 @@
 # "cublas_guard") when this compute-sanitizer accepts the filter; cuBLAS's kernels are NVIDIA's.
 set -u -o pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 BUDGET_S="${GPU_EXTRA_BUDGET_S:-90}"
 PY="${PYTHON:-python}"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 12 on a GPU machine, one short run: build for sm_90, the fixed-cost rows of the gpu preset (host and wall us per call against
 # nn.Linear), the per-piece breakdown at M=32, K=N=1024, the host time by op (torch.profiler,
-# benchmarks/tools/profile_call.py), then the fast-path and core CUDA
+# benchmarks/investigations/profile_call.py), then the fast-path and core CUDA
 # tests for what time is left (TESTS_S). Writes under $OUT.
-#   bash benchmarks/tools/gpu_fixed_cost.sh
+#   bash benchmarks/gpu/gpu_fixed_cost.sh
 set -u -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."  # the repository root
 OUT="${OUT:-benchmarks/results/gpu-fixed}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python}"
@@ -24,10 +25,10 @@ timeout -s INT -k 10 90 "$PY" benchmarks/run.py --preset gpu --only fixed --out 
     --results-md "$OUT/RESULTS.md" >"$OUT/bench.log" 2>&1
 echo "== bench rc $? ($(el))"; grep -A12 "^| M | K | N | dtype" "$OUT/bench.log" | head -20
 grep -i "fixed" "$OUT/bench/targets.txt" 2>/dev/null
-timeout 60 "$PY" benchmarks/tools/percall_breakdown.py --device cuda --m 32 --kn 1024 --rounds 7 --calls 300 \
+timeout 60 "$PY" benchmarks/investigations/percall_breakdown.py --device cuda --m 32 --kn 1024 --rounds 7 --calls 300 \
     >"$OUT/breakdown.txt" 2>&1
 echo "== breakdown rc $? ($(el))"; cat "$OUT/breakdown.txt" | tail -n 25
-timeout 60 "$PY" benchmarks/tools/profile_call.py --device cuda >"$OUT/profile.txt" 2>&1
+timeout 60 "$PY" benchmarks/investigations/profile_call.py --device cuda >"$OUT/profile.txt" 2>&1
 echo "== profile rc $? ($(el)): host time by op, $OUT/profile.txt"; grep -A8 "^====" "$OUT/profile.txt" | cut -c1-120
 timeout -s INT -k 10 ${TESTS_S:-90} "$PY" -m pytest -q -x -p no:cacheprovider tests/test_fast_path.py tests/test_cuda.py \
     tests/test_cuda_errors.py tests/test_async_record.py >"$OUT/tests.log" 2>&1

@@ -3,8 +3,8 @@
 # pytest, pytest-timeout, hypothesis, triton; no network; the repository arrives as a working tree;
 # it starts bare every time). From the repository root:
 #
-#     bash benchmarks/gpu_check.sh            # the slots below, in order
-#     bash benchmarks/gpu_check.sh --dry-run  # print the plan and the commands, run nothing (any machine)
+#     bash benchmarks/gpu/gpu_check.sh            # the slots below, in order
+#     bash benchmarks/gpu/gpu_check.sh --dry-run  # print the plan and the commands, run nothing (any machine)
 #
 # BUDGET PLAN. A task that is lent the machine gets 15 minutes of device time for all its calls
 # together: the machine's start (a minute or more), every command, the idle waits. One run of this
@@ -21,7 +21,7 @@
 #                      test_cuda_errors.py (scan, GEMM, errors, async record, graphs, >2^31 batch)
 #   bench        75 s  the benchmarks' headline rows: run.py --preset gpu starts cases for 45 s; its
 #                      target shapes run first, then the scan rows; killed at 75 s
-#   sanitizer    60 s  compute-sanitizer memcheck (benchmarks/gpu_extra_checks.sh) in its own slot: a
+#   sanitizer    60 s  compute-sanitizer memcheck (benchmarks/gpu/gpu_extra_checks.sh) in its own slot: a
 #                      few-second probe first; a device that refuses the tool is reported as
 #                      "could not run here" (NORUN), not as a finding
 #   rest    the rest   every other CUDA-parametrized test (-m "not slow" -k cuda), until 10 s before
@@ -55,7 +55,7 @@ for arg in "$@"; do
   esac
 done
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 OUT_DIR="${OUT:-$ROOT/benchmarks/results/gpu-check}"
 DETAILS="$OUT_DIR/details"
@@ -71,7 +71,7 @@ WORKERS="${GPU_CHECK_WORKERS:-8}"  # pytest-xdist workers (one GPU, 16 cores); 1
 SANITIZER_TOOLS="${GPU_CHECK_SANITIZER_TOOLS:-memcheck}"  # racecheck too needs about 2 minutes more
 BENCH_HARD_S=$(( BENCH_S + 30 ))
 PACK_S=10  # kept free at the end for the summary and the archive
-EXTRA_HOOK="$ROOT/benchmarks/gpu_extra_checks.sh"
+EXTRA_HOOK="$ROOT/benchmarks/gpu/gpu_extra_checks.sh"
 CORE_TESTS=(tests/test_cuda.py tests/test_async_record.py tests/test_cuda_errors.py)
 
 T0=$(date +%s)
@@ -110,9 +110,9 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "  slot 2 core:      timeout -s INT -k 30 <min(${CORE_S}, left - ${R_CORE})> $PY -m pytest ${CORE_TESTS[*]} ${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-core.xml"
   echo "  slot 3 bench:     timeout -s INT ${BENCH_HARD_S} $PY benchmarks/run.py --preset gpu --budget-s ${BENCH_S} --out $DETAILS/bench --results-md $DETAILS/RESULTS.md"
   if [ -f "$EXTRA_HOOK" ]; then
-    echo "  slot 4 sanitizer: GPU_EXTRA_BUDGET_S=$(( SANITIZER_S - 10 )) TOOLS=\"$SANITIZER_TOOLS\" OUT_EXTRA=$DETAILS/sanitizer timeout -k 5 ${SANITIZER_S} bash benchmarks/gpu_extra_checks.sh"
+    echo "  slot 4 sanitizer: GPU_EXTRA_BUDGET_S=$(( SANITIZER_S - 10 )) TOOLS=\"$SANITIZER_TOOLS\" OUT_EXTRA=$DETAILS/sanitizer timeout -k 5 ${SANITIZER_S} bash benchmarks/gpu/gpu_extra_checks.sh"
   else
-    echo "  slot 4 sanitizer: (benchmarks/gpu_extra_checks.sh absent: skipped)"
+    echo "  slot 4 sanitizer: (benchmarks/gpu/gpu_extra_checks.sh absent: skipped)"
   fi
   echo "  slot 5 rest:      timeout -s INT -k 30 <left - ${PACK_S}> $PY -m pytest tests -m 'not slow' -k cuda $(printf -- '--ignore=%s ' "${CORE_TESTS[@]}")${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-rest.xml"
   echo "  both test slots:  + -n $WORKERS (pytest-xdist workers) when xdist is installed"
@@ -257,13 +257,13 @@ fi
 
 # ---- slot 4: compute-sanitizer ----------------------------------------------------------------
 if [ ! -f "$EXTRA_HOOK" ]; then
-  record sanitizer SKIP 0 "benchmarks/gpu_extra_checks.sh absent"
+  record sanitizer SKIP 0 "benchmarks/gpu/gpu_extra_checks.sh absent"
 elif [ "$HAS_CUDA_OPS" != 1 ]; then
   record sanitizer SKIP 0 "no CUDA build"
 else
   T=$(slot_limit "$SANITIZER_S" "$PACK_S")
   if [ "$T" -gt 15 ]; then
-    echo "== sanitizer: benchmarks/gpu_extra_checks.sh (limit ${T}s)"
+    echo "== sanitizer: benchmarks/gpu/gpu_extra_checks.sh (limit ${T}s)"
     mkdir -p "$DETAILS/sanitizer"
     S=$(date +%s)
     # The hook budgets itself with GPU_EXTRA_BUDGET_S; the outer limit leaves it 10 s to report.

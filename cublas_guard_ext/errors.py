@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import capsule as _capsule
 from ._native.facts import error_context
 
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
@@ -250,6 +251,11 @@ class GuardError(Exception):
     kind: ClassVar[str] = "guard"
     # Errors about the CUDA/cuBLAS runtime also describe the environment.
     with_environment: ClassVar[bool] = False
+    # The failure capsule's path (cublas_guard_ext.capsule), for the cuBLAS-side errors
+    # raised by a guarded call or watch; None when capture is off or writing failed
+    # (then capsule_note says why).
+    capsule: str | None = None
+    capsule_note: str | None = None
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         if message is None and "rank" not in fields:
@@ -282,6 +288,11 @@ class GuardError(Exception):
         lines += [f"  {d}" for d in self._details()]
         if self.fields.get("environment"):
             lines.append(f"  environment: {_environment_line(self.fields['environment'])}")
+        if self.capsule:
+            lines.append(f"  capsule: {self.capsule} (replay the call alone: python -m cublas_guard_ext "
+                         f"replay {self.capsule})")
+        elif self.capsule_note:
+            lines.append(f"  capsule: not written ({self.capsule_note})")
         steps = self._next_steps()
         if steps:
             lines.append("Next: " + steps[0])
@@ -976,7 +987,33 @@ def from_native(exc: BaseException) -> GuardError | None:
     return None if payload is None else from_payload(payload)
 
 
-def _typed_from_native_message(message: str) -> GuardError | None:
-    """Called by the native library (python_errors.cpp) to build the exception it raises."""
+# The errors a failure capsule is written for: the cuBLAS side of a call.
+_CAPTURED = (CublasError, PendingCudaError, CudaLaunchError)
+
+
+def attach_capsule(err: GuardError, native: dict[str, Any] | None = None) -> GuardError:
+    """Writes the failure capsule of a cuBLAS-side error raised by a guarded call or watch.
+
+    Sets ``err.capsule`` (the path, or None) and puts the path, or why there is none, in
+    the message. Never raises and never changes anything else about the error.
+    """
+    if not isinstance(err, _CAPTURED):
+        return err
+    path, note = _capsule.capture(err, native)
+    if path is None and note is None:  # capture is off
+        return err
+    err.capsule, err.capsule_note = path, note
+    err.args = (err._format(),)
+    return err
+
+
+def _typed_from_native_message(message: str, native: dict[str, Any] | None = None) -> GuardError | None:
+    """Called by the native library (python_errors.cpp) to build the exception it raises.
+
+    ``native``: the tensors of the failing call (the GEMM's buffers, the guarded call's
+    operands), its phase and number, for the failure capsule.
+    """
     payload = parse_payload(message)
-    return None if payload is None else from_payload(payload)
+    if payload is None:
+        return None
+    return attach_capsule(from_payload(payload), native)

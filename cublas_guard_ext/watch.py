@@ -159,7 +159,7 @@ def _op_failure(payload: str, original: Any, message: str) -> BaseException:
         cls = errors.PendingCudaError
     err = cls(**fields)
     err.__cause__ = original if isinstance(original, BaseException) else RuntimeError(message)
-    return err
+    return errors.attach_capsule(err)
 
 
 class watch:

@@ -99,6 +99,11 @@ ErrorReport& ErrorReport::add(const char* key, c10::SymIntArrayRef values) {
   return add(key, c10::IntArrayRef(concrete));
 }
 
+ErrorReport& ErrorReport::attach(const char* name, const at::Tensor& tensor) {
+  attached_.emplace_back(name, tensor);
+  return *this;
+}
+
 std::string ErrorReport::json() const {
   std::string out = "{\"kind\": " + json_string(kind_);
   for (const auto& field : fields_) {
@@ -113,22 +118,22 @@ std::string ErrorReport::message(const std::string& summary) const {
 }
 
 void ErrorReport::raise_value_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(ValueError, message(summary));
 }
 
 void ErrorReport::raise_type_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(TypeError, message(summary));
 }
 
 void ErrorReport::raise_runtime_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(Error, message(summary));
 }
 
 void ErrorReport::raise_out_of_memory(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(OutOfMemoryError, message(summary));
 }
 

@@ -305,3 +305,55 @@ def test_a_bad_environment_fault_is_named_and_ignored(spec: str, testing, messag
                          env=_fresh_env(CUBLAS_GUARD_EXT_FAULT=spec, CUBLAS_GUARD_EXT_TESTING=testing))
     assert out.returncode == 0, out.stderr
     assert message in out.stderr and "torch.Size([3, 2])" in out.stdout
+
+
+# --------------------------------------------------------------------------
+# On a GPU (skipped here): the CUDA replay kernel's variants, and a real failure
+# --------------------------------------------------------------------------
+from conftest import requires_cuda  # noqa: E402
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_replay_runs_every_variant(folder, inject_fault, monkeypatch, dtype) -> None:
+    layer = cg.SafeLinear(64, 32, name=NAME, device="cuda", dtype=dtype)
+    inject_fault("gemm", 13)
+    with pytest.raises(cg.CublasError) as info:
+        layer(torch.randn(16, 64, device="cuda", dtype=dtype))
+    data = capsule.load(info.value.capsule)
+    assert data["values"] == "values" and data["environment"]["gpu"]["compute_capability"]
+    assert data["environment"]["libraries"]["libcublas"] != "not loaded"
+    monkeypatch.setenv("CUBLAS_GUARD_EXT_FAULT", "gemm:13:1")
+    result = cg.replay(info.value.capsule)
+    by_name = {v["name"]: v for v in result["variants"]}
+    assert result["reproduced"] and by_name["as recorded"]["status"] == "failed"
+    expected_na = {"TF32 flipped"} if dtype != torch.float32 else set()
+    for name in set(cg.capsule_replay.VARIANTS) - {"as recorded"}:
+        want = "not applicable" if name in expected_na else "passed"
+        assert by_name[name]["status"] == want, by_name[name]
+
+
+@requires_cuda
+def test_a_real_earlier_kernel_failure_replays_as_not_reproduced(tmp_path) -> None:
+    """An out-of-range nn.Embedding index before a SafeLinear (a device-side assert: the
+    context is broken, so in a process of its own): a PendingCudaError with a capsule of the
+    GEMM the layer was about to run; replayed alone it passes: NOT REPRODUCED."""
+    script = (
+        "import torch, cublas_guard_ext as cg\n"
+        "emb = torch.nn.Embedding(10, 64).cuda(); lin = cg.SafeLinear(64, 32, name='head').cuda()\n"
+        "try:\n"
+        "    lin(emb(torch.tensor([3, 12], device='cuda'))); torch.cuda.synchronize()\n"
+        "except cg.PendingCudaError as err:\n"
+        "    print('CAPSULE', err.capsule)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env=_fresh_env(CUBLAS_GUARD_CAPSULE_DIR=str(tmp_path), CUBLAS_GUARD_EXT_FAULT=None))
+    lines = [line for line in out.stdout.splitlines() if line.startswith("CAPSULE ")]
+    assert lines, out.stdout + out.stderr
+    path = lines[0].split(" ", 1)[1]
+    data = capsule.load(path)
+    assert data["error_class"] == "PendingCudaError" and data["call"]["source"] == "planned"
+    assert data["call"]["routine"] == "cublasSgemm" and data["layer"] == "head"
+    result = cg.replay(path)
+    assert result["ran"] and result["reproduced"] is False, result["verdict"]
+    assert result["verdict"].startswith("note:") and "NOT REPRODUCED" in result["verdict"]
+    print("\n" + cg.capsule_replay.render(result))

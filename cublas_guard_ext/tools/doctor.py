@@ -216,7 +216,15 @@ def checks_2026(env: dict[str, Any]) -> list[Check]:
     """The wheel torch pins vs the one installed and loaded, libcublas vs libcublasLt, GPUs
     CUDA 13 dropped, workspace settings on Hopper and newer."""
     out: list[Check] = []
-    cublas = env.get("cublas") or {}
+    cublas = env.get("cublas")
+    if cublas is not None:  # the library facts (cublas_facts(); main() gathers them)
+        out += _library_checks(env, cublas)
+    out += _gpu_and_workspace_checks(env)
+    return out
+
+
+def _library_checks(env: dict[str, Any], cublas: dict[str, Any]) -> list[Check]:
+    out: list[Check] = []
     required, installed, loaded = cublas.get("torch_requires"), cublas.get("installed"), cublas.get("loaded") or {}
     if not env.get("torch_cuda"):
         out.append(Check("cuBLAS wheel vs torch", SKIP,
@@ -263,6 +271,11 @@ def checks_2026(env: dict[str, Any]) -> list[Check]:
         out.append(Check("libcublas vs libcublasLt", SKIP,
                          "could not check: " + ("libcublas is not loaded" if not lib else
                                                 "libcublasLt is not loaded")))
+    return out
+
+
+def _gpu_and_workspace_checks(env: dict[str, Any]) -> list[Check]:
+    out: list[Check] = []
     cuda_major = (_version_tuple(env.get("torch_cuda"), 1) or (0,))[0]
     for device in env.get("devices") or [] if env.get("torch_cuda") else []:
         cc = _version_tuple(device.get("compute_capability"), 2)

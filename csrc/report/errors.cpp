@@ -43,8 +43,11 @@ std::string json_string(const std::string& s) {
 }  // namespace
 
 GuardMode parse_mode(int64_t mode) {
-  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2,
-                    "cublas_guard_ext: mode must be 0 (off), 1 (sync) or 2 (async), got ", mode);
+  constexpr auto off = static_cast<int64_t>(GuardMode::kOff);
+  constexpr auto sync = static_cast<int64_t>(GuardMode::kSync);
+  constexpr auto async = static_cast<int64_t>(GuardMode::kAsync);
+  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ",
+                    off, " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
   return static_cast<GuardMode>(mode);
 }
 

@@ -147,11 +147,15 @@ def verdict(data: dict[str, Any], variants: list[dict[str, Any]]) -> tuple[bool,
             f"Environment: {_env_text(data.get('environment') or {})}. Replayed alone with "
             "CUDA_LAUNCH_BLOCKING=1 from a cublas_guard_ext capsule.")
     else:
-        state = first.get("status") if first else "not run"
-        lines.append(f"NOT REPRODUCED: the GEMM alone {'passes' if state == 'passed' else state} "
-                     f"({first.get('detail') if first else 'no result'}); the {original} at {where} came "
-                     "from outside this GEMM: an earlier kernel (an out-of-range index in an embedding, a "
-                     "gather or a loss), memory pressure, or a transient or hardware fault.")
+        if first is None or first["status"] != "passed":
+            lines.append(f"NOT RUN: {first.get('detail') if first else 'no result'}. The {original} at "
+                         f"{where} could not be replayed here; the capsule still has the facts "
+                         "(python -m cublas_guard_ext doctor --capsule compares them with a machine).")
+        else:
+            lines.append(f"NOT REPRODUCED: the GEMM alone passes ({first.get('detail')}); the {original} "
+                         f"at {where} came from outside this GEMM: an earlier kernel (an out-of-range "
+                         "index in an embedding, a gather or a loss), memory pressure, or a transient or "
+                         "hardware fault.")
         lines.append("next steps:")
         lines.append("  - rerun the failing run with CUDA_LAUNCH_BLOCKING=1: the kernel that really "
                      "failed raises at its own line")

@@ -13,7 +13,6 @@ from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
-from ._native import codes as _codes
 from . import ops as _ops_module
 from .ops import linear as _guarded_linear
 from .ops import DTYPE_POLICIES, validate_dtype_policy
@@ -22,8 +21,6 @@ __all__ = ["SafeLinear", "replace_linear", "name_layers"]
 
 
 _UNNAMED_NUMBERS = itertools.count(1)
-# The mode codes (TorchScript reads these module constants; _native/codes.py is the source).
-_MODE_OFF, _MODE_SYNC, _MODE_ASYNC = _codes.MODE_OFF, _codes.MODE_SYNC, _codes.MODE_ASYNC
 # The fast eager entry (see cublas_guard_ext.ops.fast_linear).
 _fast_linear = _ops_module.fast_linear
 
@@ -94,8 +91,9 @@ class SafeLinear(nn.Linear):
             # errors); the layer's own mode, else "sync": guard() blocks and
             # CUBLAS_GUARD_MODE are Python state a scripted model cannot read.
             mode = self.mode
-            code = _MODE_SYNC if mode is None else (
-                _MODE_OFF if mode == "off" else (_MODE_ASYNC if mode == "async" else _MODE_SYNC))
+            # Literal codes (TorchScript takes no global ints): _native/codes.py's values,
+            # checked by tests/test_codes.py.
+            code = 1 if mode is None else (0 if mode == "off" else (2 if mode == "async" else 1))
             x = input
             cast = self.dtype_policy == "cast" and (
                 input.dtype == torch.float16 or input.dtype == torch.bfloat16

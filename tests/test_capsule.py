@@ -244,8 +244,7 @@ def test_replay_reproduced_with_the_fault_and_not_without(folder, inject_fault, 
     assert "status 13 (CUBLAS_STATUS_EXECUTION_FAILED)" in by_name["as recorded"]["detail"]
     assert by_name["contiguous copies"]["status"] == "passed"  # the one fault was used up
     for name in ("TF32 flipped", "other routine", "cublasLt", "no workspace", "_64 API"):
-        assert by_name[name]["status"] == ("not applicable" if not torch.cuda.is_available() else
-                                           by_name[name]["status"])
+        assert by_name[name]["status"] == "not applicable" and by_name[name]["detail"], name  # a CPU call
     assert result["verdict"].startswith("REPRODUCED: the GEMM fails by itself")
     assert "bug report (paste as is):" in result["verdict"] and "m=5 n=3 k=12" in result["verdict"]
     assert result["call"]["m"] == 5
@@ -357,3 +356,31 @@ def test_a_real_earlier_kernel_failure_replays_as_not_reproduced(tmp_path) -> No
     assert result["ran"] and result["reproduced"] is False, result["verdict"]
     assert result["verdict"].startswith("note:") and "NOT REPRODUCED" in result["verdict"]
     print("\n" + cg.capsule_replay.render(result))
+
+
+@torch.library.custom_op("capsuletest::failing_mm", mutates_args=())
+def _failing_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, "
+                       "opa, opb, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc)`")
+
+
+@_failing_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def test_watch_reraise_writes_a_capsule(folder) -> None:
+    """watch() re-raises another op's cuBLAS failure typed: it gets a capsule too (no guarded
+    GEMM call in it: the replay says there is nothing of ours to run)."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(cg.CublasError) as info:
+        with cg.watch(model):
+            _failing_mm(torch.randn(2, 4), torch.randn(4, 3))
+    err = info.value
+    assert err.capsule and err.capsule in str(err) and err.op == "capsuletest.failing_mm.default"
+    data = capsule.load(err.capsule)
+    assert data["error_class"] == "CublasError" and data["status_name"] == "CUBLAS_STATUS_EXECUTION_FAILED"
+    assert data["call"] is None and data["values"] == "none (no GEMM call)"
+    result = cg.replay(err.capsule)
+    assert result["ran"] is False and all(v["status"] == "not run" for v in result["variants"])
+    assert "holds no GEMM call" in result["variants"][0]["detail"]

@@ -105,7 +105,7 @@ def verdict(data: dict[str, Any], variants: list[dict[str, Any]]) -> tuple[bool,
     reproduced = first is not None and first["status"] == "failed"
     passed = [v["name"] for v in variants if v["status"] == "passed" and v["name"] != "as recorded"]
     failed = [v["name"] for v in variants if v["status"] == "failed" and v["name"] != "as recorded"]
-    synthetic = data.get("values") != "values"
+    synthetic = bool(call) and data.get("values") != "values"
     lines = []
     where = f"layer {data.get('layer')!r}, {data.get('phase')}, call {data.get('call_number')}"
     original = f"{data.get('status_name') or data.get('error_class')}"

@@ -61,6 +61,10 @@ class ErrorReport {
   // are SymInts; a report states their concrete value (guarding on it: it raises anyway).
   ErrorReport& add(const char* key, const c10::SymInt& value);
   ErrorReport& add(const char* key, c10::SymIntArrayRef values);
+  // A tensor handed to the Python error constructor with the payload, never
+  // serialized into it (the failure capsule's GEMM buffers: report/call_scope.h).
+  ErrorReport& attach(const char* name, const at::Tensor& tensor);
+  const std::vector<std::pair<std::string, at::Tensor>>& attached() const { return attached_; }
 
   std::string json() const;
   std::string message(const std::string& summary) const;
@@ -73,11 +77,15 @@ class ErrorReport {
  private:
   std::string kind_;
   std::vector<std::pair<std::string, std::string>> fields_;  // value already JSON-encoded
+  std::vector<std::pair<std::string, at::Tensor>> attached_;
 };
 
 // When Python is running: throws the typed Python exception for `message`
-// (python_errors.cpp); otherwise returns and the caller throws the c10 error.
-void throw_python_error_if_possible(const std::string& message);
+// (python_errors.cpp), handing it the report's attached tensors and the
+// operands of this thread's guarded call (report/call_scope.h); otherwise
+// returns and the caller throws the c10 error.
+void throw_python_error_if_possible(const std::string& message,
+                                    const ErrorReport* report = nullptr);
 
 // Device memory at some moment (-1 = unknown), and the fields it adds to a report.
 struct MemoryFacts {

@@ -3,6 +3,8 @@
 // unless CUBLAS_GUARD_EXT_TESTING=1 is set in the environment, so none can be
 // switched on by accident in production:
 //   set_fault             make the next GEMM / launch / handle lookup fail with a code
+//                         (or, for a fresh process, CUBLAS_GUARD_EXT_FAULT=site:code:times
+//                         in the environment, read when the library loads)
 //   set_size_limit        lower the 32-bit size limit so the _64 paths run on small tensors
 //   simulate_cuda_errors  run pending_errors.h's decisions against a model of the
 //                         CUDA runtime's last-error rules (any build, no GPU needed)
@@ -13,9 +15,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -92,6 +97,56 @@ void set_fault_for_testing(const std::string& site, int64_t code, int64_t times)
   for (auto& f : faults()) armed = armed || f.remaining.load() > 0;
   any_fault_armed().store(armed);
 }
+
+namespace {
+
+// CUBLAS_GUARD_EXT_FAULT=site:code:times[,site:code:times...]: the faults a
+// fresh process starts with (a replay, a subprocess test), the same sites and
+// codes as set_fault. Read once when the library loads, only with
+// CUBLAS_GUARD_EXT_TESTING=1; an entry that does not parse is reported on
+// stderr and ignored (a static initializer must not throw).
+void arm_faults_from_environment() {
+  const char* testing = std::getenv("CUBLAS_GUARD_EXT_TESTING");
+  const char* spec = std::getenv("CUBLAS_GUARD_EXT_FAULT");
+  if (spec == nullptr || *spec == '\0') return;
+  if (testing == nullptr || std::string(testing) != "1") {
+    std::fprintf(stderr,
+                 "cublas_guard_ext: CUBLAS_GUARD_EXT_FAULT is ignored without "
+                 "CUBLAS_GUARD_EXT_TESTING=1\n");
+    return;
+  }
+  const std::string all(spec);
+  size_t start = 0;
+  while (start <= all.size()) {
+    const size_t end = std::min(all.find(',', start), all.size());
+    const std::string entry = all.substr(start, end - start);
+    start = end + 1;
+    if (entry.empty()) continue;
+    const size_t c1 = entry.find(':');
+    const size_t c2 = c1 == std::string::npos ? c1 : entry.find(':', c1 + 1);
+    try {
+      if (c2 == std::string::npos) throw std::invalid_argument("expected site:code:times");
+      size_t used_code = 0, used_times = 0;
+      const std::string code_text = entry.substr(c1 + 1, c2 - c1 - 1);
+      const std::string times_text = entry.substr(c2 + 1);
+      const long long code = std::stoll(code_text, &used_code);
+      const long long times = std::stoll(times_text, &used_times);
+      if (used_code != code_text.size() || used_times != times_text.size()) {
+        throw std::invalid_argument("code and times must be integers");
+      }
+      set_fault_for_testing(entry.substr(0, c1), code, times);
+    } catch (const std::exception& e) {
+      std::string why = e.what();
+      why = why.substr(0, why.find('\n'));
+      std::fprintf(stderr, "cublas_guard_ext: ignoring CUBLAS_GUARD_EXT_FAULT entry '%s': %s\n",
+                   entry.c_str(), why.c_str());
+    }
+  }
+}
+
+const bool faults_from_environment = (arm_faults_from_environment(), true);
+
+}  // namespace
 
 int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
   require_testing_env("the size limit override");

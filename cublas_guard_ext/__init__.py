@@ -6,6 +6,7 @@ Public API::
     scan, ScanResult, check_features, linear     # the ops
     check, guard                                 # async-mode reporting
     watch                                        # which op/module first produced NaN/Inf
+    replay                                       # run a failure capsule's GEMM alone
     GuardError and its subclasses                # errors with fields
 """
 
@@ -31,6 +32,7 @@ from .errors import (
 from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
+from .capsule_replay import replay
 from .watch import watch
 
 __version__ = "0.1.0"
@@ -46,6 +48,7 @@ __all__ = [
     "check",
     "guard",
     "watch",
+    "replay",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

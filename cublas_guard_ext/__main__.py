@@ -1,4 +1,4 @@
-"""``python -m cublas_guard_ext {demo,doctor,bench}``."""
+"""``python -m cublas_guard_ext {demo,doctor,bench,replay}``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="report the CUDA/cuBLAS environment and what is wrong with it")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--no-probe", action="store_true", help="skip the live GEMM on the GPU")
+    doctor.add_argument("--capsule", metavar="PATH",
+                        help="also compare this machine with the environment a failure capsule recorded")
+    replay = sub.add_parser("replay", help="run a failure capsule's cuBLAS call alone and say whether it "
+                                           "fails by itself")
+    replay.add_argument("capsule", metavar="CAPSULE", help="the capsule file a failing call wrote")
+    replay.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -31,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from .tools import doctor as doctor_module
 
-        return doctor_module.main(as_json=args.json, probe=not args.no_probe)
+        return doctor_module.main(as_json=args.json, probe=not args.no_probe, capsule=args.capsule)
+    if args.command == "replay":
+        from . import capsule_replay as replay_module
+
+        return replay_module.main(args.capsule, as_json=args.json)
     parser.error(f"unknown command {args.command}")
     return 2
 

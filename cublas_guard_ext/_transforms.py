@@ -20,10 +20,12 @@ import threading
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
+from ._native import codes as _codes
+
 _ops = torch.ops.cublas_guard
 
-_MODE_OFF = 0
-_ROLE_GRAD_OUTPUT = 3  # kRoleGradOutput in csrc/async_record.h
+_MODE_OFF = _codes.MODE_OFF
+_ROLE_GRAD_OUTPUT = _codes.ROLE_GRAD_OUTPUT
 
 _functorch_active = torch._C._are_functorch_transforms_active
 

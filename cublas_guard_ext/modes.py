@@ -30,8 +30,10 @@ from typing import Literal
 
 import torch
 
+from ._native import codes as _codes
+
 Mode = Literal["off", "sync", "async"]
-MODE_CODES: dict[str, int] = {"off": 0, "sync": 1, "async": 2}
+MODE_CODES = _codes.MODE_CODES  # the one source: _native/codes.py
 ENV_VAR = "CUBLAS_GUARD_MODE"
 
 # The open guard() blocks, innermost last: (block id, mode) pairs.

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import modes
+from ._native import codes as _codes
 from ._native import facts
 from ._native import loader as _loader
 
@@ -37,7 +38,7 @@ _transforms_active = _transforms.active
 _blocks = modes._blocks
 _MODE_CODES = modes.MODE_CODES
 # The fast entry's code for "the default mode": it reads CUBLAS_GUARD_MODE itself.
-_ENV_DEFAULT = -1
+_ENV_DEFAULT = _codes.MODE_ENV_DEFAULT
 
 
 def fast_linear(

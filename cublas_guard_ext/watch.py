@@ -47,6 +47,7 @@ import torch
 
 from . import errors, modes
 from ._native import loader as _loader
+from ._native.codes import MODE_CODES
 
 _loader.load()
 torch.ops.cublas_guard_internal.watch_install.default()
@@ -54,7 +55,7 @@ _native = sys.modules["cublas_guard_ext._watch_native"]
 
 __all__ = ["watch", "check_pending"]
 
-_MODE_CODES = {"sync": 1, "async": 2}
+_MODE_CODES = {mode: code for mode, code in MODE_CODES.items() if mode != "off"}
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
 _OP_NAMESPACES = {"aten", "prims", "quantized", "cublas_guard", "_c10d_functional", "c10d"}
 
@@ -159,7 +160,7 @@ def _op_failure(payload: str, original: Any, message: str) -> BaseException:
         cls = errors.PendingCudaError
     err = cls(**fields)
     err.__cause__ = original if isinstance(original, BaseException) else RuntimeError(message)
-    return err
+    return errors.attach_capsule(err)
 
 
 class watch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 
 import pytest
@@ -11,6 +12,9 @@ import torch
 # The native test hooks (fault injection, the lowered size limit) refuse to act
 # without this; set before anything calls them.
 os.environ.setdefault("CUBLAS_GUARD_EXT_TESTING", "1")
+# Failure capsules of the tests' injected faults go to a folder of the test session, not
+# into the user's cache (tests/test_capsule.py points each of its tests at its own).
+os.environ.setdefault("CUBLAS_GUARD_CAPSULE_DIR", tempfile.mkdtemp(prefix="cublas_guard_capsules-"))
 
 import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
 

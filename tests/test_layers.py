@@ -31,7 +31,9 @@ PACKAGE_DIR = Path(cublas_guard_ext.__file__).resolve().parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("native: building/loading the library, environment facts",
      ("cublas_guard_ext._native", "cublas_guard_ext._native.*")),
-    ("errors: every user-facing message", ("cublas_guard_ext.errors",)),
+    ("capsule: the failing call written to a file, and its replay",
+     ("cublas_guard_ext.capsule", "cublas_guard_ext.capsule_replay")),
+    ("errors: every user-facing message", ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*")),
     ("ops and modes", ("cublas_guard_ext.ops", "cublas_guard_ext.modes", "cublas_guard_ext._transforms")),
     ("nn and watch", ("cublas_guard_ext.nn", "cublas_guard_ext.watch")),
     ("the public API", ("cublas_guard_ext",)),
@@ -219,7 +221,7 @@ def _plant(path: Path, code: str) -> None:
 def test_a_planted_upward_top_level_import_fails(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     assert violations(root) == []
-    _plant(root / "errors.py", "from .nn import SafeLinear  # errors may not use nn\n")
+    _plant(root / "errors" / "__init__.py", "from ..nn import SafeLinear  # errors may not use nn\n")
     problems = violations(root)
     assert any(p.startswith("upward top-level import: cublas_guard_ext.errors") and "cublas_guard_ext.nn" in p
                for p in problems), problems

@@ -2,6 +2,7 @@
 // the row-major-as-column-major GEMM plan and its error report. The CPU and
 // CUDA kernels differ only in their LinearBackend.
 #include "guard.h"
+#include "report/call_scope.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -538,6 +539,8 @@ void raise_if_async_recorded(bool synchronize) {
 at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias, const std::string& layer,
                           int64_t mode_value) {
+  const GuardedCallScope scope("forward", "input", &x, "weight", &weight, "bias",
+                               bias.has_value() ? &*bias : nullptr);
   const GuardMode mode = parse_mode(mode_value);
   raise_if_async_recorded(/*synchronize=*/false);
   check_linear_args(x, weight, bias, layer);
@@ -570,6 +573,7 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
 
 at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
                              const at::Tensor& weight, const std::string& layer) {
+  const GuardedCallScope scope("grad_input", "grad_output", &grad_output, "weight", &weight);
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
   const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
   const int64_t bytes = g2d.size(0) * weight.size(1) * weight.element_size();
@@ -583,6 +587,7 @@ at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_out
 
 at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output,
                               const at::Tensor& x, const std::string& layer) {
+  const GuardedCallScope scope("grad_weight", "grad_output", &grad_output, "input", &x);
   TORCH_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '",
                     layer, "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
                     " must have the same number of dims");
@@ -626,41 +631,6 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
   at::Tensor out = at::empty({kScanFields}, x.options().dtype(at::kLong));
   be.scan_into(x, out, nullptr, "scan");
   return out;
-}
-
-[[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx) {
-  ErrorReport report("cublas");
-  report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
-  if (!ctx.status_name.empty()) report.add("status_name", ctx.status_name);
-  report.add("purpose", call.purpose);
-  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
-  report.add("m", call.m).add("n", call.n).add("k", call.k);
-  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-  report.add("alpha", call.alpha).add("beta", call.beta);
-  report.add("api", call.routine).add("data_type", call.data_type);
-  report.add("compute_type", call.compute_type);
-  if (!call.chunk.empty()) report.add("chunk", call.chunk);
-  add_memory_fields(report, ctx.memory);
-  if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
-  if (!ctx.device.empty()) report.add("device", ctx.device);
-  const std::pair<const char*, const at::Tensor*> operands[] = {
-      {"a", ctx.operand_a}, {"b", ctx.operand_b}, {"c", ctx.operand_c}};
-  for (int i = 0; i < 3; ++i) {
-    const auto& op = operands[i];
-    if (op.second == nullptr) continue;
-    describe_tensor(report, op.first, *op.second);
-    report.add((std::string(op.first) + "_role").c_str(), ctx.roles[i]);
-    // Alignment in bytes: the largest power of two (up to 256) dividing the address.
-    const auto address = reinterpret_cast<uintptr_t>(op.second->data_ptr());
-    int64_t alignment = 1;
-    while (alignment < 256 && address % (alignment * 2) == 0) alignment *= 2;
-    report.add((std::string(op.first) + "_alignment").c_str(), alignment);
-  }
-  report.raise_runtime_error("layer '" + ctx.layer + "': " + call.routine + " (" + call.purpose +
-                             ") failed with status " + std::to_string(status) +
-                             (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
-                             std::to_string(call.m) + ", n=" + std::to_string(call.n) +
-                             ", k=" + std::to_string(call.k) + ")");
 }
 
 }  // namespace cublas_guard

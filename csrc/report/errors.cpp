@@ -43,8 +43,11 @@ std::string json_string(const std::string& s) {
 }  // namespace
 
 GuardMode parse_mode(int64_t mode) {
-  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2,
-                    "cublas_guard_ext: mode must be 0 (off), 1 (sync) or 2 (async), got ", mode);
+  constexpr auto off = static_cast<int64_t>(GuardMode::kOff);
+  constexpr auto sync = static_cast<int64_t>(GuardMode::kSync);
+  constexpr auto async = static_cast<int64_t>(GuardMode::kAsync);
+  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ",
+                    off, " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
   return static_cast<GuardMode>(mode);
 }
 
@@ -99,6 +102,11 @@ ErrorReport& ErrorReport::add(const char* key, c10::SymIntArrayRef values) {
   return add(key, c10::IntArrayRef(concrete));
 }
 
+ErrorReport& ErrorReport::attach(const char* name, const at::Tensor& tensor) {
+  attached_.emplace_back(name, tensor);
+  return *this;
+}
+
 std::string ErrorReport::json() const {
   std::string out = "{\"kind\": " + json_string(kind_);
   for (const auto& field : fields_) {
@@ -113,22 +121,22 @@ std::string ErrorReport::message(const std::string& summary) const {
 }
 
 void ErrorReport::raise_value_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(ValueError, message(summary));
 }
 
 void ErrorReport::raise_type_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(TypeError, message(summary));
 }
 
 void ErrorReport::raise_runtime_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(Error, message(summary));
 }
 
 void ErrorReport::raise_out_of_memory(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary));
+  throw_python_error_if_possible(message(summary), this);
   C10_THROW_ERROR(OutOfMemoryError, message(summary));
 }
 

@@ -42,10 +42,13 @@ CPU_SOURCES = (
     "report/errors.cpp",
     "report/python_errors.cpp",
     "report/pending_errors.cpp",
+    "report/call_scope.cpp",
+    "report/gemm_report.cpp",
+    "report/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
     "watch/watch.cpp",
 )
-CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
+CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "report/replay_cuda.cu")
 
 
 @dataclass

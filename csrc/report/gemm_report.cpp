@@ -1,0 +1,77 @@
+// The report of a failed GEMM (CublasError): the call exactly as cuBLAS got
+// it, and the buffers it read, attached for the failure capsule.
+//
+// The buffers are what cuBLAS saw, not the user's tensors: each is a flat view
+// starting at the (sub-)call's pointer and spanning the elements the call can
+// touch, (outer - 1) * ld + inner for an operand stored column-major as
+// [inner x outer]. So the capsule holds the piece of a split GEMM, a copy made
+// for an unusable layout, and the alignment cuBLAS got, and a replay runs the
+// same arguments on the same bytes (cublas_guard_ext.capsule_replay).
+#include "guard.h"
+
+#include <ATen/ops/from_blob.h>
+
+#include <cstdint>
+#include <string>
+
+namespace cublas_guard {
+
+namespace {
+
+int64_t span(int64_t inner, int64_t outer, int64_t ld) {
+  return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
+}
+
+at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* like,
+                       at::ScalarType dtype) {
+  at::TensorOptions options = at::TensorOptions().dtype(dtype);
+  if (like != nullptr) options = options.device(like->device());
+  return at::from_blob(const_cast<void*>(data), {elements}, options);
+}
+
+}  // namespace
+
+[[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx) {
+  ErrorReport report("cublas");
+  report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
+  if (!ctx.status_name.empty()) report.add("status_name", ctx.status_name);
+  report.add("purpose", call.purpose);
+  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
+  report.add("m", call.m).add("n", call.n).add("k", call.k);
+  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+  report.add("alpha", call.alpha).add("beta", call.beta);
+  report.add("api", call.routine).add("data_type", call.data_type);
+  report.add("compute_type", call.compute_type);
+  if (!call.chunk.empty()) report.add("chunk", call.chunk);
+  add_memory_fields(report, ctx.memory);
+  if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
+  if (!ctx.device.empty()) report.add("device", ctx.device);
+  const std::pair<const char*, const at::Tensor*> operands[] = {
+      {"a", ctx.operand_a}, {"b", ctx.operand_b}, {"c", ctx.operand_c}};
+  for (int i = 0; i < 3; ++i) {
+    const auto& op = operands[i];
+    if (op.second == nullptr) continue;
+    describe_tensor(report, op.first, *op.second);
+    report.add((std::string(op.first) + "_role").c_str(), ctx.roles[i]);
+    report.add((std::string(op.first) + "_storage_offset").c_str(), op.second->storage_offset());
+    // Alignment in bytes: the largest power of two (up to 256) dividing the address.
+    const auto address = reinterpret_cast<uintptr_t>(op.second->data_ptr());
+    int64_t alignment = 1;
+    while (alignment < 256 && address % (alignment * 2) == 0) alignment *= 2;
+    report.add((std::string(op.first) + "_alignment").c_str(), alignment);
+  }
+  // What cuBLAS read and wrote: op(A) is m x k, op(B) k x n, C m x n.
+  const int64_t a_span = call.trans_a ? span(call.k, call.m, call.lda) : span(call.m, call.k, call.lda);
+  const int64_t b_span = call.trans_b ? span(call.n, call.k, call.ldb) : span(call.k, call.n, call.ldb);
+  const int64_t c_span = span(call.m, call.n, call.ldc);
+  report.attach("a", buffer_view(call.a, a_span, ctx.operand_a, call.dtype));
+  report.attach("b", buffer_view(call.b, b_span, ctx.operand_b, call.dtype));
+  report.attach("c", buffer_view(call.c, c_span, ctx.operand_c, call.dtype));
+  report.raise_runtime_error("layer '" + ctx.layer + "': " + call.routine + " (" + call.purpose +
+                             ") failed with status " + std::to_string(status) +
+                             (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
+                             std::to_string(call.m) + ", n=" + std::to_string(call.n) +
+                             ", k=" + std::to_string(call.k) + ")");
+}
+
+}  // namespace cublas_guard

@@ -1,0 +1,114 @@
+// The replay of one captured GEMM (report/replay.h): the schema, the checks,
+// and the CPU kernel, which runs torch's CPU addmm as the CPU backend does
+// (linear/linear_cpu.cpp) and consults the same "gemm" fault site, so that a
+// capsule from an injected failure replays as reproduced while the fault is
+// armed (CUBLAS_GUARD_EXT_FAULT in the replay's environment) and as not
+// reproduced without it. The CUDA kernel is report/replay_cuda.cu.
+#include "guard.h"
+#include "report/replay.h"
+
+#include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace cublas_guard {
+
+namespace {
+
+int64_t span(int64_t inner, int64_t outer, int64_t ld) {
+  return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
+}
+
+void check_operand(const char* name, const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld) {
+  TORCH_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ",
+                    ld, " < max(1, ", rows, ")");
+  TORCH_CHECK_VALUE(ld <= (int64_t{1} << 40) && rows <= (int64_t{1} << 40) && cols <= (int64_t{1} << 40),
+                    "cublas_guard_ext: replay: operand ", name, " sizes out of range");
+  const int64_t needed = span(rows, cols, ld);
+  TORCH_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ",
+                    needed, " elements but its buffer holds ", t.numel());
+}
+
+at::Tensor column_major(const at::Tensor& buffer, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(buffer.data_ptr(), {rows, cols}, {1, ld}, buffer.options());
+}
+
+ReplayCall make_call(bool transa, bool transb, int64_t m, int64_t n, int64_t k, int64_t lda,
+                     int64_t ldb, int64_t ldc, double alpha, double beta) {
+  ReplayCall call;
+  call.trans_a = transa;
+  call.trans_b = transb;
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  call.lda = lda;
+  call.ldb = ldb;
+  call.ldc = ldc;
+  call.alpha = alpha;
+  call.beta = beta;
+  return call;
+}
+
+int64_t replay_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
+                        bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                        int64_t ldc, double alpha, double beta, c10::string_view routine,
+                        c10::string_view /*math_mode*/, bool /*workspace*/) {
+  const ReplayCall call = make_call(transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
+  check_replay_call(call, a, b, c);
+  TORCH_CHECK_VALUE(routine == "torch CPU addmm", "cublas_guard_ext: replay: the CPU runs only "
+                    "'torch CPU addmm', not '", std::string(routine), "'");
+  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
+  if (m == 0 || n == 0) return 0;
+  at::Tensor out = column_major(c, m, n, ldc);
+  if (k == 0) {
+    out.mul_(beta);
+    return 0;
+  }
+  const at::Tensor op_a = transa ? column_major(a, k, m, lda).t() : column_major(a, m, k, lda);
+  const at::Tensor op_b = transb ? column_major(b, n, k, ldb).t() : column_major(b, k, n, ldb);
+  out.addmm_(op_a, op_b, beta, alpha);
+  return 0;
+}
+
+}  // namespace
+
+void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b,
+                       const at::Tensor& c) {
+  for (const at::Tensor* t : {&a, &b, &c}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->stride(0) == 1,
+                      "cublas_guard_ext: replay: operands must be flat dense buffers");
+    TORCH_CHECK_VALUE(t->scalar_type() == c.scalar_type() && t->device() == c.device(),
+                      "cublas_guard_ext: replay: operands must share one dtype and device");
+  }
+  TORCH_CHECK_VALUE(is_guarded_dtype(c.scalar_type()), "cublas_guard_ext: replay: dtype ",
+                    c.scalar_type(), " is not one the guard runs");
+  TORCH_CHECK_VALUE(call.m >= 0 && call.n >= 0 && call.k >= 0,
+                    "cublas_guard_ext: replay: m, n, k must be >= 0");
+  if (call.trans_a) {
+    check_operand("a", a, call.k, call.m, call.lda);
+  } else {
+    check_operand("a", a, call.m, call.k, call.lda);
+  }
+  if (call.trans_b) {
+    check_operand("b", b, call.n, call.k, call.ldb);
+  } else {
+    check_operand("b", b, call.k, call.n, call.ldb);
+  }
+  check_operand("c", c, call.m, call.n, call.ldc);
+}
+
+}  // namespace cublas_guard
+
+TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  // The status the routine returned (0 = success); raises for bad arguments.
+  m.def(
+      "replay_gemm(Tensor a, Tensor b, Tensor(c!) c, bool transa, bool transb, int m, int n, "
+      "int k, int lda, int ldb, int ldc, float alpha, float beta, str routine, str math_mode, "
+      "bool workspace) -> int");
+}
+
+TORCH_LIBRARY_IMPL(cublas_guard_internal, CPU, m) {
+  m.impl("replay_gemm", &cublas_guard::replay_gemm_cpu);
+}

@@ -1,0 +1,332 @@
+"""The errors about what a guarded call was given, and watch's findings: wrong dtype,
+shape or device, non-finite values, sizes beyond cuBLAS's 32-bit limit, an extension
+that cannot load. Each subclasses the built-in exception nn.Linear users already catch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import GuardError
+from .format import (
+    _PRODUCER_HINTS,
+    _coords,
+    _counts_text,
+    _dtype,
+    _first_bad_line,
+    _fold_inputs,
+    _inputs_line,
+    _layer,
+    _routines_on,
+    _shape,
+    _value_name,
+    _where,
+)
+from .status import _NAN_STORY
+
+
+class DTypeError(GuardError, TypeError, RuntimeError):
+    """An operand's dtype is not float32/bfloat16/float16/float64, or input and
+    parameters differ in dtype (``nn.Linear`` refuses both too)."""
+
+    kind = "dtype"
+
+    def _headline(self) -> str:
+        f = self.fields
+        role, dtype = f.get("role", "input"), _dtype(f.get("dtype"))
+        if f.get("reason") == "mismatch":
+            return (
+                f"layer {_layer(f.get('layer'))}: {role} dtype is {dtype} but {f.get('other_role')} "
+                f"dtype is {_dtype(f.get('other_dtype'))}: they must match (nn.Linear refuses "
+                "them too)"
+            )
+        return (
+            f"layer {_layer(f.get('layer'))}: {role} dtype is {dtype}, but the guarded linear "
+            "takes float32, bfloat16, float16 or float64 (as nn.Linear does)"
+        )
+
+    def _details(self) -> list[str]:
+        device = self.fields.get("tensor_device")
+        return [
+            f"shape {_shape(self.fields.get('tensor_shape'))} on {device}",
+            f"on {'CUDA' if str(device).startswith('cuda') else 'the CPU'} the GEMM runs as "
+            f"{_routines_on(device)}",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        f = self.fields
+        role, dtype = f.get("role", "input"), _dtype(f.get("dtype"))
+        if f.get("reason") == "mismatch":
+            other = _dtype(f.get("other_dtype"))
+            if role in ("input", "grad_output"):
+                return [
+                    f"cast the {role} to the layer's dtype: x = x.to({other})",
+                    f"or cast the layer: layer.to({dtype})",
+                    "or run the model under torch.autocast(device_type, dtype), which casts "
+                    "SafeLinear's operands exactly as nn.Linear's",
+                ]
+            return [f"cast the layer's parameters to one dtype: layer.to({other})"]
+        if role == "input":
+            steps = ["convert the input: x = x.float() (or the layer's dtype)"]
+            if dtype.startswith("torch.complex"):
+                steps.append("complex GEMMs are not guarded: split real and imaginary parts")
+            elif not dtype.startswith("torch.float"):
+                steps.append("integer/bool features are usually indices: did you mean an nn.Embedding?")
+            return steps
+        return [f"convert the layer's parameters: layer.float() (its {role} is {dtype})"]
+
+
+class ShapeMismatchError(GuardError, ValueError, RuntimeError):
+    """The input's last dim is not the layer's ``in_features`` (or the input is 0-d)."""
+
+    kind = "shape_mismatch"
+
+    def _headline(self) -> str:
+        f = self.fields
+        shape = f.get("shape")
+        if f.get("reason") == "operand":  # a parameter or gradient, not the input
+            return (
+                f"layer {_layer(f.get('layer'))}: {f.get('role')} has shape {_shape(shape)}, "
+                f"expected {f.get('expected_shape')}"
+            )
+        expected = f.get("expected_last_dim")
+        if f.get("reason") == "zero_dim":
+            return f"layer {_layer(f.get('layer'))}: input is 0-d; expected [..., {expected}]"
+        return (
+            f"layer {_layer(f.get('layer'))}: input shape {_shape(shape)} has last dim "
+            f"{shape[-1] if shape else '?'}, expected in_features = {expected}"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        if f.get("reason") == "operand":
+            return []
+        return [
+            f"input shape: {_shape(f.get('shape'))}",
+            f"expected:    [..., {f.get('expected_last_dim')}]",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("reason") == "operand":
+            return [
+                f"the layer's {self.fields.get('role')} was replaced with a tensor of the wrong "
+                "shape; check the code that assigns it"
+            ]
+        return [
+            "check the layer before this one (its out_features) or the flatten/reshape "
+            "feeding it; print(x.shape) right before the layer"
+        ]
+
+    @property
+    def expected(self) -> Any:
+        f = self.fields
+        return f.get("expected_last_dim", f.get("expected_shape"))
+
+
+class DeviceMismatchError(GuardError, ValueError, RuntimeError):
+    """An operand is on another device than the layer's weight."""
+
+    kind = "device_mismatch"
+
+    def _headline(self) -> str:
+        return (
+            f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} is on "
+            f"{self.fields.get('input_device')} but the layer's {self.fields.get('anchor', 'weight')} "
+            f"is on {self.fields.get('weight_device')}"
+        )
+
+    def _details(self) -> list[str]:
+        return [f"{self.fields.get('role', 'input')} shape: {_shape(self.fields.get('shape'))}"]
+
+    def _next_steps(self) -> list[str]:
+        target = self.fields.get("weight_device")
+        return [
+            f"move the input: x = x.to('{target}')",
+            f"or move the model: model.to('{self.fields.get('input_device')}')",
+        ]
+
+
+class NonFiniteInputError(GuardError, ValueError):
+    """NaN/+Inf/-Inf in an input (or parameter) of a guarded layer."""
+
+    kind = "non_finite"
+
+    def _headline(self) -> str:
+        f = self.fields
+        where = f"layer {_layer(f.get('layer'))}"
+        if f.get("deferred"):
+            backward = "backward " if f.get("pass") == "backward" else ""
+            where += f", {backward}call {f.get('call')}"
+            replay = f.get("replay", 0)
+            if replay:  # the call was captured in a CUDA graph; this is one of its replays
+                where += f" (CUDA graph replay {replay})" if replay > 0 else " (a CUDA graph replay)"
+        return (
+            f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
+            f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        coords = f.get("first_bad_coords")
+        role = "x" if f.get("role", "input") == "input" else f.get("role")
+        first = f"first bad element: flat index {f.get('first_bad_index')}"
+        if coords is not None:
+            first += f" = {role}[{', '.join(str(c) for c in coords)}]"
+        if f.get("first_bad_value") is not None:
+            first += f" ({_value_name(f.get('first_bad_value'))})"
+        if f.get("shape") is not None:
+            lines = [first, f"shape {_shape(f.get('shape'))}, {f.get('numel')} elements"]
+        else:  # async records keep at most 16 dims
+            lines = [first, f"{f.get('ndim')}-d tensor (shape not recorded), {f.get('numel')} elements"]
+        if f.get("deferred"):
+            lines.append(
+                f"recorded asynchronously on {f.get('device')} at that call and reported now: "
+                "outputs computed since then are not to be trusted"
+            )
+        lines.append(_NAN_STORY)
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("role") in ("weight", "bias"):
+            return [
+                "the parameters diverged: lower the learning rate, clip gradients "
+                "(torch.nn.utils.clip_grad_norm_), or reload the last good checkpoint"
+            ]
+        return [
+            "find the op that first made them non-finite: run the model under "
+            "cublas_guard_ext.watch(model) (it names the op and module, in forward and "
+            "backward), and check the data pipeline",
+            "clean the data if NaN is expected there: torch.nan_to_num(x)",
+        ]
+
+
+class SizeLimitError(GuardError, ValueError):
+    """A GEMM argument beyond cuBLAS's 32-bit ``int`` limit."""
+
+    kind = "size_limit"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"layer {_layer(f.get('layer'))}: {f.get('api') or 'cublasSgemm'} argument {f.get('argument')} = "
+            f"{f.get('value')} exceeds cuBLAS's 32-bit limit {f.get('limit')}"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            f"{f.get('purpose')} GEMM: m={f.get('m')} n={f.get('n')} k={f.get('k')} "
+            f"lda={f.get('lda')} ldb={f.get('ldb')} ldc={f.get('ldc')}",
+            "cuBLAS's classic API takes m, n, k and the leading dimensions as 32-bit int; the "
+            "batch is split and badly strided operands are copied automatically, but m (the "
+            "output's width: out_features in forward, in_features in backward) cannot be "
+            "split, and this cuBLAS has no 64-bit API (cuBLAS 12+)",
+        ]
+
+    def _next_steps(self) -> list[str]:
+        steps = [
+            "use a torch built with CUDA 12 or newer (cuBLAS 12 has the 64-bit API: "
+            "cublasSgemm_64, cublasGemmEx_64, cublasDgemm_64)"
+        ]
+        if self.fields.get("argument") in ("lda", "ldb"):
+            steps.append("a strided input's row stride is a leading dimension: x.contiguous() may fit")
+        return steps
+
+
+class _WatchFinding:
+    """What the two watch findings share: the first bad element's coordinates, the counts."""
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self._prepare(fields)
+        if "first_bad_coords" not in fields:
+            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
+        super().__init__(message, **fields)  # type: ignore[call-arg]
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        pass
+
+
+class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
+    """An op inside a ``watch`` block produced NaN/+Inf/-Inf from finite inputs."""
+
+    kind = "non_finite_output"
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        _fold_inputs(fields)
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: {f.get('op')} {_where(f)} ({f.get('phase', 'forward')}) produced "
+            f"{_counts_text(f)} from finite inputs"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        first = _first_bad_line(f, "output")
+        if f.get("first_bad_value") is not None:
+            first += f" ({_value_name(f.get('first_bad_value'))})"
+        lines = [first, f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}"]
+        inputs = _inputs_line(f)
+        if inputs:
+            lines.append(inputs)
+        if f.get("backward_node"):
+            lines.append(f"in backward, computing {f['backward_node']} (the gradient of that module's forward)")
+        if f.get("deferred"):
+            lines.append(
+                "recorded at that op (mode='async') and reported now: outputs computed since then "
+                "are not to be trusted"
+            )
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        op = str(self.fields.get("op", "")).split(".")
+        base = op[1] if len(op) > 1 else ""
+        steps = []
+        hint = _PRODUCER_HINTS.get(base.rstrip("_")) or _PRODUCER_HINTS.get(base.split("_")[0])
+        if hint:
+            steps.append(f"likely {hint}")
+        steps.append(
+            "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
+        )
+        return steps
+
+
+class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
+    """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
+
+    kind = "non_finite_entry"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: the model's {f.get('role')} '{f.get('name')}' has {_counts_text(f)} on entry "
+            "(it came into the model non-finite; no op inside produced it)"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [_first_bad_line(f, str(f.get("name"))), f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}"]
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("role") in ("parameter", "buffer"):
+            return [
+                "the parameters diverged or were loaded broken: lower the learning rate, clip "
+                "gradients, or reload the last good checkpoint",
+                "an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])",
+            ]
+        return ["check the data pipeline: the batch was already non-finite"]
+
+
+class ExtensionBuildError(GuardError, ImportError):
+    """The native extension could not be loaded or built."""
+
+    kind = "build"
+
+    def _headline(self) -> str:
+        return f"cublas_guard_ext: native extension unavailable: missing {self.fields.get('missing')}"
+
+    def _details(self) -> list[str]:
+        return [str(self.fields.get("detail", ""))]
+
+    def _next_steps(self) -> list[str]:
+        return [str(self.fields.get("fix", "see the README's build section"))]

@@ -1,0 +1,126 @@
+"""Every field an error payload may carry: its name and kind, the one table both sides share.
+
+The native side (csrc/) writes a payload as ``ErrorReport(kind).add("field", value)``;
+the classes here read it by the same names. This table is the contract:
+tests/test_payload_schema.py reads every ``.add("...")`` key in csrc/ and every field the
+Python side reads, and fails when a name is on one side only or outside this table, and
+it checks the kinds of real payloads against it (:func:`problems`).
+
+Kinds: ``int``, ``float`` (a JSON number, or the strings "nan", "inf", "-inf" the native
+side writes for non-finite values), ``bool``, ``str``, ``ints`` (a list of ints).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+KINDS = ("int", "float", "bool", "str", "ints")
+
+# The payload's "kind": which exception class a report becomes (parse._BY_KIND; the native
+# side's ErrorReport("...") names).
+REPORT_KINDS = ("cublas", "cuda_launch", "device_mismatch", "dtype", "graph_capture", "non_finite",
+                "non_finite_output", "out_of_memory", "pending_cuda", "shape_mismatch", "size_limit",
+                "watch_op_failure")
+
+# Fields the native side writes, by name.
+NATIVE_FIELDS: dict[str, str] = {
+    # where
+    "layer": "str", "role": "str", "reason": "str", "stage": "str", "purpose": "str", "device": "str",
+    "detail": "str", "mode": "str", "pass": "str", "phase": "str", "module": "str", "op": "str",
+    "backward_node": "str", "output_index": "int", "anchor": "str",
+    # tensors
+    "shape": "ints", "strides": "ints", "dtype": "str", "ndim": "int", "numel": "int",
+    "expected": "str", "expected_last_dim": "int", "expected_shape": "str",
+    "input_device": "str", "weight_device": "str", "other_dtype": "str", "other_role": "str",
+    # non-finite findings
+    "nan_count": "int", "posinf_count": "int", "neginf_count": "int", "first_bad_index": "int",
+    "first_bad_coords": "ints", "first_bad_value": "float", "deferred": "bool", "call": "int",
+    "replay": "int",
+    # the GEMM
+    "status": "int", "status_name": "str", "api": "str", "transa": "str", "transb": "str",
+    "m": "int", "n": "int", "k": "int", "lda": "int", "ldb": "int", "ldc": "int",
+    "alpha": "float", "beta": "float", "data_type": "str", "compute_type": "str",
+    "math_mode": "str", "chunk": "str", "precheck": "bool", "rule": "str",
+    "argument": "str", "value": "int", "limit": "int",
+    # memory (add_memory_fields)
+    "free_bytes": "int", "total_bytes": "int", "torch_allocated_bytes": "int",
+    "torch_reserved_bytes": "int", "workspace_bytes": "int", "bytes_requested": "int",
+    # CUDA errors and launches
+    "cuda_error": "str", "cuda_error_code": "int", "cuda_error_string": "str", "sticky": "bool",
+    "launch_blocking": "bool", "kernel": "str", "built_archs": "str", "device_name": "str",
+    "compute_capability": "str",
+    # watch's op inputs (folded by format._fold_inputs into input_names, input_shapes, ...)
+    "num_inputs": "int",
+}
+
+# Families of native fields with a variable part: (pattern, kind). The prefix is an
+# operand ("a", "b", "c" of a GEMM; "tensor" of a dtype report: describe_tensor) or the
+# n-th input of an op watch saw ("input0_shape", ...), or a scalar argument ("scalar_alpha").
+NATIVE_FAMILIES: tuple[tuple[str, str], ...] = (
+    (r"(a|b|c|tensor)_(shape|strides)", "ints"),
+    (r"(a|b|c|tensor)_(dtype|device)", "str"),
+    (r"(a|b|c)_role", "str"),
+    (r"(a|b|c)_(alignment|storage_offset)", "int"),
+    (r"input\d+_(shape|strides)", "ints"),
+    (r"input\d+_(name|dtype|device)", "str"),
+    (r"scalar_\w+", "float"),
+)
+# The prefixes and suffixes the native side builds family names from, as written in csrc/
+# (`describe_tensor(report, "tensor", t)`, `p + "_shape"`): the schema test finds them.
+FAMILY_PREFIXES = ("a", "b", "c", "tensor", "input", "scalar_")
+FAMILY_SUFFIXES = ("_shape", "_strides", "_dtype", "_device", "_role", "_alignment", "_storage_offset", "_name")
+
+# Fields the Python side adds to a report's fields (never in a payload).
+PYTHON_FIELDS: dict[str, str] = {
+    "rank": "int", "world_size": "int",      # base.GuardError under torchrun
+    "environment": "dict",                    # base.GuardError: facts.error_context()
+    "original_error": "str",                  # watch._op_failure: the op's own message
+    "input_names": "list", "input_shapes": "list", "input_strides": "list",  # format._fold_inputs
+    "input_dtypes": "list", "input_devices": "list",
+    "missing": "str", "fix": "str",           # ExtensionBuildError, raised by _native/loader.py
+    "name": "str",                            # NonFiniteEntryError, raised by watch.py
+}
+
+_FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of a native payload field, or None if the schema does not know it."""
+    if name in NATIVE_FIELDS:
+        return NATIVE_FIELDS[name]
+    for pattern, kind in _FAMILIES:
+        if pattern.fullmatch(name):
+            return kind
+    return None
+
+
+def _is(kind: str, value: Any) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or value in ("nan", "inf", "-inf")
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "ints":
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    return False
+
+
+def problems(payload: dict[str, Any]) -> list[str]:
+    """What in a parsed native payload disagrees with the schema (empty: it agrees)."""
+    out = []
+    kind = payload.get("kind")
+    if kind not in REPORT_KINDS:
+        out.append(f"report kind {kind!r} is not in schema.REPORT_KINDS")
+    for name, value in payload.items():
+        if name == "kind":
+            continue
+        expected = kind_of(name)
+        if expected is None:
+            out.append(f"field {name!r} is not in the schema")
+        elif not _is(expected, value):
+            out.append(f"field {name!r} = {value!r} is not of kind {expected}")
+    return out

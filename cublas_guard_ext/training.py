@@ -16,8 +16,7 @@ sync per step on CUDA, like GradScaler, and none with ``deferred=True`` (then th
 must skip on the device: a ``fused=True`` Adam/AdamW/SGD takes the flag as its ``found_inf``,
 and the flag is read at the next ``step`` or at :meth:`TrainingGuard.check`). Before the
 closure runs, the guard keeps the RNG states (CPU, every initialised CUDA device, Python's
-``random``, NumPy's global one) and a copy of every buffer whose version changed since the
-last copy (BatchNorm statistics; constant buffers are copied once).
+``random``, NumPy's global one) and a copy of every buffer (BatchNorm statistics and the like).
 
 A bad step is never applied: no optimizer step. The RNG states and buffers are restored and
 the closure runs again under ``watch(model, mode="sync")`` (a compiled model runs eagerly
@@ -193,35 +192,28 @@ class _RngState:
 
 
 class _Buffers:
-    """Copies of the model's buffers, taken again only for those whose version moved."""
+    """A copy of every buffer of the model, taken before each step.
+
+    Every buffer, every step: BatchNorm's running statistics are written inside the
+    batch_norm kernel without bumping the tensor's version counter, so a version check
+    cannot tell which buffers a forward changed (the tests caught exactly that). Buffers are
+    small next to the parameters (MiniLM: 8 KB); a step copies them once."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        # (module, name) -> (tensor, version, copy)
-        self.kept: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor, int, torch.Tensor]] = {}
+        self.kept: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
 
     def snapshot(self) -> None:
-        kept = {}
-        for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is None:
-                    continue
-                key = (id(module), name)
-                old = self.kept.get(key)
-                if old is not None and old[2] is buf and old[3] == buf._version:
-                    kept[key] = old
-                else:
-                    kept[key] = (module, name, buf, buf._version, buf.detach().clone())
-        self.kept = kept
+        self.kept = [(module, name, buf, buf.detach().clone())
+                     for module in self.model.modules()
+                     for name, buf in module._buffers.items() if buf is not None]
 
     @torch.no_grad()
     def restore(self) -> None:
-        for key, (module, name, buf, version, copy) in list(self.kept.items()):
+        for module, name, buf, copy in self.kept:
             if module._buffers.get(name) is not buf:
                 module._buffers[name] = buf
-            if buf._version != version:
-                buf.copy_(copy)
-                self.kept[key] = (module, name, buf, buf._version, copy)
+            buf.copy_(copy)
 
 
 def _bad_flag(loss: Any, grads: list[torch.Tensor], check_grads: bool) -> torch.Tensor | None:
@@ -237,9 +229,9 @@ def _bad_flag(loss: Any, grads: list[torch.Tensor], check_grads: bool) -> torch.
             if g.numel():
                 by_device.setdefault(g.device, []).append(g)
         for ts in by_device.values():
-            maxima.append(torch.stack(torch._foreach_norm(ts, math.inf, dtype=torch.float32)).max())
+            maxima.append(torch.stack(torch._foreach_norm(ts, math.inf)).max())
     if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel():
-        maxima.append(torch.linalg.vector_norm(loss.detach(), math.inf, dtype=torch.float32))
+        maxima.append(torch.linalg.vector_norm(loss.detach(), math.inf))
     elif isinstance(loss, float):
         maxima.append(torch.tensor(loss if math.isfinite(loss) else math.inf))
     if not maxima:
@@ -460,7 +452,7 @@ class TrainingGuard:
         if flag.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._pending = (closure, rng, loss, host, event, self.steps, dict(self._buffers.kept))
+        self._pending = (closure, rng, loss, host, event, self.steps, self._buffers.kept)
         return loss
 
     def check(self) -> None:
@@ -510,7 +502,10 @@ class TrainingGuard:
         rng.restore()
         self._buffers.restore()
         try:
-            with self._replay_context(), _eager_if(compiled):
+            with self._replay_context(), _eager_if(compiled), warnings.catch_warnings():
+                # (watch's global module hooks around a compiled module: fine here, they name
+                # the inner modules only)
+                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
                 with watch(self.inner, mode="sync", allow=self.allow):
                     replay_loss = closure()
                     flag = _bad_flag(replay_loss, self._grads(), self.scaler is None)
@@ -520,7 +515,8 @@ class TrainingGuard:
         except (NonFiniteOutputError, NonFiniteEntryError) as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
             if isinstance(finding, NonFiniteOutputError):
-                out.update(op=finding.op, module=finding.module, phase=finding.fields.get("phase", "forward"))
+                f = finding.fields
+                out.update(op=f.get("op"), module=f.get("module"), phase=f.get("phase", "forward"))
             else:
                 out.update(phase="entry", module=finding.fields.get("name"))
         if compiled and not out["reproduced"]:

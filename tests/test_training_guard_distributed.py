@@ -36,6 +36,10 @@ class Fault(nn.Module):
             return x + torch.log(-x.abs() - 1.0)
         if self.mode == "backward":  # finite forward; sqrt's gradient at 0 is Inf (times 0: NaN)
             return x + torch.sqrt(torch.relu(x) * 0.0)
+        if self.mode == "rows":  # the same, in features 12..15 only: under FSDP2 only rank 1's
+            # shard of the first Linear (rows 8..15) gets NaN gradients; rank 0's stays finite
+            tail = x[:, 12:] + torch.sqrt(torch.relu(x[:, 12:]) * 0.0)
+            return torch.cat([x[:, :12], tail], dim=1)
         return x
 
 
@@ -102,8 +106,20 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
 
             if step == BAD_STEP:
                 result["before"] = params()
+                finite = [bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                          for p in inner.parameters()]
+                assert all(finite)
+            def local_check(closure=closure):  # this rank's own view of its step (before the guard's)
+                loss = closure()
+                grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                         for p in inner.parameters() if p.grad is not None]
+                if step == BAD_STEP:
+                    result["local_bad"] = not (all(bool(torch.isfinite(g).all()) for g in grads)
+                                               and bool(torch.isfinite(loss)))
+                return loss
+
             try:
-                loss = guard.step(closure)
+                loss = guard.step(local_check)
             except cg.NonFiniteStepError as err:
                 result["error"] = {k: err.fields.get(k) for k in
                                    ("step", "op", "module", "phase", "classification", "rank", "world_size")}
@@ -113,7 +129,7 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
             finally:
                 inner[2].mode = ""
             result["steps_done"] = step
-            result.setdefault("losses", []).append(None if loss is None else float(loss))
+            result.setdefault("losses", []).append(None if loss is None else float(loss.detach()))
         result["skipped"] = [e.step for e in guard.skipped]
         result["skipped_rank"] = [e.rank for e in guard.skipped]
         result["final"] = params()
@@ -150,6 +166,19 @@ def test_bad_step_on_one_rank_raises_on_every_rank_naming_it(kind, fault, phase,
         assert r["message"].startswith(f"[rank {BAD_RANK}/{WORLD}] training step {BAD_STEP}: ")
         assert r["after"] == r["before"], "the bad step changed the parameters"
     assert results[0]["after"] == results[1]["after"]
+
+
+@pytest.mark.slow
+def test_fsdp_bad_shard_on_one_rank_only_every_rank_still_decides_alike(tmp_path):
+    """Only rank 1's gradient shard is non-finite (rank 0's local check is clean): without the
+    flag's all-reduce rank 0 would step while rank 1 replays, and their collectives would part."""
+    results = run("fsdp-rows-raise", tmp_path)
+    for r in results:
+        assert r["steps_done"] == BAD_STEP - 1
+        assert r["error"] == {"step": BAD_STEP, "op": "aten.div.Tensor", "module": "2", "phase": "backward",
+                              "classification": "persistent", "rank": BAD_RANK, "world_size": WORLD}
+        assert r["after"] == r["before"]
+    assert results[0]["local_bad"] is False and results[1]["local_bad"] is True
 
 
 @pytest.mark.slow

@@ -573,19 +573,27 @@ def _eager_if(compiled: bool) -> Iterator[None]:
         yield
 
 
+# FSDP2 settings a replay changes, as attributes of its param groups / states (the names have
+# moved between torch versions: whichever exist are saved and put back).
+_FSDP_GROUP_ATTRS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "post_forward_mesh_info",
+                     "_reshard_after_forward", "_use_post_forward_mesh")
+_FSDP_STATE_ATTRS = ("_auto_reshard_after_forward",)
+
+
 @contextlib.contextmanager
 def _fsdp_local(modules: list[Any]) -> Iterator[None]:
     """FSDP2 for a replay without collectives: gather every parameter now (a collective all
     ranks take together), keep them gathered through forward and backward, accumulate the
     gradients unsharded and locally; afterwards drop those gradients, reshard, and put FSDP's
     settings back as they were."""
-    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
-    saved = [(g.reduce_grads, g.all_reduce_grads, g.post_forward_mesh_info, g.reshard_after_backward)
-             for g in groups]
-    for g in groups:
-        g.reduce_grads = g.all_reduce_grads = False
-        g.post_forward_mesh_info = None  # no reshard after forward
-        g.reshard_after_backward = False
+    states = [m._get_fsdp_state() for m in modules]
+    groups = [g for st in states for g in getattr(st, "_fsdp_param_groups", [])]
+    saved = [(obj, {a: v for a, v in vars(obj).items() if a in attrs})  # plain attributes, not properties
+             for objs, attrs in ((groups, _FSDP_GROUP_ATTRS), (states, _FSDP_STATE_ATTRS)) for obj in objs]
+    for m in modules:  # the public setters, whatever they set inside
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
     try:
         handles = [m.unshard(async_op=True) for m in modules]
         for h in handles:
@@ -593,11 +601,13 @@ def _fsdp_local(modules: list[Any]) -> Iterator[None]:
                 h.wait()
         yield
     finally:
-        for g, (reduce, all_reduce, post_forward, after_backward) in zip(groups, saved):
-            g.reduce_grads, g.all_reduce_grads = reduce, all_reduce
-            g.post_forward_mesh_info, g.reshard_after_backward = post_forward, after_backward
-            for fp in g.fsdp_params:
-                fp.unsharded_accumulated_grad = None
+        for obj, values in saved:
+            for a, v in values.items():
+                setattr(obj, a, v)
+        for g in groups:
+            for fp in getattr(g, "fsdp_params", []):
+                if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                    fp.unsharded_accumulated_grad = None
                 if hasattr(fp, "_unsharded_param"):
                     fp.unsharded_param.grad = None
         for m in modules:

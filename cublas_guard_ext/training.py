@@ -10,8 +10,8 @@
 ...         return loss
 ...     loss = guard.step(closure)      # optimizer.step() only when the loss and every grad are finite
 
-Healthy steps cost one fused pass over the gradients (``torch._foreach_norm(grads, inf)``
-per device, stacked with the loss into one flag tensor) and one read of that flag: one host
+Healthy steps cost one fused pass over the gradients (GradScaler's own non-finite check,
+per device and dtype, joined with the loss's into one flag tensor) and one read of that flag: one host
 sync per step on CUDA, like GradScaler, and none with ``deferred=True`` (then the optimizer
 must skip on the device: a ``fused=True`` Adam/AdamW/SGD takes the flag as its ``found_inf``,
 and the flag is read at the next ``step`` or at :meth:`TrainingGuard.check`). Before the
@@ -217,28 +217,38 @@ class _Buffers:
 
 
 def _bad_flag(loss: Any, grads: list[torch.Tensor], check_grads: bool) -> torch.Tensor | None:
-    """One float32 tensor: 1.0 if the loss or any gradient holds NaN/Inf, else 0.0. No host sync."""
-    maxima: list[torch.Tensor] = []
+    """One float32 tensor: 1.0 if the loss or any gradient holds NaN/Inf, else 0.0. No host sync.
+
+    The gradients go through GradScaler's own fused check,
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` with an inverse scale of 1 (the values
+    are written back unchanged): one multi-tensor kernel per device and dtype on CUDA, an exact
+    isfinite test (no norm that could overflow). On the CPU it is also the fastest pass found:
+    4.7 ms for MiniLM's 22.7M gradients on one thread, against 5.0 ms for _foreach_norm(2),
+    60 ms for _foreach_norm(inf) and 79 ms for per-tensor isfinite().all()."""
+    found: list[torch.Tensor] = []
     if check_grads:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             if hasattr(g, "to_local"):  # a DTensor (FSDP2): this rank's shard; the all-reduce joins them
                 g = g.to_local()
             if g.is_sparse:
                 g = g.coalesce().values()
             if g.numel():
-                by_device.setdefault(g.device, []).append(g)
-        for ts in by_device.values():
-            maxima.append(torch.stack(torch._foreach_norm(ts, math.inf)).max())
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), ts in groups.items():
+            flag = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, flag, torch.ones(1, device=device))
+            found.append(flag)
     if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel():
-        maxima.append(torch.linalg.vector_norm(loss.detach(), math.inf))
+        found.append((~torch.isfinite(loss.detach())).any().float().reshape(1))
     elif isinstance(loss, float):
-        maxima.append(torch.tensor(loss if math.isfinite(loss) else math.inf))
-    if not maxima:
+        found.append(torch.tensor([0.0 if math.isfinite(loss) else 1.0]))
+    if not found:
         return None
-    device = maxima[0].device
-    every = torch.stack([m.to(device, non_blocking=True) for m in maxima])
-    return (~torch.isfinite(every).all()).float()
+    if len(found) == 1:
+        return found[0].reshape(())
+    device = found[0].device
+    return torch.cat([f.to(device, non_blocking=True) for f in found]).max()
 
 
 def _default_group() -> Any:
@@ -508,10 +518,10 @@ class TrainingGuard:
                 warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
                 with watch(self.inner, mode="sync", allow=self.allow):
                     replay_loss = closure()
-                    flag = _bad_flag(replay_loss, self._grads(), self.scaler is None)
-                    out["reproduced"] = bool(flag is not None and flag.item())
-                    if out["reproduced"]:
-                        out["note"] = "the replay under watch is non-finite again, but watch named no producer"
+                flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)  # (outside the watch)
+            out["reproduced"] = bool(flag is not None and flag.item())
+            if out["reproduced"]:
+                out["note"] = "the replay under watch is non-finite again, but watch named no producer"
         except (NonFiniteOutputError, NonFiniteEntryError) as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
             if isinstance(finding, NonFiniteOutputError):
@@ -526,11 +536,16 @@ class TrainingGuard:
             self._zero_grads()
             with self._replay_context():
                 replay_loss = closure()
-            flag = _bad_flag(replay_loss, self._grads(), self.scaler is None)
+                flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)
             if flag is not None and flag.item():
                 out.update(reproduced=True, note="reproduces only as compiled: the eager replay under "
                            "watch is finite, the compiled one is not (a compiler numerics difference?)")
         return out
+
+    def _replay_grads(self) -> list[torch.Tensor]:
+        """The replay's gradients: the module's parameters as they are now (under FSDP2's
+        replay, the gathered ones, which hold the local gradients)."""
+        return [p.grad for p in self.inner.parameters() if p.grad is not None]
 
     @contextlib.contextmanager
     def _replay_context(self) -> Iterator[None]:

@@ -116,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:<26}{statistics.median(wall[n]) * 1e3:>11.1f} ms{statistics.median(cpu[n]) * 1e3:>11.1f} ms")
     skipped = sum(len(g.skipped) for g in guards.values())
     assert skipped == 0, f"{skipped} healthy steps were taken for bad ones"
+    # The guard's own work, timed alone on the last step's gradients (steadier than a ratio
+    # of two loaded medians): its snapshot before the closure, the fused check and the read.
+    from cublas_guard_ext import training as _training
+
+    guard = guards["TrainingGuard"]
+    own = []
+    for _ in range(rounds):
+        c0 = time.process_time()
+        guard._begin()
+        _training._bad_flag(torch.ones((), device=args.device), guard._grads(), True).item()
+        own.append(time.process_time() - c0)
+    guard.steps -= rounds
+    own_ms = statistics.median(own) * 1e3
+    print(f"the guard's own work per step (snapshot, fused check, one read), alone: {own_ms:.1f} ms CPU "
+          f"= {own_ms / (statistics.median(cpu['plain']) * 1e3):.1%} of the plain step's CPU median")
     for n in names[1:]:
         print(f"ratio {n} / plain: wall {statistics.median(wall[n]) / statistics.median(wall['plain']):.3f}x, "
               f"CPU {statistics.median(cpu[n]) / statistics.median(cpu['plain']):.3f}x")

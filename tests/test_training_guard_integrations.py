@@ -42,7 +42,7 @@ def plant(module: nn.Module, when) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4):
+def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4, accumulate: int = 1):
     transformers = pytest.importorskip("transformers")
     from cublas_guard_ext.integrations.transformers import GuardedTrainer
 
@@ -50,11 +50,12 @@ def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4):
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (steps * 2, 12), generator=g)]
+    data = [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(0, 64, (steps * 2 * accumulate, 12), generator=g)]
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
         report_to="none", use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=0)
+        dataloader_num_workers=0, seed=0, gradient_accumulation_steps=accumulate)
     trainer = GuardedTrainer(model=model, args=args, train_dataset=data, guard_on_nan=on_nan)
     return trainer, model
 
@@ -94,6 +95,23 @@ def test_transformers_trainer_skip_drops_the_optimizer_step_and_trains_on(tmp_pa
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_transformers_trainer_skip_with_accumulation_drops_the_whole_optimizer_step(tmp_path):
+    # 2 micro-batches per optimizer step: the first of step 2 is bad (forward call 3, one-shot);
+    # the second (call 5, after the replay) is fine but its step must still be dropped
+    trainer, model = gpt2_trainer(tmp_path, "skip", steps=3, accumulate=2)
+    calls = {"n": 0}
+
+    def third_forward_only():
+        calls["n"] += 1
+        return calls["n"] == 3
+    plant(model.transformer.h[0].mlp.act, third_forward_only)
+    with pytest.warns(RuntimeWarning, match="training step 3: "):  # (step: the 3rd micro-batch)
+        trainer.train()
+    assert calls["n"] == 7 and len(trainer.guard.skipped) == 1
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert {int(s["step"]) for s in optimizer.state.values()} == {2}  # 3 optimizer steps, one dropped
+
+
 # -- Lightning ------------------------------------------------------------------------------------
 
 
@@ -110,7 +128,8 @@ def loader(data):
     return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
 
 
-def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient: bool = False):
+def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient: bool = False,
+                  accumulate: int = 1):
     pl = lightning()
     from cublas_guard_ext.integrations.lightning import TrainingGuardCallback
 
@@ -140,10 +159,11 @@ def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient
     torch.manual_seed(0)
     module = Module()
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps)]
+    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps * accumulate)]
     callback = TrainingGuardCallback(on_nan=on_nan)
     trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         accumulate_grad_batches=accumulate)
     return trainer, module, data, callback
 
 
@@ -165,5 +185,19 @@ def test_lightning_callback_skip_equals_a_run_without_that_batch():
     assert [(e.step, e.classification) for e in callback.guard.skipped] == [(3, "transient")]
     ref_trainer, ref, _, _ = lightning_run("raise", fault_step=None, steps=4)
     ref_trainer.fit(ref, loader(data[:2] + data[3:]))
+    for (k, a), (_, b) in zip(module.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_lightning_callback_skip_with_accumulation_equals_a_run_without_that_optimizer_step():
+    # 2 batches per optimizer step; batch 3 (the first of step 2) is bad once: the whole step
+    # 2 is dropped, batch 4's gradients too
+    trainer, module, data, callback = lightning_run("skip", fault_step=3, steps=3, transient=True, accumulate=2)
+    with pytest.warns(RuntimeWarning, match="training step 3: "):
+        trainer.fit(module, loader(data))
+    assert len(callback.guard.skipped) == 1
+    assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {2}
+    ref_trainer, ref, _, _ = lightning_run("raise", fault_step=None, steps=2, accumulate=2)
+    ref_trainer.fit(ref, loader(data[:2] + data[4:]))
     for (k, a), (_, b) in zip(module.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), k

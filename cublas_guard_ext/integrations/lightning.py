@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..training import TrainingGuard, _RngState
+from .._training_state import _RngState
+from ..training import TrainingGuard
 
 
 def _callback_base() -> type:

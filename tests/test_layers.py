@@ -36,9 +36,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors: every user-facing message", ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*")),
     ("ops and modes", ("cublas_guard_ext.ops", "cublas_guard_ext.modes", "cublas_guard_ext._transforms")),
     ("nn and watch", ("cublas_guard_ext.nn", "cublas_guard_ext.watch")),
+    ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext._training_state")),
     ("the public API", ("cublas_guard_ext",)),
     ("tools: doctor, demo, bench", ("cublas_guard_ext.tools", "cublas_guard_ext.tools.*",
                                     "cublas_guard_ext.__main__")),
+    ("integrations: transformers, Lightning (imported only when used)",
+     ("cublas_guard_ext.integrations", "cublas_guard_ext.integrations.*")),
 ]
 
 # (importer, imported): why this late import may go up a layer.

@@ -5,7 +5,7 @@
 ...     loss.backward()
 
 Every op the block runs (forward, backward, composite ops and what they
-decompose into) is observed from C++ (``csrc/watch.cpp``): a dispatcher
+decompose into) is observed from C++ (``csrc/watch/``): a dispatcher
 fallback scans each floating output once, in place, and only when an output is
 not all finite looks at the op's inputs. The first op whose output is
 non-finite while its tensor inputs and scalar arguments were finite is the
@@ -135,7 +135,7 @@ def _tensors_in(value: Any, path: str) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def _op_failure(payload: str, original: Any, message: str) -> BaseException:
-    """Called by csrc/watch.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
+    """Called by csrc/watch/watch_reraise.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
     fields = json.loads(payload)
     fields.pop("kind", None)
     for key, value in list(fields.items()):
@@ -325,7 +325,7 @@ class watch:
         """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch.
 
         Saved: values already known (the last scan of the same storage at the same version) or
-        finite by construction (ops that only move values, see ``csrc/watch.cpp``)."""
+        finite by construction (ops that only move values, see ``csrc/watch/``)."""
         return _native.stats()
 
 

@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -80,6 +81,29 @@ namespace watch {
 constexpr c10::DispatchKey kWatchKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 constexpr int kModeSync = 1;
 constexpr int kModeAsync = 2;
+
+// What makes a finding (watch(..., report=)). kReportBirth: every non-finite
+// value an op produces from finite inputs, at that op (the original rule).
+// kReportConsequence: a non-finite value is judged by what it reaches. Both
+// run one protocol, the one a device kernel can run without a host sync
+// (docs/watch-design.md): record on bad (a non-finite output gets an origin
+// tag: a new origin when its inputs are finite, else the earliest reportable
+// origin of its inputs), decide from the bits (a sink reads the tag of what
+// reaches it). Birth mode decides at the record; consequence mode at a sink:
+// the model's outputs, a backward root (the loss), a parameter's or input's
+// gradient, a parameter or buffer written in the block, state written outside
+// the model's forward and backward (an optimizer's), a guarded layer that
+// refuses its input.
+constexpr int kReportConsequence = 0;
+constexpr int kReportBirth = 1;
+
+// Origin tags (Known::origin). kNoOrigin: finite, or non-finite from no op
+// this watch saw; kQuietOrigin: intended (a non-finite Scalar argument such as
+// masked_fill(..., -inf), an op or module in allow=, an allowed argument):
+// never a finding; >= kFirstOrigin: OriginStore::origins[tag - kFirstOrigin].
+constexpr uint32_t kNoOrigin = 0;
+constexpr uint32_t kQuietOrigin = 1;
+constexpr uint32_t kFirstOrigin = 2;
 
 // Ops whose outputs are finite by construction when their inputs are (see
 // finite_by_construction): their outputs are not scanned.
@@ -118,6 +142,7 @@ struct Known {
   int64_t begin = 0, end = 0;
   uint32_t version = 0;
   bool finite = false;
+  uint32_t origin = kNoOrigin;  // non-finite values: where they were born (kFirstOrigin...)
 };
 
 // Storage -> Known, open addressing with linear probing in one array: no
@@ -220,8 +245,28 @@ class KnownTable {
 // forward thread (through its session), as they always did.
 KnownTable& thread_known();
 
+// A recorded birth: the finding's report, built when the value was born (op,
+// module, phase, counts, inputs, the Python stack), raised when it reaches a
+// sink. Births of the same op, module, phase and output share one record (T5
+// takes log(0) at every forward).
+struct Origin {
+  ErrorReport report{"non_finite_output"};
+  std::string summary;
+};
+struct OriginStore {
+  static constexpr size_t kMax = 4096;  // distinct births kept per block; later ones reuse the last
+  std::vector<Origin> origins;
+  std::unordered_map<std::string, uint32_t> by_key;
+};
+
 struct Session {
   int mode = kModeSync;
+  int report = kReportBirth;
+  bool has_model = false;
+  // Parameters and buffers of the watched model: storage -> name (sinks when written).
+  std::unordered_map<const c10::StorageImpl*, std::string> state;
+  // Shared with a nested watch: both read the thread's table, whose tags index it.
+  std::shared_ptr<OriginStore> origins = std::make_shared<OriginStore>();
   uint64_t thread_id = 0;
   bool key_was_included = false;
   Session* outer = nullptr;  // a watch nested in this thread's watch
@@ -231,6 +276,10 @@ struct Session {
   std::vector<std::string> allowed_ops;   // "aten::log" or "aten::log.default"
   uint64_t seq_base = 0;
   std::vector<int32_t> seq_module;  // autograd sequence number - seq_base -> module id
+  // Same index -> the origin tag of the forward op's output (consequence mode):
+  // a non-finite gradient of a node whose forward produced a tagged value is a
+  // consequence of that value (log's gradient at the 0 that gave -inf), not a birth.
+  std::vector<uint32_t> seq_origin;
   bool pending = false;             // async: a finding waits to be raised
   std::string pending_message;
   int64_t ops_seen = 0, outputs_scanned = 0, scans_saved = 0;
@@ -286,6 +335,12 @@ bool trusted();
 const Known* lookup(Session& s, const at::Tensor& t);
 void forget(Session& s, const at::Tensor& t);
 void remember(Session& s, const at::Tensor& t, bool finite);
+// The origin tag of t's storage when its last scan found it non-finite, else kNoOrigin.
+uint32_t origin_of(Session& s, const at::Tensor& t);
+// Tags t's storage, known non-finite, with `origin`.
+void tag(Session& s, const at::Tensor& t, uint32_t origin);
+// The tag to keep of two: the earlier reportable origin, else the quieter one.
+uint32_t better_origin(uint32_t a, uint32_t b);
 bool known_finite(Session& s, const at::Tensor& t);
 Counts scan_values(Session& s, const at::Tensor& t);
 Counts scan_fresh(Session& s, const at::Tensor& t);
@@ -304,9 +359,19 @@ void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema,
 void add_where(ErrorReport& r, const Session& s, const Where& w);
 [[noreturn]] void raise_message(const std::string& message);
 void raise_pending(Session& s);
-void judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-           const std::vector<c10::IValue>& args, bool inplace_bad_before,
-           const at::Tensor& t, int64_t index, const Counts& c);
+// The bad path: output t of op is not all finite. Returns its origin tag;
+// in birth mode raises (sync) or keeps (async) the finding of a producer.
+uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+               const std::vector<c10::IValue>& args, bool inplace_bad_before,
+               uint32_t inplace_origin, const at::Tensor& t, int64_t index, const Counts& c);
+// A tagged value reached a sink (`where`, in words): the finding of its origin
+// is raised (sync) or kept (async). Nothing for untagged and quiet values, or
+// in birth mode.
+void reached(Session& s, uint32_t origin, const std::string& where);
+// Records a non-finite argument of the watched model as an origin (entry finding).
+uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, const Counts& c);
+// The innermost Python frames outside torch and this package, one per line.
+std::string python_stack();
 
 // watch_reraise.cpp: cuBLAS/CUDA errors of an op re-raised typed.
 bool mentions_cuda_failure(const std::string& m);

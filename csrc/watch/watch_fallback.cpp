@@ -10,6 +10,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -35,6 +36,68 @@ struct DepthGuard {
   }
 };
 
+namespace {
+
+// Whether a tensor input of the op carries an origin tag.
+bool inputs_tagged(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args,
+                   uint32_t inplace_origin) {
+  if (inplace_origin != kNoOrigin) return true;
+  bool tagged = false;
+  for (size_t i = 0; i < args.size() && i < info.num_args && !tagged; ++i) {
+    if (info.is_out_arg[i]) continue;
+    for_each_tensor(args[i], [&](const at::Tensor& in) {
+      tagged = tagged || origin_of(s, in) != kNoOrigin;
+    });
+  }
+  return tagged;
+}
+
+// Sinks at an op (consequence mode): a tagged value written into a parameter
+// or buffer of the watched model, or into any tensor outside the model's
+// forward and backward (an optimizer's state, a running total).
+void written_sink(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                  const std::vector<c10::IValue>& args, const at::Tensor& t, uint32_t origin) {
+  if (info.written_args.empty() || !t.has_storage()) return;
+  // Not inside a kernel (its in-place steps write its own buffers), not an
+  // intermediate of a graph being built (a result autograd still differentiates).
+  if (!trusted() || (t.requires_grad() && !t.is_leaf())) return;
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  bool written = false;
+  for (int a : info.written_args) {
+    for_each_tensor(args[a], [&](const at::Tensor& w) {
+      written = written || (w.defined() && w.has_storage() && w.storage().unsafeGetStorageImpl() == key);
+    });
+  }
+  if (!written) return;
+  const std::string name = op_display_name(op.schema());
+  const auto state = s.state.find(key);
+  if (state != s.state.end()) {
+    reached(s, origin, "the model's parameter or buffer '" + state->second + "', written by " + name);
+  } else if (s.has_model && s.module_stack.empty() && !torch::autograd::get_current_node()) {
+    reached(s, origin, "a tensor written by " + name +
+                           " outside the model's forward and backward (state such as an optimizer's)");
+  }
+}
+
+// A guarded layer (SafeLinear) refused an input: if one carries a tag, its
+// origin is the finding (raised in place of the layer's error).
+void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+             const std::vector<c10::IValue>& args) {
+  // The guarded layers' own ops only: an error passing through an outer op is theirs.
+  if (!starts_with(op.schema().name(), "cublas_guard::")) return;
+  uint32_t origin = kNoOrigin;
+  for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
+    if (info.is_out_arg[i]) continue;
+    for_each_tensor(args[i], [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
+  }
+  if (origin < kFirstOrigin) return;
+  const bool was_pending = s.pending;
+  reached(s, origin, "the input of " + op_display_name(op.schema()) + ", which refused it");
+  if (s.pending && !was_pending) raise_pending(s);  // async too: the layer raises now anyway
+}
+
+}  // namespace
+
 void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                     torch::jit::Stack* stack) {
   const c10::DispatchKeySet after =
@@ -45,6 +108,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     return;
   }
   Session& s = *sp;
+  const bool consequence = s.report == kReportConsequence;
   ++s.ops_seen;
   if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   const OpInfo& info = op_info(op);
@@ -54,10 +118,12 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     return;
   }
   // Forward: the module this op's autograd node (if any) will belong to.
+  int64_t seq_index = -1;  // this op's node's index into seq_module/seq_origin
   if (tls_session == sp && c10::GradMode::is_enabled()) {
     const uint64_t seq = at::sequence_number::peek();
     if (seq >= s.seq_base) {
       const uint64_t i = seq - s.seq_base;
+      seq_index = static_cast<int64_t>(i);
       if (i >= s.seq_module.size()) s.seq_module.resize(i + 1, -1);
       s.seq_module[i] = s.module_stack.empty() ? -1 : s.module_stack.back();
     }
@@ -71,9 +137,11 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   // In-place arguments (tensors or lists): were their values finite before
   // the op? Known (the last scan of the same storage and version) or scanned.
   bool inplace_bad_before = false;
+  uint32_t inplace_origin = kNoOrigin;  // their tags (read before the op: writing forgets them)
   for (int a : info.inplace_args) {
     for_each_tensor(saved[a], [&](const at::Tensor& t) {
       if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
+      if (consequence) inplace_origin = better_origin(inplace_origin, origin_of(s, t));
     });
   }
 
@@ -82,6 +150,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     op.redispatchBoxed(after, stack);
   } catch (python_error& e) {
     pybind11::gil_scoped_acquire gil;
+    if (e.value != nullptr && consequence && is_guard_error(e.value)) refused(s, op, info, saved);
     if (e.value == nullptr || is_guard_error(e.value)) throw;
     const std::string message = py_str(e.value);
     if (!mentions_cuda_failure(message)) throw;
@@ -94,6 +163,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     reraise_typed(s, op, info, saved, e.value().ptr(), message);
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();
+    if (message.find(kPayloadMarker) != std::string::npos && consequence) refused(s, op, info, saved);
     if (message.find(kPayloadMarker) != std::string::npos || !mentions_cuda_failure(message)) throw;
     pybind11::gil_scoped_acquire gil;
     reraise_typed(s, op, info, saved, nullptr, message);
@@ -105,19 +175,39 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
   // An output produced by the op's own kernel is always scanned (a kernel may
   // have written a buffer an inner op scanned); a composite op's output was
   // produced by the inner ops the fallback saw, so their scan is reused.
+  uint32_t out_origin = kNoOrigin;
+  // The forward op's output tag, under its node's sequence number (seq_origin).
+  struct SeqOrigin {
+    Session& s;
+    const int64_t& index;
+    const uint32_t& origin;
+    ~SeqOrigin() {
+      if (index < 0 || origin == kNoOrigin) return;
+      if (static_cast<size_t>(index) >= s.seq_origin.size()) s.seq_origin.resize(index + 1, kNoOrigin);
+      s.seq_origin[index] = origin;
+    }
+  } seq_origin{s, seq_index, out_origin};
   auto check_output = [&](const at::Tensor& t, int64_t index) {
     if (!readable(t)) return;
     bool known = false;
     if (finite_by_construction(s, info, saved, inplace_bad_before, t, known)) {
-      ++s.scans_saved;
-      if (known) remember(s, t, true);
-      return;
+      // consequence: a move of a tagged value is scanned, to carry the tag on
+      if (known || !consequence || !inputs_tagged(s, info, saved, inplace_origin)) {
+        ++s.scans_saved;
+        if (known) remember(s, t, true);
+        return;
+      }
     }
     const Counts c = info.composite ? scan_known(s, t) : scan_fresh(s, t);
     if (c.bad()) {
       // a known-bad result's counts were not kept: count them for the report
       const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
-      judge(s, op, info, saved, inplace_bad_before, t, index, full);
+      const uint32_t origin = judge(s, op, info, saved, inplace_bad_before, inplace_origin, t, index, full);
+      if (consequence && origin != kNoOrigin) {
+        out_origin = better_origin(out_origin, origin);
+        tag(s, t, origin);
+        if (origin >= kFirstOrigin) written_sink(s, op, info, saved, t, origin);
+      }
     }
   };
   if (info.scan_written_args) {

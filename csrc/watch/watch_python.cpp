@@ -8,6 +8,7 @@
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -32,12 +33,28 @@ std::vector<std::string> string_list(PyObject* list) {
 }
 
 PyObject* py_begin(PyObject*, PyObject* args) {
-  int mode = kModeSync;
+  int mode = kModeSync, report = kReportBirth, has_model = 0;
   PyObject *names = nullptr, *allowed = nullptr, *ops = nullptr, *clean = nullptr;
-  if (!PyArg_ParseTuple(args, "iOOOO", &mode, &names, &allowed, &ops, &clean)) return nullptr;
+  PyObject *state = nullptr, *state_names = nullptr;
+  if (!PyArg_ParseTuple(args, "iOOOOiiOO", &mode, &names, &allowed, &ops, &clean, &report,
+                        &has_model, &state, &state_names)) {
+    return nullptr;
+  }
   install_fallback();
   auto* s = new Session();
   s->mode = mode;
+  s->report = report;
+  s->has_model = has_model != 0;
+  const std::vector<std::string> state_list = string_list(state_names);
+  for (Py_ssize_t i = 0; i < PySequence_Size(state); ++i) {
+    PyObject* item = PySequence_GetItem(state, i);
+    if (item != nullptr && THPVariable_Check(item) && static_cast<size_t>(i) < state_list.size()) {
+      const at::Tensor& t = THPVariable_Unpack(item);
+      if (t.has_storage()) s->state.emplace(t.storage().unsafeGetStorageImpl(), state_list[i]);
+    }
+    Py_XDECREF(item);
+  }
+  PyErr_Clear();
   s->thread_id = at::RecordFunction::currentThreadId();
   s->module_names = string_list(names);
   for (const auto& a : string_list(allowed)) s->module_allowed.push_back(a == "1" ? 1 : 0);
@@ -45,6 +62,7 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->seq_base = at::sequence_number::peek();
   s->seq_module.reserve(4096);
   s->outer = tls_session;
+  if (s->outer != nullptr) s->origins = s->outer->origins;  // tags in the thread's table index it
   if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);  // freed since the last block
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
   // Tensors the entry check found finite (parameters, buffers): known.
@@ -151,13 +169,81 @@ PyObject* py_known_finite(PyObject*, PyObject* arg) {
   return PyBool_FromLong(k != nullptr && k->finite);
 }
 
+// Sinks the Python side sees: reached(tensors, wheres). A tagged tensor's
+// finding is raised (sync) or kept (async); finite and untagged ones pass.
+PyObject* py_reached(PyObject*, PyObject* args) {
+  PyObject *tensors = nullptr, *wheres = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &tensors, &wheres)) return nullptr;
+  Session* s = current_session();
+  if (s == nullptr || s->report != kReportConsequence) Py_RETURN_NONE;
+  const std::vector<std::string> where = string_list(wheres);
+  try {
+    for (Py_ssize_t i = 0; i < PySequence_Size(tensors); ++i) {
+      PyObject* item = PySequence_GetItem(tensors, i);
+      if (item == nullptr || !THPVariable_Check(item)) {
+        Py_XDECREF(item);
+        continue;
+      }
+      const at::Tensor t = THPVariable_Unpack(item);
+      Py_DECREF(item);
+      if (!readable(t)) continue;
+      uint32_t origin = origin_of(*s, t);
+      if (origin == kNoOrigin) continue;  // finite, or non-finite from nowhere watch saw
+      if (const Known* k = lookup(*s, t)) {
+        if (k->finite) continue;
+      } else if (!scan_values(*s, t).bad()) {
+        continue;  // a finite part of a tagged storage
+      }
+      pybind11::gil_scoped_release nogil;
+      reached(*s, origin, static_cast<size_t>(i) < where.size() ? where[i] : "a result");
+    }
+  } catch (python_error& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  PyErr_Clear();
+  Py_RETURN_NONE;
+}
+
+// A non-finite argument of the watched model: its origin (entry_origin).
+PyObject* py_entry(PyObject*, PyObject* args) {
+  PyObject* tensor = nullptr;
+  const char* name = nullptr;
+  int allowed = 0;
+  if (!PyArg_ParseTuple(args, "Osi", &tensor, &name, &allowed)) return nullptr;
+  Session* s = tls_session;
+  if (s == nullptr || !THPVariable_Check(tensor)) Py_RETURN_NONE;
+  const at::Tensor& t = THPVariable_Unpack(tensor);
+  if (!readable(t)) Py_RETURN_NONE;
+  try {
+    const Counts c = scan_values(*s, t);
+    if (!c.bad()) Py_RETURN_NONE;
+    remember(*s, t, false);
+    if (allowed) {
+      tag(*s, t, kQuietOrigin);
+    } else {
+      entry_origin(*s, t, name, c);
+    }
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* py_key_included(PyObject*, PyObject*) {
   return PyBool_FromLong(c10::impl::tls_is_dispatch_key_included(kWatchKey));
 }
 
 PyMethodDef methods[] = {
     {"begin", py_begin, METH_VARARGS,
-     "begin(mode, module_names, module_allowed, allowed_ops, clean_tensors)"},
+     "begin(mode, module_names, module_allowed, allowed_ops, clean_tensors, report, has_model, "
+     "state_tensors, state_names)"},
+    {"reached", py_reached, METH_VARARGS, "reached(tensors, wheres): sinks (consequence mode)"},
+    {"entry", py_entry, METH_VARARGS, "entry(tensor, name, allowed): a non-finite argument's origin"},
     {"end", py_end, METH_NOARGS, "end() -> pending message or None"},
     {"take_pending", py_take_pending, METH_NOARGS, "the pending finding's message, or None"},
     {"push", py_push, METH_O, "push a module id"},

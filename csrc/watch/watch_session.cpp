@@ -7,7 +7,10 @@
 
 #include <ATen/SequenceNumber.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
+
+#include <frameobject.h>
 
 namespace cublas_guard {
 namespace watch {
@@ -94,8 +97,27 @@ void add_where(ErrorReport& r, const Session& s, const Where& w) {
   if (!w.node_name.empty()) r.add("backward_node", w.node_name);
 }
 
+// Raised through cublas_guard_ext.watch._typed (the typed finding, with the
+// arrival and the birth stack added to its message); python_errors.cpp's
+// raise where that is not importable.
 [[noreturn]] void raise_message(const std::string& message) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  if (Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    PyObject* module = PyImport_ImportModule("cublas_guard_ext.watch");
+    PyObject* exc =
+        module != nullptr ? PyObject_CallMethod(module, "_typed", "s", message.c_str()) : nullptr;
+    Py_XDECREF(module);
+    if (exc != nullptr && PyExceptionInstance_Check(exc)) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+      Py_DECREF(exc);
+      python_error error;
+      error.persist();
+      throw error;
+    }
+    Py_XDECREF(exc);
+    PyErr_Clear();
+  }
   throw_python_error_if_possible(message);
   C10_THROW_ERROR(ValueError, message);
 }
@@ -108,36 +130,105 @@ void raise_pending(Session& s) {
   raise_message(message);
 }
 
-// The bad path: output `t` (return `index`) of `op` is not all finite.
-void judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-           const std::vector<c10::IValue>& args, bool inplace_bad_before,
-           const at::Tensor& t, int64_t index, const Counts& c) {
+namespace {
+
+bool skipped_frame(const std::string& file) {
+  return file.find("/torch/") != std::string::npos ||
+         file.find("/cublas_guard_ext/") != std::string::npos || file.rfind("<frozen", 0) == 0;
+}
+
+// A finding of a producer: once per op, module, phase and output index.
+uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const std::string& summary,
+                       bool with_stack) {
+  OriginStore& store = *s.origins;
+  const auto it = store.by_key.find(key);
+  if (it != store.by_key.end()) return it->second;
+  if (store.origins.size() >= OriginStore::kMax) {
+    return kFirstOrigin + static_cast<uint32_t>(store.origins.size() - 1);
+  }
+  const std::string stack = with_stack ? python_stack() : std::string();
+  if (!stack.empty()) r.add("birth_stack", stack);
+  store.origins.push_back(Origin{r, summary});
+  const uint32_t id = kFirstOrigin + static_cast<uint32_t>(store.origins.size() - 1);
+  store.by_key.emplace(key, id);
+  return id;
+}
+
+}  // namespace
+
+std::string python_stack() {
+  if (!Py_IsInitialized()) return "";
+  pybind11::gil_scoped_acquire gil;
+  std::string out;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  int kept = 0;
+  for (int depth = 0; frame != nullptr && depth < 64 && kept < 6; ++depth) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    const char* func = PyUnicode_AsUTF8(code->co_name);
+    const std::string f = file != nullptr ? file : "?";
+    if (!skipped_frame(f)) {
+      if (!out.empty()) out += "\n";
+      out += f + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " +
+             (func != nullptr ? func : "?");
+      ++kept;
+    }
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  PyErr_Clear();
+  return out;
+}
+
+uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+               const std::vector<c10::IValue>& args, bool inplace_bad_before,
+               uint32_t inplace_origin, const at::Tensor& t, int64_t index, const Counts& c) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   const c10::FunctionSchema& schema = op.schema();
+  const bool birth = s.report == kReportBirth;
+  // The tags of the tensor inputs (table look-ups, no scan): what a propagator inherits.
+  uint32_t inherited = inplace_origin;
+  if (!birth) {
+    for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
+      if (info.is_out_arg[i] || is_inplace_arg(info, static_cast<int>(i))) continue;
+      for_each_tensor(args[i], [&](const at::Tensor& in) {
+        inherited = better_origin(inherited, origin_of(s, in));
+      });
+    }
+  }
   // Propagator: a non-finite scalar argument or tensor input.
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
     if (info.is_out_arg[i]) continue;
-    if (scalar_non_finite(args[i])) return;
+    if (scalar_non_finite(args[i])) return better_origin(kQuietOrigin, inherited);
   }
-  if (inplace_bad_before) return;
+  if (inplace_bad_before) return inherited;
   bool bad_input = false;
   for (size_t i = 0; i < args.size() && i < info.num_args && !bad_input; ++i) {
     if (info.is_out_arg[i]) continue;
-    bool inplace = false;
-    for (int a : info.inplace_args) inplace = inplace || a == static_cast<int>(i);
-    if (inplace) continue;  // judged by its scan before the op
+    if (is_inplace_arg(info, static_cast<int>(i))) continue;  // judged by its scan before the op
     for_each_tensor(args[i], [&](const at::Tensor& in) {
       if (!bad_input && readable(in) && scan_known(s, in).bad()) bad_input = true;
     });
   }
-  if (bad_input) return;
-  if (op_allowed(s, schema)) return;
+  if (bad_input) return inherited;
+  if (!birth) {
+    const auto node = torch::autograd::get_current_node();
+    if (node && node->thread_id() == s.thread_id && node->sequence_nr() >= s.seq_base) {
+      const uint64_t i = node->sequence_nr() - s.seq_base;
+      if (i < s.seq_origin.size() && s.seq_origin[i] != kNoOrigin) return s.seq_origin[i];
+    }
+  }
+  if (op_allowed(s, schema)) return kQuietOrigin;
   const Where w = where_now(s);
   if (w.module >= 0 && static_cast<size_t>(w.module) < s.module_allowed.size() &&
       s.module_allowed[w.module]) {
-    return;
+    return kQuietOrigin;
   }
-  if (s.mode == kModeAsync && s.pending) return;  // only the first finding is kept
+  if (birth && s.mode == kModeAsync && s.pending) return kNoOrigin;  // only the first finding is kept
 
   ErrorReport r("non_finite_output");
   const std::string name = op_display_name(schema);
@@ -156,13 +247,55 @@ void judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   describe_inputs(r, schema, args, info);
   r.add("mode", s.mode == kModeAsync ? "async" : "sync");
   if (s.mode == kModeAsync) r.add("deferred", true);
-  const std::string message = r.message("watch: " + name + " produced non-finite values from finite inputs");
+  const std::string summary = "watch: " + name + " produced non-finite values from finite inputs";
+  if (!birth) {
+    const std::string key = name + "|" + std::to_string(w.module) + "|" + (w.backward ? "b" : "f") +
+                            w.node_name + "|" + std::to_string(index);
+    const uint32_t id = record_origin(s, r, key, summary, /*with_stack=*/true);
+    // Born in backward from finite values: a gradient computed wrong is a
+    // result that matters even where a later node masks it (sqrt's gradient
+    // at 0 under a ReLU's); values born in forward are judged downstream.
+    if (w.backward) reached(s, id, "a gradient: a backward formula produced it from finite values");
+    return id;
+  }
+  const std::string message = r.message(summary);
+  if (s.mode == kModeAsync) {
+    s.pending = true;
+    s.pending_message = message;
+    return kNoOrigin;
+  }
+  raise_message(message);
+}
+
+void reached(Session& s, uint32_t origin, const std::string& where) {
+  if (s.report == kReportBirth || origin < kFirstOrigin) return;
+  const OriginStore& store = *s.origins;
+  const size_t i = origin - kFirstOrigin;
+  if (i >= store.origins.size()) return;
+  if (s.mode == kModeAsync && s.pending) return;  // only the first finding is kept
+  ErrorReport r = store.origins[i].report;
+  r.add("reached", where);
+  const std::string message = r.message(store.origins[i].summary);
   if (s.mode == kModeAsync) {
     s.pending = true;
     s.pending_message = message;
     return;
   }
   raise_message(message);
+}
+
+uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, const Counts& c) {
+  ErrorReport r("non_finite_entry");
+  r.add("role", "argument").add("name", name);
+  r.add("nan_count", c.nan).add("posinf_count", c.posinf).add("neginf_count", c.neginf);
+  r.add("first_bad_index", c.first);
+  r.add("shape", t.sizes()).add("dtype", std::string(c10::toString(t.scalar_type())));
+  r.add("mode", s.mode == kModeAsync ? "async" : "sync");
+  const uint32_t id = record_origin(s, r, "entry|" + name, "watch: the model's argument '" + name +
+                                                                 "' is non-finite on entry",
+                                    /*with_stack=*/false);
+  tag(s, t, id);
+  return id;
 }
 
 }  // namespace watch

@@ -76,14 +76,25 @@ void forget(Session& s, const at::Tensor& t) {
   s.known.erase(t.storage().unsafeGetStorageImpl());
 }
 
+// Entries also carry the origin tag of non-finite values (watch.h): a finite
+// scan of part of a tagged storage (a slice that misses the bad elements)
+// does not replace the tagged entry, and a non-finite scan keeps the tag the
+// storage already had (a view of a tagged tensor found bad again).
 void remember(Session& s, const at::Tensor& t, bool finite) {
   if (t.is_inference() || !t.has_storage()) return;
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
   int64_t begin = 0, end = 0;
-  if (!t.is_non_overlapping_and_dense() || !storage_range(t, begin, end)) {
-    s.known.erase(key);
+  const bool ranged = t.is_non_overlapping_and_dense() && storage_range(t, begin, end);
+  Known* old = s.known.find(key);
+  const bool tagged = old != nullptr && !old->finite && old->origin != kNoOrigin &&
+                      !old->storage.expired();
+  if (!ranged) {
+    if (!tagged) s.known.erase(key);
+    else old->begin = old->end = 0;  // never matches a lookup; the tag stays
     return;
   }
+  if (tagged && finite && (begin > old->begin || end < old->end)) return;
+  const uint32_t origin = tagged && !finite ? old->origin : kNoOrigin;
   if (s.known.size() >= s.known.prune_at) {  // drop the entries of freed storages
     s.known.drop_expired();
     s.known.prune_at = std::max<size_t>(1024, 2 * s.known.size());
@@ -94,6 +105,35 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
   k.end = end;
   k.version = t._version();
   k.finite = finite;
+  k.origin = origin;
+}
+
+uint32_t origin_of(Session& s, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || s.known.size() == 0) return kNoOrigin;
+  const Known* k = s.known.find(t.storage().unsafeGetStorageImpl());
+  if (k == nullptr || k->finite || k->storage.expired()) return kNoOrigin;
+  return k->origin;
+}
+
+void tag(Session& s, const at::Tensor& t, uint32_t origin) {
+  if (origin == kNoOrigin || !t.defined() || !t.has_storage()) return;
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  Known* k = s.known.find(key);
+  if (k == nullptr || k->storage.expired()) {
+    k = &s.known.insert(key);
+    k->storage = t.storage().getWeakStorageImpl();
+    k->begin = k->end = 0;  // a tag only: lookups scan again
+    k->version = t.is_inference() ? 0 : t._version();
+  }
+  k->finite = false;
+  k->origin = better_origin(k->origin, origin);
+}
+
+uint32_t better_origin(uint32_t a, uint32_t b) {
+  if (a >= kFirstOrigin && b >= kFirstOrigin) return std::min(a, b);
+  if (a >= kFirstOrigin) return a;
+  if (b >= kFirstOrigin) return b;
+  return std::max(a, b);
 }
 
 // One fused pass (the project's scan) for float32 on the CPU; other dtypes and

@@ -65,6 +65,7 @@
 #include <c10/core/DispatchKey.h>
 #include <c10/core/StorageImpl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <limits>
@@ -243,7 +244,16 @@ class KnownTable {
 // entry check already has. Values found non-finite are dropped at the end of
 // a block. Sessions of backward ops on an engine thread use the table of the
 // forward thread (through its session), as they always did.
-KnownTable& thread_known();
+// The table and the lock of one thread's watch state, shared (refcounted)
+// by that thread's sessions and by the autograd device threads that run their
+// backward nodes: every read or write of a session's state holds `mu`.
+// Never taken around an op's kernel, never held while waiting for the GIL
+// (findings and stacks are raised and taken after it is released: Deferred).
+struct ThreadTable {
+  std::recursive_mutex mu;
+  KnownTable table;
+};
+std::shared_ptr<ThreadTable> thread_table();
 
 // A recorded birth: the finding's report, built when the value was born (op,
 // module, phase, counts, inputs, the Python stack), raised when it reaches a
@@ -269,7 +279,7 @@ struct Session {
   std::shared_ptr<OriginStore> origins = std::make_shared<OriginStore>();
   uint64_t thread_id = 0;
   bool key_was_included = false;
-  Session* outer = nullptr;  // a watch nested in this thread's watch
+  std::shared_ptr<Session> outer;  // a watch nested in this thread's watch
   std::vector<int32_t> module_stack;
   std::vector<std::string> module_names;  // id -> qualified name
   std::vector<uint8_t> module_allowed;    // id -> non-finite results allowed there
@@ -280,17 +290,32 @@ struct Session {
   // a non-finite gradient of a node whose forward produced a tagged value is a
   // consequence of that value (log's gradient at the 0 that gave -inf), not a birth.
   std::vector<uint32_t> seq_origin;
-  bool pending = false;             // async: a finding waits to be raised
+  std::atomic<bool> pending{false};  // async: a finding waits to be raised
   std::string pending_message;
-  int64_t ops_seen = 0, outputs_scanned = 0, scans_saved = 0;
+  std::atomic<int64_t> ops_seen{0}, outputs_scanned{0}, scans_saved{0};
   at::Tensor slot;  // int64[4]: the scan's result, reused
   // Storage -> its last scan (the thread's table). Weak references: a freed
   // storage's entry can never match a new one (the StorageImpl stays
   // allocated while referenced).
-  KnownTable& known = thread_known();
+  std::shared_ptr<ThreadTable> shared = thread_table();
+  KnownTable& known = shared->table;
+  std::recursive_mutex& mu = shared->mu;
 };
+using SessionRef = std::shared_ptr<Session>;
+using SessionLock = std::unique_lock<std::recursive_mutex>;
 
-extern thread_local Session* tls_session;
+// What a locked section leaves to do once the lock is released: a finding to
+// raise (sync) and a birth whose Python stack is still to be taken.
+struct Deferred {
+  std::string raise;
+  uint32_t stack_for = kNoOrigin;
+};
+extern thread_local Deferred tls_deferred;
+// Runs the deferred work of this thread; call with the session's lock released.
+void run_deferred(Session& s);
+
+extern thread_local Session* tls_session;  // this thread's innermost watch (owned by tls_session_ref)
+extern thread_local SessionRef tls_session_ref;
 extern thread_local int tls_depth;
 // The depth of the outermost op running now that is not composite (its kernel
 // may write buffers directly, below the dispatcher); INT_MAX when none. The
@@ -301,7 +326,7 @@ extern thread_local std::deque<std::vector<c10::IValue>> tls_saved_args;
 
 // Sessions by the id of their thread (watch_session.cpp).
 std::mutex& registry_mutex();
-std::unordered_map<uint64_t, Session*>& registry();
+std::unordered_map<uint64_t, SessionRef>& registry();
 
 // watch_ops.cpp: op traits.
 bool starts_with(const std::string& s, const char* prefix);
@@ -347,7 +372,9 @@ Counts scan_fresh(Session& s, const at::Tensor& t);
 Counts scan_known(Session& s, const at::Tensor& t);
 
 // watch_session.cpp: the session, attribution and the judgement of a bad output.
-Session* current_session();
+// This thread's session, else (an autograd device thread) the session of the
+// node's forward thread, held by `hold` while the caller uses it.
+Session* current_session(SessionRef& hold);
 struct Where {
   int32_t module = -1;
   bool backward = false;
@@ -358,6 +385,7 @@ void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema,
                      const std::vector<c10::IValue>& args, const OpInfo& info);
 void add_where(ErrorReport& r, const Session& s, const Where& w);
 [[noreturn]] void raise_message(const std::string& message);
+// The pending async finding, raised after the lock is released.
 void raise_pending(Session& s);
 // The bad path: output t of op is not all finite. Returns its origin tag;
 // in birth mode raises (sync) or keeps (async) the finding of a producer.

@@ -85,15 +85,21 @@ void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
              const std::vector<c10::IValue>& args) {
   // The guarded layers' own ops only: an error passing through an outer op is theirs.
   if (!starts_with(op.schema().name(), "cublas_guard::")) return;
-  uint32_t origin = kNoOrigin;
-  for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
-    if (info.is_out_arg[i]) continue;
-    for_each_tensor(args[i], [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
+  bool raise_now = false;
+  {
+    SessionLock lock(s.mu);
+    uint32_t origin = kNoOrigin;
+    for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
+      if (info.is_out_arg[i]) continue;
+      for_each_tensor(args[i], [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
+    }
+    if (origin < kFirstOrigin) return;
+    const bool was_pending = s.pending;
+    reached(s, origin, "the input of " + op_display_name(op.schema()) + ", which refused it");
+    raise_now = s.pending && !was_pending;  // async too: the layer raises now anyway
   }
-  if (origin < kFirstOrigin) return;
-  const bool was_pending = s.pending;
-  reached(s, origin, "the input of " + op_display_name(op.schema()) + ", which refused it");
-  if (s.pending && !was_pending) raise_pending(s);  // async too: the layer raises now anyway
+  run_deferred(s);
+  if (raise_now) raise_pending(s);
 }
 
 }  // namespace
@@ -102,7 +108,8 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
                     torch::jit::Stack* stack) {
   const c10::DispatchKeySet after =
       ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kWatchKey);
-  Session* sp = current_session();
+  SessionRef hold;  // a device thread's reference to the forward thread's session
+  Session* sp = current_session(hold);
   if (sp == nullptr) {
     op.redispatchBoxed(after, stack);
     return;
@@ -117,32 +124,35 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     op.redispatchBoxed(after, stack);
     return;
   }
-  // Forward: the module this op's autograd node (if any) will belong to.
-  int64_t seq_index = -1;  // this op's node's index into seq_module/seq_origin
-  if (tls_session == sp && c10::GradMode::is_enabled()) {
-    const uint64_t seq = at::sequence_number::peek();
-    if (seq >= s.seq_base) {
-      const uint64_t i = seq - s.seq_base;
-      seq_index = static_cast<int64_t>(i);
-      if (i >= s.seq_module.size()) s.seq_module.resize(i + 1, -1);
-      s.seq_module[i] = s.module_stack.empty() ? -1 : s.module_stack.back();
-    }
-  }
   if (tls_saved_args.size() <= static_cast<size_t>(tls_depth)) tls_saved_args.resize(tls_depth + 1);
   std::vector<c10::IValue>& saved = tls_saved_args[tls_depth];
   DepthGuard depth(saved);
   const size_t n = std::min(info.num_args, stack->size());
   saved.assign(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
 
-  // In-place arguments (tensors or lists): were their values finite before
-  // the op? Known (the last scan of the same storage and version) or scanned.
+  int64_t seq_index = -1;  // this op's node's index into seq_module/seq_origin
   bool inplace_bad_before = false;
   uint32_t inplace_origin = kNoOrigin;  // their tags (read before the op: writing forgets them)
-  for (int a : info.inplace_args) {
-    for_each_tensor(saved[a], [&](const at::Tensor& t) {
-      if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
-      if (consequence) inplace_origin = better_origin(inplace_origin, origin_of(s, t));
-    });
+  {
+    SessionLock lock(s.mu);
+    // Forward: the module this op's autograd node (if any) will belong to.
+    if (tls_session == sp && c10::GradMode::is_enabled()) {
+      const uint64_t seq = at::sequence_number::peek();
+      if (seq >= s.seq_base) {
+        const uint64_t i = seq - s.seq_base;
+        seq_index = static_cast<int64_t>(i);
+        if (i >= s.seq_module.size()) s.seq_module.resize(i + 1, -1);
+        s.seq_module[i] = s.module_stack.empty() ? -1 : s.module_stack.back();
+      }
+    }
+    // In-place arguments (tensors or lists): were their values finite before
+    // the op? Known (the last scan of the same storage and version) or scanned.
+    for (int a : info.inplace_args) {
+      for_each_tensor(saved[a], [&](const at::Tensor& t) {
+        if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
+        if (consequence) inplace_origin = better_origin(inplace_origin, origin_of(s, t));
+      });
+    }
   }
 
   try {
@@ -169,62 +179,60 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     reraise_typed(s, op, info, saved, nullptr, message);
   }
 
-  for (int a : info.written_args) {
-    for_each_tensor(saved[a], [&](const at::Tensor& t) { forget(s, t); });
-  }
-  // An output produced by the op's own kernel is always scanned (a kernel may
-  // have written a buffer an inner op scanned); a composite op's output was
-  // produced by the inner ops the fallback saw, so their scan is reused.
-  uint32_t out_origin = kNoOrigin;
-  // The forward op's output tag, under its node's sequence number (seq_origin).
-  struct SeqOrigin {
-    Session& s;
-    const int64_t& index;
-    const uint32_t& origin;
-    ~SeqOrigin() {
-      if (index < 0 || origin == kNoOrigin) return;
-      if (static_cast<size_t>(index) >= s.seq_origin.size()) s.seq_origin.resize(index + 1, kNoOrigin);
-      s.seq_origin[index] = origin;
-    }
-  } seq_origin{s, seq_index, out_origin};
-  auto check_output = [&](const at::Tensor& t, int64_t index) {
-    if (!readable(t)) return;
-    bool known = false;
-    if (finite_by_construction(s, info, saved, inplace_bad_before, t, known)) {
-      // consequence: a move of a tagged value is scanned, to carry the tag on
-      if (known || !consequence || !inputs_tagged(s, info, saved, inplace_origin)) {
-        ++s.scans_saved;
-        if (known) remember(s, t, true);
-        return;
-      }
-    }
-    const Counts c = info.composite ? scan_known(s, t) : scan_fresh(s, t);
-    if (c.bad()) {
-      // a known-bad result's counts were not kept: count them for the report
-      const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
-      const uint32_t origin = judge(s, op, info, saved, inplace_bad_before, inplace_origin, t, index, full);
-      if (consequence && origin != kNoOrigin) {
-        out_origin = better_origin(out_origin, origin);
-        tag(s, t, origin);
-        if (origin >= kFirstOrigin) written_sink(s, op, info, saved, t, origin);
-      }
-    }
-  };
-  if (info.scan_written_args) {
-    // Ops that return nothing (the _foreach_*_ family): the arguments they
-    // wrote are their outputs.
+  {
+    SessionLock lock(s.mu);
     for (int a : info.written_args) {
-      for_each_tensor(saved[a], [&](const at::Tensor& t) { check_output(t, a); });
+      for_each_tensor(saved[a], [&](const at::Tensor& t) { forget(s, t); });
     }
-    return;
+    // An output produced by the op's own kernel is always scanned (a kernel may
+    // have written a buffer an inner op scanned); a composite op's output was
+    // produced by the inner ops the fallback saw, so their scan is reused.
+    uint32_t out_origin = kNoOrigin;
+    auto check_output = [&](const at::Tensor& t, int64_t index) {
+      if (!readable(t)) return;
+      bool known = false;
+      if (finite_by_construction(s, info, saved, inplace_bad_before, t, known)) {
+        // consequence: a move of a tagged value is scanned, to carry the tag on
+        if (known || !consequence || !inputs_tagged(s, info, saved, inplace_origin)) {
+          ++s.scans_saved;
+          if (known) remember(s, t, true);
+          return;
+        }
+      }
+      const Counts c = info.composite ? scan_known(s, t) : scan_fresh(s, t);
+      if (c.bad()) {
+        // a known-bad result's counts were not kept: count them for the report
+        const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
+        const uint32_t origin =
+            judge(s, op, info, saved, inplace_bad_before, inplace_origin, t, index, full);
+        if (consequence && origin != kNoOrigin) {
+          out_origin = better_origin(out_origin, origin);
+          tag(s, t, origin);
+          if (origin >= kFirstOrigin) written_sink(s, op, info, saved, t, origin);
+        }
+      }
+    };
+    if (info.scan_written_args) {
+      // Ops that return nothing (the _foreach_*_ family): the arguments they
+      // wrote are their outputs.
+      for (int a : info.written_args) {
+        for_each_tensor(saved[a], [&](const at::Tensor& t) { check_output(t, a); });
+      }
+    } else if (stack->size() >= info.scan_return.size()) {
+      const size_t num_returns = info.scan_return.size();
+      for (size_t r = 0; r < num_returns; ++r) {
+        if (!info.scan_return[r]) continue;
+        const c10::IValue& out = (*stack)[stack->size() - num_returns + r];
+        for_each_tensor(out, [&](const at::Tensor& t) { check_output(t, static_cast<int64_t>(r)); });
+      }
+    }
+    // The forward op's output tag, under its node's sequence number (seq_origin).
+    if (seq_index >= 0 && out_origin != kNoOrigin) {
+      if (static_cast<size_t>(seq_index) >= s.seq_origin.size()) s.seq_origin.resize(seq_index + 1, kNoOrigin);
+      s.seq_origin[seq_index] = out_origin;
+    }
   }
-  const size_t num_returns = info.scan_return.size();
-  if (stack->size() < num_returns) return;
-  for (size_t r = 0; r < num_returns; ++r) {
-    if (!info.scan_return[r]) continue;
-    const c10::IValue& out = (*stack)[stack->size() - num_returns + r];
-    for_each_tensor(out, [&](const at::Tensor& t) { check_output(t, static_cast<int64_t>(r)); });
-  }
+  run_deferred(s);  // a sync finding, a birth's stack: after the lock
 }
 
 std::once_flag fallback_once;

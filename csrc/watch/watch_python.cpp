@@ -41,7 +41,9 @@ PyObject* py_begin(PyObject*, PyObject* args) {
     return nullptr;
   }
   install_fallback();
-  auto* s = new Session();
+  SessionRef ref = std::make_shared<Session>();
+  Session* s = ref.get();
+  SessionLock lock(s->mu);
   s->mode = mode;
   s->report = report;
   s->has_model = has_model != 0;
@@ -61,7 +63,7 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->allowed_ops = string_list(ops);
   s->seq_base = at::sequence_number::peek();
   s->seq_module.reserve(4096);
-  s->outer = tls_session;
+  s->outer = tls_session_ref;
   if (s->outer != nullptr) s->origins = s->outer->origins;  // tags in the thread's table index it
   if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);  // freed since the last block
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
@@ -76,10 +78,11 @@ PyObject* py_begin(PyObject*, PyObject* args) {
     Py_XDECREF(item);
   }
   PyErr_Clear();
+  tls_session_ref = ref;
   tls_session = s;
   {
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry()[s->thread_id] = s;
+    std::lock_guard<std::mutex> registry_lock(registry_mutex());
+    registry()[s->thread_id] = ref;
   }
   c10::impl::tls_set_dispatch_key_included(kWatchKey, true);
   Py_RETURN_NONE;
@@ -87,28 +90,35 @@ PyObject* py_begin(PyObject*, PyObject* args) {
 
 // Ends this thread's innermost watch; returns the pending finding's message or None.
 PyObject* py_end(PyObject*, PyObject*) {
-  Session* s = tls_session;
+  SessionRef ref = tls_session_ref;  // the owner's reference, dropped below
+  Session* s = ref.get();
   if (s == nullptr) Py_RETURN_NONE;
   c10::impl::tls_set_dispatch_key_included(kWatchKey, s->key_was_included);
-  tls_session = s->outer;
+  tls_session_ref = s->outer;
+  tls_session = s->outer.get();
   {
-    std::lock_guard<std::mutex> lock(registry_mutex());
+    std::lock_guard<std::mutex> registry_lock(registry_mutex());
     if (s->outer != nullptr) {
       registry()[s->thread_id] = s->outer;
     } else {
       registry().erase(s->thread_id);
     }
   }
+  // A device thread still running a node of this block holds its own reference:
+  // the session lives until that op is done (it finds no session after it).
+  SessionLock lock(s->mu);
   if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);
   PyObject* result = s->pending ? PyUnicode_FromString(s->pending_message.c_str()) : Py_None;
   if (result == Py_None) Py_INCREF(Py_None);
-  delete s;
+  s->pending = false;
   return result;
 }
 
 PyObject* py_take_pending(PyObject*, PyObject*) {
   Session* s = tls_session;
   if (s == nullptr || !s->pending) Py_RETURN_NONE;
+  SessionLock lock(s->mu);
+  if (!s->pending) Py_RETURN_NONE;
   s->pending = false;
   PyObject* result = PyUnicode_FromString(s->pending_message.c_str());
   s->pending_message.clear();
@@ -117,13 +127,19 @@ PyObject* py_take_pending(PyObject*, PyObject*) {
 
 PyObject* py_push(PyObject*, PyObject* arg) {
   Session* s = tls_session;
-  if (s != nullptr) s->module_stack.push_back(static_cast<int32_t>(PyLong_AsLong(arg)));
+  if (s != nullptr) {
+    SessionLock lock(s->mu);
+    s->module_stack.push_back(static_cast<int32_t>(PyLong_AsLong(arg)));
+  }
   Py_RETURN_NONE;
 }
 
 PyObject* py_pop(PyObject*, PyObject*) {
   Session* s = tls_session;
-  if (s != nullptr && !s->module_stack.empty()) s->module_stack.pop_back();
+  if (s != nullptr) {
+    SessionLock lock(s->mu);
+    if (!s->module_stack.empty()) s->module_stack.pop_back();
+  }
   Py_RETURN_NONE;
 }
 
@@ -141,7 +157,7 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
   if (!readable(t)) Py_RETURN_NONE;
   Counts c;
   try {
-    Session tmp;
+    Session tmp;  // a session of its own: its slot, no shared state
     c = scan_values(tmp, t);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -154,9 +170,9 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
 PyObject* py_stats(PyObject*, PyObject*) {
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
-  return Py_BuildValue("(LLL)", static_cast<long long>(s->ops_seen),
-                       static_cast<long long>(s->outputs_scanned),
-                       static_cast<long long>(s->scans_saved));
+  return Py_BuildValue("(LLL)", static_cast<long long>(s->ops_seen.load()),
+                       static_cast<long long>(s->outputs_scanned.load()),
+                       static_cast<long long>(s->scans_saved.load()));
 }
 
 // Whether this thread's watch knows t's current values to be finite.
@@ -165,6 +181,7 @@ PyObject* py_known_finite(PyObject*, PyObject* arg) {
   if (s == nullptr || !THPVariable_Check(arg)) Py_RETURN_FALSE;
   const at::Tensor& t = THPVariable_Unpack(arg);
   if (!readable(t)) Py_RETURN_FALSE;
+  SessionLock lock(s->mu);
   const Known* k = lookup(*s, t);
   return PyBool_FromLong(k != nullptr && k->finite);
 }
@@ -174,7 +191,8 @@ PyObject* py_known_finite(PyObject*, PyObject* arg) {
 PyObject* py_reached(PyObject*, PyObject* args) {
   PyObject *tensors = nullptr, *wheres = nullptr;
   if (!PyArg_ParseTuple(args, "OO", &tensors, &wheres)) return nullptr;
-  Session* s = current_session();
+  SessionRef hold;  // a post-accumulate-grad hook may run on a device thread
+  Session* s = current_session(hold);
   if (s == nullptr || s->report != kReportConsequence) Py_RETURN_NONE;
   const std::vector<std::string> where = string_list(wheres);
   try {
@@ -187,15 +205,19 @@ PyObject* py_reached(PyObject*, PyObject* args) {
       const at::Tensor t = THPVariable_Unpack(item);
       Py_DECREF(item);
       if (!readable(t)) continue;
-      uint32_t origin = origin_of(*s, t);
-      if (origin == kNoOrigin) continue;  // finite, or non-finite from nowhere watch saw
-      if (const Known* k = lookup(*s, t)) {
-        if (k->finite) continue;
-      } else if (!scan_values(*s, t).bad()) {
-        continue;  // a finite part of a tagged storage
-      }
       pybind11::gil_scoped_release nogil;
-      reached(*s, origin, static_cast<size_t>(i) < where.size() ? where[i] : "a result");
+      {
+        SessionLock lock(s->mu);
+        const uint32_t origin = origin_of(*s, t);
+        if (origin == kNoOrigin) continue;  // finite, or non-finite from nowhere watch saw
+        if (const Known* k = lookup(*s, t)) {
+          if (k->finite) continue;
+        } else if (!scan_values(*s, t).bad()) {
+          continue;  // a finite part of a tagged storage
+        }
+        reached(*s, origin, static_cast<size_t>(i) < where.size() ? where[i] : "a result");
+      }
+      run_deferred(*s);
     }
   } catch (python_error& e) {
     e.restore();
@@ -219,6 +241,7 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   const at::Tensor& t = THPVariable_Unpack(tensor);
   if (!readable(t)) Py_RETURN_NONE;
   try {
+    SessionLock lock(s->mu);
     const Counts c = scan_values(*s, t);
     if (!c.bad()) Py_RETURN_NONE;
     remember(*s, t, false);
@@ -232,6 +255,15 @@ PyObject* py_entry(PyObject*, PyObject* args) {
     return nullptr;
   }
   Py_RETURN_NONE;
+}
+
+// Test seam: the watch key on (or off) in this thread with no session of its
+// own, as autograd's device threads run (the key comes with the forward
+// thread's state): its backward ops find the session of the node's thread.
+PyObject* py_set_key_included(PyObject*, PyObject* arg) {
+  const bool previous = c10::impl::tls_is_dispatch_key_included(kWatchKey);
+  c10::impl::tls_set_dispatch_key_included(kWatchKey, PyObject_IsTrue(arg) == 1);
+  return PyBool_FromLong(previous);
 }
 
 PyObject* py_key_included(PyObject*, PyObject*) {
@@ -253,6 +285,8 @@ PyMethodDef methods[] = {
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
+    {"set_key_included", py_set_key_included, METH_O,
+     "test seam: the watch key on/off in this thread (a device thread's state); the previous value"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -24,7 +24,10 @@ bool mentions_cuda_failure(const std::string& m) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   ErrorReport r("watch_op_failure");
   r.add("op", op_display_name(op.schema()));
-  add_where(r, s, where_now(s));
+  {
+    SessionLock lock(s.mu);
+    add_where(r, s, where_now(s));
+  }
   describe_inputs(r, op.schema(), args, info);
   const std::string payload = r.json();
   PyObject* module = PyImport_ImportModule("cublas_guard_ext.watch");

@@ -16,6 +16,8 @@ namespace cublas_guard {
 namespace watch {
 
 thread_local Session* tls_session = nullptr;
+thread_local SessionRef tls_session_ref;
+thread_local Deferred tls_deferred;
 thread_local int tls_depth = 0;
 // The depth of the outermost op running now that is not composite (its kernel
 // may write buffers directly, below the dispatcher); INT_MAX when none. The
@@ -32,20 +34,43 @@ std::mutex& registry_mutex() {
   static std::mutex m;
   return m;
 }
-std::unordered_map<uint64_t, Session*>& registry() {
-  static std::unordered_map<uint64_t, Session*> r;
+std::unordered_map<uint64_t, SessionRef>& registry() {
+  static std::unordered_map<uint64_t, SessionRef> r;
   return r;
 }
 
 
-Session* current_session() {
+// Refcounted: py_end drops the registry's and the owner's references; a device
+// thread running a node of the block's backward keeps its own until its op is
+// done, so the session is never freed under it.
+Session* current_session(SessionRef& hold) {
   if (tls_session != nullptr) return tls_session;
   // A backward op on an engine thread: the session of the node's forward thread.
   const auto node = torch::autograd::get_current_node();
   if (!node) return nullptr;
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = registry().find(node->thread_id());
-  return it == registry().end() ? nullptr : it->second;
+  if (it == registry().end()) return nullptr;
+  hold = it->second;
+  return hold.get();
+}
+
+void run_deferred(Session& s) {
+  if (tls_deferred.stack_for != kNoOrigin) {
+    const uint32_t id = tls_deferred.stack_for;
+    tls_deferred.stack_for = kNoOrigin;
+    const std::string stack = python_stack();
+    if (!stack.empty()) {
+      SessionLock lock(s.mu);
+      OriginStore& store = *s.origins;
+      if (id - kFirstOrigin < store.origins.size()) store.origins[id - kFirstOrigin].report.add("birth_stack", stack);
+    }
+  }
+  if (!tls_deferred.raise.empty()) {
+    std::string message = std::move(tls_deferred.raise);
+    tls_deferred.raise.clear();
+    raise_message(message);
+  }
 }
 
 Where where_now(const Session& s) {
@@ -123,10 +148,14 @@ void add_where(ErrorReport& r, const Session& s, const Where& w) {
 }
 
 void raise_pending(Session& s) {
-  if (!s.pending) return;
-  s.pending = false;
-  std::string message = std::move(s.pending_message);
-  s.pending_message.clear();
+  std::string message;
+  {
+    SessionLock lock(s.mu);
+    if (!s.pending) return;
+    s.pending = false;
+    message = std::move(s.pending_message);
+    s.pending_message.clear();
+  }
   raise_message(message);
 }
 
@@ -146,10 +175,10 @@ uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const
   if (store.origins.size() >= OriginStore::kMax) {
     return kFirstOrigin + static_cast<uint32_t>(store.origins.size() - 1);
   }
-  const std::string stack = with_stack ? python_stack() : std::string();
-  if (!stack.empty()) r.add("birth_stack", stack);
   store.origins.push_back(Origin{r, summary});
   const uint32_t id = kFirstOrigin + static_cast<uint32_t>(store.origins.size() - 1);
+  // the stack of the thread that runs Python (none on a device thread), after the lock
+  if (with_stack && tls_session == &s) tls_deferred.stack_for = id;
   store.by_key.emplace(key, id);
   return id;
 }
@@ -264,7 +293,8 @@ uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     s.pending_message = message;
     return kNoOrigin;
   }
-  raise_message(message);
+  if (tls_deferred.raise.empty()) tls_deferred.raise = message;  // raised by run_deferred
+  return kNoOrigin;
 }
 
 void reached(Session& s, uint32_t origin, const std::string& where) {
@@ -281,7 +311,7 @@ void reached(Session& s, uint32_t origin, const std::string& where) {
     s.pending_message = message;
     return;
   }
-  raise_message(message);
+  if (tls_deferred.raise.empty()) tls_deferred.raise = message;  // raised by run_deferred
 }
 
 uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, const Counts& c) {

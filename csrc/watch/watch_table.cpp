@@ -17,8 +17,8 @@
 namespace cublas_guard {
 namespace watch {
 
-KnownTable& thread_known() {
-  static thread_local KnownTable table;
+std::shared_ptr<ThreadTable> thread_table() {
+  static thread_local std::shared_ptr<ThreadTable> table = std::make_shared<ThreadTable>();
   return table;
 }
 

@@ -66,7 +66,7 @@ _loader.load()
 torch.ops.cublas_guard_internal.watch_install.default()
 _native = sys.modules["cublas_guard_ext._watch_native"]
 
-__all__ = ["watch", "check_pending", "WatchCaptureError"]
+__all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
 _MODE_CODES = {"sync": 1, "async": 2}
 _REPORT_CODES = {"consequence": 0, "birth": 1}
@@ -120,6 +120,12 @@ def _name_allowed(name: str, patterns: list[str]) -> bool:
 
 def _typed(message: str) -> errors.GuardError:
     """The typed finding for a native message; where it arrived and the birth stack are added."""
+    payload = errors.parse_payload(message)
+    if payload is not None and payload.get("kind") == NonFiniteFromNowhereError.kind:
+        fields = {k: v for k, v in payload.items() if k != "kind"}
+        if "dtype" in fields:
+            fields["dtype"] = errors._dtype(fields["dtype"])
+        return NonFiniteFromNowhereError(**fields)
     err = errors._typed_from_native_message(message)
     if err is None:
         return errors.GuardError(message)
@@ -213,6 +219,38 @@ class WatchCaptureError(errors.GuardError, RuntimeError):
         ]
 
 
+class NonFiniteFromNowhereError(errors.GuardError, ValueError):
+    """``watch(..., verify_inputs=True)``: an op read NaN/Inf from a tensor watch saw produced
+    finite, at the same version: no op made it. A write outside stream order (a stream race,
+    memory freed too early, another process, a write through a numpy view or ``.data``)."""
+
+    kind = "watch_from_nowhere"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: {f.get('reader')} read {f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, "
+            f"{f.get('neginf_count')} -Inf from its argument '{f.get('argument')}', which "
+            f"{f.get('producer')} had produced finite (same version): no op made these values"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            f"argument: shape {list(f.get('shape') or [])} {f.get('dtype')} on {f.get('device')}, "
+            f"first bad element at flat index {f.get('first_bad_index')}",
+            f"read in {f.get('phase', 'forward')}" + (f" in module '{f['module']}'" if f.get("module") else ""),
+        ]
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "a write outside stream order: a tensor used on another stream without "
+            "record_stream/wait_stream, memory freed too early, or written behind torch's back "
+            "(a numpy view, .data, a raw pointer)",
+            "on CUDA, CUDA_LAUNCH_BLOCKING=1 serializes the streams: if it then passes, it is a race",
+        ]
+
+
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured (a seam the CPU tests replace)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -290,6 +328,7 @@ class watch:
         *,
         check_parameters: bool = True,
         report: str | None = None,
+        verify_inputs: bool = False,
     ) -> None:
         if mode is not None and mode != "off":
             if mode not in _MODE_CODES:
@@ -307,6 +346,7 @@ class watch:
                 "cublas_guard_ext.watch: report='consequence' needs the model (its outputs, parameters "
                 "and gradients are where a non-finite value matters); without one watch reports at birth"
             )
+        self.verify_inputs = bool(verify_inputs)
         self.model = model
         self.mode = mode
         # Judged by consequence when there is a model, else at birth (nothing to reach).
@@ -467,6 +507,8 @@ class watch:
             self._patched = True
             _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops, clean,
                           _REPORT_CODES[self.report], int(self.model is not None), state, state_names)
+            if self.verify_inputs:
+                _native.set_verify(True)
         except BaseException:
             self._remove_hooks()
             raise

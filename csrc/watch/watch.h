@@ -144,6 +144,7 @@ struct Known {
   uint32_t version = 0;
   bool finite = false;
   uint32_t origin = kNoOrigin;  // non-finite values: where they were born (kFirstOrigin...)
+  const c10::FunctionSchema* producer = nullptr;  // finite values: the op whose output was scanned
 };
 
 // Storage -> Known, open addressing with linear probing in one array: no
@@ -273,6 +274,9 @@ struct Session {
   int mode = kModeSync;
   int report = kReportBirth;
   bool has_model = false;
+  // verify_inputs=True: inputs known finite are scanned again before each op;
+  // non-finite ones were written by no op (NonFiniteFromNowhereError).
+  bool verify = false;
   // Parameters and buffers of the watched model: storage -> name (sinks when written).
   std::unordered_map<const c10::StorageImpl*, std::string> state;
   // Shared with a nested watch: both read the thread's table, whose tags index it.
@@ -316,6 +320,8 @@ void run_deferred(Session& s);
 
 extern thread_local Session* tls_session;  // this thread's innermost watch (owned by tls_session_ref)
 extern thread_local SessionRef tls_session_ref;
+// The op whose outputs are being scanned (remember() keeps it as the producer).
+extern thread_local const c10::FunctionSchema* tls_producer;
 extern thread_local int tls_depth;
 // The depth of the outermost op running now that is not composite (its kernel
 // may write buffers directly, below the dispatcher); INT_MAX when none. The

@@ -79,6 +79,44 @@ void written_sink(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   }
 }
 
+// verify_inputs: an input the table knows finite (same storage range and
+// version) is scanned again; non-finite, no op the watch saw wrote it (a
+// write outside stream order, through numpy or .data, another process).
+void verify_inputs(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                   const std::vector<c10::IValue>& args) {
+  const c10::FunctionSchema& schema = op.schema();
+  for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
+    if (info.is_out_arg[i]) continue;
+    bool done = false;
+    for_each_tensor(args[i], [&](const at::Tensor& t) {
+      if (done || !readable(t)) return;
+      const Known* k = lookup(s, t);
+      if (k == nullptr || !k->finite) return;
+      const c10::FunctionSchema* producer = k->producer;
+      const Counts c = scan_values(s, t);
+      if (!c.bad()) return;
+      done = true;
+      remember(s, t, false);
+      if (s.mode == kModeAsync && s.pending) return;
+      ErrorReport r("watch_from_nowhere");
+      r.add("reader", op_display_name(schema)).add("argument", schema.arguments()[i].name());
+      r.add("producer", producer != nullptr ? op_display_name(*producer) : std::string("an op"));
+      r.add("nan_count", c.nan).add("posinf_count", c.posinf).add("neginf_count", c.neginf);
+      r.add("first_bad_index", c.first);
+      r.add("shape", t.sizes()).add("dtype", std::string(c10::toString(t.scalar_type())));
+      r.add("device", t.device().str());
+      add_where(r, s, where_now(s));
+      const std::string message = r.message("watch: non-finite values from no op");
+      if (s.mode == kModeAsync) {
+        s.pending_message = message;
+        s.pending = true;
+      } else if (tls_deferred.raise.empty()) {
+        tls_deferred.raise = message;
+      }
+    });
+  }
+}
+
 // A guarded layer (SafeLinear) refused an input: if one carries a tag, its
 // origin is the finding (raised in place of the layer's error).
 void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
@@ -145,6 +183,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
         s.seq_module[i] = s.module_stack.empty() ? -1 : s.module_stack.back();
       }
     }
+    if (s.verify) verify_inputs(s, op, info, saved);
     // In-place arguments (tensors or lists): were their values finite before
     // the op? Known (the last scan of the same storage and version) or scanned.
     for (int a : info.inplace_args) {
@@ -155,6 +194,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     }
   }
 
+  if (s.verify) run_deferred(s);  // a sync verify finding: before the op runs
   try {
     KernelDepthGuard kernel(!info.composite);
     op.redispatchBoxed(after, stack);
@@ -181,6 +221,12 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
 
   {
     SessionLock lock(s.mu);
+    const c10::FunctionSchema* outer_producer = tls_producer;
+    tls_producer = &op.schema();
+    struct RestoreProducer {
+      const c10::FunctionSchema* saved;
+      ~RestoreProducer() { tls_producer = saved; }
+    } restore_producer{outer_producer};
     for (int a : info.written_args) {
       for_each_tensor(saved[a], [&](const at::Tensor& t) { forget(s, t); });
     }

@@ -257,6 +257,16 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// verify_inputs=True for this thread's innermost watch.
+PyObject* py_set_verify(PyObject*, PyObject* arg) {
+  Session* s = tls_session;
+  if (s != nullptr) {
+    SessionLock lock(s->mu);
+    s->verify = PyObject_IsTrue(arg) == 1;
+  }
+  Py_RETURN_NONE;
+}
+
 // Test seam: the watch key on (or off) in this thread with no session of its
 // own, as autograd's device threads run (the key comes with the forward
 // thread's state): its backward ops find the session of the node's thread.
@@ -285,6 +295,7 @@ PyMethodDef methods[] = {
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
+    {"set_verify", py_set_verify, METH_O, "verify_inputs for this thread's innermost watch"},
     {"set_key_included", py_set_key_included, METH_O,
      "test seam: the watch key on/off in this thread (a device thread's state); the previous value"},
     {nullptr, nullptr, 0, nullptr},

@@ -18,6 +18,7 @@ namespace watch {
 thread_local Session* tls_session = nullptr;
 thread_local SessionRef tls_session_ref;
 thread_local Deferred tls_deferred;
+thread_local const c10::FunctionSchema* tls_producer = nullptr;
 thread_local int tls_depth = 0;
 // The depth of the outermost op running now that is not composite (its kernel
 // may write buffers directly, below the dispatcher); INT_MAX when none. The

@@ -106,6 +106,7 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
   k.version = t._version();
   k.finite = finite;
   k.origin = origin;
+  k.producer = finite ? tls_producer : nullptr;
 }
 
 uint32_t origin_of(Session& s, const at::Tensor& t) {

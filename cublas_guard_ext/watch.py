@@ -40,6 +40,12 @@ Any error an op raises inside the block whose message carries a
 :class:`CublasOutOfMemoryError` or :class:`PendingCudaError` naming the op, the
 module and the inputs, with the original as ``__cause__``.
 
+``verify_inputs=True`` scans again every input watch already knows finite:
+one that is non-finite now was written by no op (a write outside stream order,
+through numpy or ``.data``) and raises :class:`NonFiniteFromNowhereError`.
+CUDA graph capture is refused inside a block (:class:`WatchCaptureError`,
+before anything is captured): watch reads its findings on the host.
+
 The findings are per thread: a block watches the thread that entered it (and
 the autograd work that thread's backward starts). Nothing stays registered
 after the block: the module hooks are removed and the dispatch key is turned

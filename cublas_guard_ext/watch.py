@@ -5,14 +5,28 @@
 ...     loss.backward()
 
 Every op the block runs (forward, backward, composite ops and what they
-decompose into) is observed from C++ (``csrc/watch.cpp``): a dispatcher
+decompose into) is observed from C++ (``csrc/watch/``): a dispatcher
 fallback scans each floating output once, in place, and only when an output is
-not all finite looks at the op's inputs. The first op whose output is
-non-finite while its tensor inputs and scalar arguments were finite is the
-*producer*; ops that only pass a non-finite input on (an ``-inf`` attention
-mask, ``masked_fill(..., -inf)``, the softmax after it) are never blamed.
-Values that enter the model non-finite (a forward argument, a parameter, a
-buffer) are reported on entry, naming them.
+not all finite looks at the op's inputs. An op whose output is non-finite
+while its tensor inputs and scalar arguments were finite is a *producer*: the
+value is born there, and carries that origin (op, module, phase, the Python
+stack) as it propagates; ops that only pass a non-finite input on (an ``-inf``
+attention mask, ``masked_fill(..., -inf)``, the softmax after it) are never
+blamed.
+
+``report="consequence"`` (the default with a model) judges a non-finite value
+by what it reaches: a finding is made only when it reaches the model's
+outputs, a loss (a root of backward), a parameter's or argument's gradient, a
+parameter or buffer written in the block, or state written outside the
+model's forward and backward (an optimizer's); a value the model clamps,
+masks, casts to an index or softmaxes away is never reported (T5's ``log(0)``
+buckets, a causal ``-inf`` mask passed as an argument). A value born in
+backward from finite values (the gradient of ``sqrt`` at 0) is a finding at
+once. ``report="birth"`` (the default without a model) reports every producer
+at once. Parameters and buffers that are non-finite on entry are reported
+before the block starts; a non-finite argument is an origin like an op
+(``NonFiniteEntryError`` when it reaches a sink). docs/watch-design.md has the
+protocol.
 
 ``mode="sync"`` raises at the op; ``"async"`` keeps the first finding and raises
 it at the next watched op, at :func:`cublas_guard_ext.check` or at the end of
@@ -25,6 +39,12 @@ Any error an op raises inside the block whose message carries a
 ``CUBLAS_STATUS_*`` or a CUDA error is re-raised as :class:`CublasError`,
 :class:`CublasOutOfMemoryError` or :class:`PendingCudaError` naming the op, the
 module and the inputs, with the original as ``__cause__``.
+
+``verify_inputs=True`` scans again every input watch already knows finite:
+one that is non-finite now was written by no op (a write outside stream order,
+through numpy or ``.data``) and raises :class:`NonFiniteFromNowhereError`.
+CUDA graph capture is refused inside a block (:class:`WatchCaptureError`,
+before anything is captured): watch reads its findings on the host.
 
 The findings are per thread: a block watches the thread that entered it (and
 the autograd work that thread's backward starts). Nothing stays registered
@@ -53,9 +73,10 @@ _loader.load()
 torch.ops.cublas_guard_internal.watch_install.default()
 _native = sys.modules["cublas_guard_ext._watch_native"]
 
-__all__ = ["watch", "check_pending"]
+__all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
 _MODE_CODES = {mode: code for mode, code in MODE_CODES.items() if mode != "off"}
+_REPORT_CODES = {"consequence": 0, "birth": 1}
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
 _OP_NAMESPACES = {"aten", "prims", "quantized", "cublas_guard", "_c10d_functional", "c10d"}
 
@@ -105,8 +126,26 @@ def _name_allowed(name: str, patterns: list[str]) -> bool:
 
 
 def _typed(message: str) -> errors.GuardError:
+    """The typed finding for a native message; where it arrived and the birth stack are added."""
+    payload = errors.parse_payload(message)
+    if payload is not None and payload.get("kind") == NonFiniteFromNowhereError.kind:
+        fields = {k: v for k, v in payload.items() if k != "kind"}
+        if "dtype" in fields:
+            fields["dtype"] = errors._dtype(fields["dtype"])
+        return NonFiniteFromNowhereError(**fields)
     err = errors._typed_from_native_message(message)
-    return err if err is not None else errors.GuardError(message)
+    if err is None:
+        return errors.GuardError(message)
+    extra = []
+    if err.fields.get("reached"):
+        extra.append(f"  reached: {err.fields['reached']}")
+    if err.fields.get("birth_stack"):
+        frames = str(err.fields["birth_stack"]).splitlines()
+        extra.append("  born at (innermost Python frame first): " + frames[0])
+        extra += [f"    {f}" for f in frames[1:]]
+    if extra:
+        err.args = (str(err) + "\n" + "\n".join(extra),)
+    return err
 
 
 def check_pending() -> None:
@@ -136,7 +175,7 @@ def _tensors_in(value: Any, path: str) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def _op_failure(payload: str, original: Any, message: str) -> BaseException:
-    """Called by csrc/watch.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
+    """Called by csrc/watch/watch_reraise.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
     fields = json.loads(payload)
     fields.pop("kind", None)
     for key, value in list(fields.items()):
@@ -163,6 +202,128 @@ def _op_failure(payload: str, original: Any, message: str) -> BaseException:
     return errors.attach_capsule(err)
 
 
+class WatchCaptureError(errors.GuardError, RuntimeError):
+    """CUDA graph capture was asked for inside a ``watch`` block (or a block was entered during one).
+
+    watch reads what its scans found on the host, which a capture forbids; it refuses before
+    anything is captured, so the capture can be retried outside the block."""
+
+    kind = "watch_graph_capture"
+
+    def _headline(self) -> str:
+        return (
+            f"watch: CUDA graph capture {self.fields.get('when', 'inside a watch block')}: watch reads "
+            "its scan results on the host, which a capture forbids; nothing was captured"
+        )
+
+    def _details(self) -> list[str]:
+        return []
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "capture outside the watch block (watch an eager run of the same step to find a NaN's "
+            "origin), or guard the captured step with cublas_guard_ext.guard('async')"
+        ]
+
+
+class NonFiniteFromNowhereError(errors.GuardError, ValueError):
+    """``watch(..., verify_inputs=True)``: an op read NaN/Inf from a tensor watch saw produced
+    finite, at the same version: no op made it. A write outside stream order (a stream race,
+    memory freed too early, another process, a write through a numpy view or ``.data``)."""
+
+    kind = "watch_from_nowhere"
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: {f.get('reader')} read {f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, "
+            f"{f.get('neginf_count')} -Inf from its argument '{f.get('argument')}', which "
+            f"{f.get('producer')} had produced finite (same version): no op made these values"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            f"argument: shape {list(f.get('shape') or [])} {f.get('dtype')} on {f.get('device')}, "
+            f"first bad element at flat index {f.get('first_bad_index')}",
+            f"read in {f.get('phase', 'forward')}" + (f" in module '{f['module']}'" if f.get("module") else ""),
+        ]
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "a write outside stream order: a tensor used on another stream without "
+            "record_stream/wait_stream, memory freed too early, or written behind torch's back "
+            "(a numpy view, .data, a raw pointer)",
+            "on CUDA, CUDA_LAUNCH_BLOCKING=1 serializes the streams: if it then passes, it is a race",
+        ]
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured (a seam the CPU tests replace)."""
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+# Global patches while any thread watches (refcounted): backward roots (the loss) are sinks, and
+# CUDA graph capture is refused inside a block. Each checks that the calling thread watches.
+_patch_lock = threading.Lock()
+_patch_users = 0
+_originals: dict[str, Any] = {}
+
+
+def _roots(tensors: Any) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
+
+
+def _patched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    roots = _roots(tensors)
+    if roots and _native.active():
+        _native.reached(roots, ["the loss (a root of backward)"] * len(roots))
+    return _originals["backward"](tensors, *args, **kwargs)
+
+
+def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    roots = _roots(outputs)
+    if roots and _native.active():
+        _native.reached(roots, ["an output torch.autograd.grad differentiates"] * len(roots))
+    return _originals["grad"](outputs, *args, **kwargs)
+
+
+def _patched_capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if _native.active():
+        raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
+    return _originals["capture_begin"](self, *args, **kwargs)
+
+
+def _install_patches() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        _originals["backward"] = torch.autograd.backward
+        _originals["grad"] = torch.autograd.grad
+        torch.autograd.backward = _patched_backward
+        torch.autograd.grad = _patched_grad
+        graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+        if graph_cls is not None and "capture_begin" in graph_cls.__dict__:
+            _originals["capture_begin"] = graph_cls.__dict__["capture_begin"]
+            graph_cls.capture_begin = _patched_capture_begin
+
+
+def _remove_patches() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users > 0:
+            return
+        torch.autograd.backward = _originals.pop("backward")
+        torch.autograd.grad = _originals.pop("grad")
+        if "capture_begin" in _originals:
+            torch.cuda.CUDAGraph.capture_begin = _originals.pop("capture_begin")
+
+
 class watch:
     """Context manager: see the module docstring. Reusable; not re-entrant per instance."""
 
@@ -173,6 +334,8 @@ class watch:
         allow: Iterable[Any] = (),
         *,
         check_parameters: bool = True,
+        report: str | None = None,
+        verify_inputs: bool = False,
     ) -> None:
         if mode is not None and mode != "off":
             if mode not in _MODE_CODES:
@@ -181,11 +344,25 @@ class watch:
                 )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"cublas_guard_ext.watch: model must be an nn.Module or None, got {type(model).__name__}")
+        if report is not None and report not in _REPORT_CODES:
+            raise ValueError(
+                f"cublas_guard_ext.watch: report must be 'consequence', 'birth' or None, got {report!r}"
+            )
+        if report == "consequence" and model is None:
+            raise ValueError(
+                "cublas_guard_ext.watch: report='consequence' needs the model (its outputs, parameters "
+                "and gradients are where a non-finite value matters); without one watch reports at birth"
+            )
+        self.verify_inputs = bool(verify_inputs)
         self.model = model
         self.mode = mode
+        # Judged by consequence when there is a model, else at birth (nothing to reach).
+        self.report = report if report is not None else ("birth" if model is None else "consequence")
         self.allow_ops, self.allow_patterns = _split_allow(allow)
         self.check_parameters = check_parameters
         self._handles: list[Any] = []
+        self._grad_hooked: set[int] = set()
+        self._patched = False
         self._active = False
 
     # -- entry checks -------------------------------------------------------------------
@@ -227,8 +404,17 @@ class watch:
                 _clean_versions[id(t)] = (weakref.ref(t), t._version)
 
     def _check_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        consequence = self.report == "consequence"
         for path, t in _tensors_in((args, kwargs), ""):
             if not t.is_floating_point():
+                continue
+            if consequence:
+                if t.requires_grad and t.is_leaf and id(t) not in self._grad_hooked:
+                    self._hook_gradient(t, f"the gradient of the model's argument "
+                                           f"'{self._arg_name(module, args, kwargs, path)}'")
+                if not _native.known_finite(t):
+                    name = self._arg_name(module, args, kwargs, path)
+                    _native.entry(t, name, int(self._allowed_name(name)))  # judged by what it reaches
                 continue
             counts = _native.scan(t)
             if counts is None or counts[3] < 0:
@@ -237,6 +423,21 @@ class watch:
             if self._allowed_name(name):
                 continue
             raise _entry_error("argument", name, t, counts)
+
+    def _hook_gradient(self, t: torch.Tensor, where: str) -> None:
+        """A leaf's gradient is a sink: checked when autograd has accumulated it."""
+        self._grad_hooked.add(id(t))
+
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                _native.reached([p.grad], [where])
+
+        self._handles.append(t.register_post_accumulate_grad_hook(hook))
+
+    def _output_reached(self, output: Any) -> None:
+        pairs = list(_tensors_in(output, ""))
+        if pairs:
+            _native.reached([t for _, t in pairs], [f"the model's output{p}" for p, _ in pairs])
 
     @staticmethod
     def _arg_name(module: torch.nn.Module, args: tuple, kwargs: dict, path: str) -> str:
@@ -263,6 +464,8 @@ class watch:
         mode = self.mode if self.mode is not None else modes.current()
         if mode == "off":
             return self
+        if _capturing():
+            raise WatchCaptureError(when="in progress when the watch block began")
         names: list[str] = []
         ids: dict[int, int] = {}
         clean: list[torch.Tensor] = []
@@ -282,9 +485,15 @@ class watch:
                 if i is not None:
                     push(i)
 
+        consequence = self.report == "consequence"
+        top = id(self.model)
+        output_reached = self._output_reached
+
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if threading.get_ident() == tid and id(module) in ids:
                 pop()
+                if consequence and id(module) == top:
+                    output_reached(output)
 
         nn_module = torch.nn.modules.module
         try:
@@ -292,7 +501,21 @@ class watch:
                 self._handles.append(self.model.register_forward_pre_hook(self._check_args, with_kwargs=True))
                 self._handles.append(nn_module.register_module_forward_pre_hook(pre))
                 self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
-            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops, clean)
+            state, state_names = [], []
+            if self.model is not None:
+                for kind, items in (("parameter", self.model.named_parameters()),
+                                    ("buffer", self.model.named_buffers())):
+                    for name, t in items:
+                        state.append(t)
+                        state_names.append(name)
+                        if consequence and kind == "parameter" and t.requires_grad:
+                            self._hook_gradient(t, f"the gradient of parameter '{name}'")
+            _install_patches()
+            self._patched = True
+            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops, clean,
+                          _REPORT_CODES[self.report], int(self.model is not None), state, state_names)
+            if self.verify_inputs:
+                _native.set_verify(True)
         except BaseException:
             self._remove_hooks()
             raise
@@ -302,6 +525,10 @@ class watch:
     def _remove_hooks(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        self._grad_hooked.clear()
+        if self._patched:
+            self._patched = False
+            _remove_patches()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if not self._active:
@@ -326,7 +553,7 @@ class watch:
         """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch.
 
         Saved: values already known (the last scan of the same storage at the same version) or
-        finite by construction (ops that only move values, see ``csrc/watch.cpp``)."""
+        finite by construction (ops that only move values, see ``csrc/watch/``)."""
         return _native.stats()
 
 

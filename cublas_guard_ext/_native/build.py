@@ -46,7 +46,12 @@ CPU_SOURCES = (
     "report/gemm_report.cpp",
     "report/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
-    "watch/watch.cpp",
+    "watch/watch_ops.cpp",
+    "watch/watch_table.cpp",
+    "watch/watch_session.cpp",
+    "watch/watch_fallback.cpp",
+    "watch/watch_reraise.cpp",
+    "watch/watch_python.cpp",
 )
 CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "report/replay_cuda.cu")
 
@@ -339,7 +344,8 @@ _VERBS = {"CXX": "compiled", "NVCC": "compiled (nvcc)", "SYCL": "compiled (sycl)
 # where it is used: watch.cpp, autograd.cpp and python_module.cpp parse torch/csrc/autograd on top
 # of it, python_errors.cpp pybind11; an nvcc compile for two archs); the rest count 7. Only the
 # start order depends on it.
-SLOW_SOURCES = {".cu": 100.0, "watch/watch.cpp": 26.0, "linear/autograd.cpp": 25.0,
+SLOW_SOURCES = {".cu": 100.0, "watch/watch_fallback.cpp": 12.0,
+                "watch/watch_python.cpp": 10.0, "watch/watch_session.cpp": 10.0, "linear/autograd.cpp": 25.0,
                 "report/python_errors.cpp": 19.0, "python_module.cpp": 19.0,
                 "linear/linear_common.cpp": 10.0, "linear/checks.cpp": 9.0}
 

@@ -34,7 +34,7 @@ from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
 from .capsule_replay import replay
-from .watch import watch
+from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
 from .training import NonFiniteStepError, TrainingGuard
 
 __version__ = "0.1.0"
@@ -50,6 +50,8 @@ __all__ = [
     "check",
     "guard",
     "watch",
+    "WatchCaptureError",
+    "NonFiniteFromNowhereError",
     "replay",
     "TrainingGuard",
     "NonFiniteStepError",

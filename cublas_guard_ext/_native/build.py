@@ -36,16 +36,18 @@ CPU_SOURCES = (
     "testing.cpp",
     "linear/checks.cpp",
     "linear/linear_common.cpp",
+    "linear/param_cache.cpp",
     "linear/linear_cpu.cpp",
     "linear/autograd.cpp",
     "linear/autocast.cpp",
+    "linear/gemm_route.cpp",
     "report/errors.cpp",
     "report/python_errors.cpp",
     "report/pending_errors.cpp",
     "scan/scan_cpu.cpp",
     "watch/watch.cpp",
 )
-CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu")
+CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "cuda/lt_gemm.cu", "cuda/async_slot.cu")
 
 
 @dataclass

@@ -169,6 +169,9 @@ struct GemmCall {
   const char* data_type = "";
   const char* compute_type = "";
   std::string chunk;  // "n 0..2147483647 of 3000000000" when the GEMM was split
+  // The forward's bias (m elements, contiguous) for a backend whose GEMM adds it
+  // itself (LinearBackend::bias_handling == kBiasInGemm); beta is 0 then.
+  const void* bias = nullptr;
 };
 
 // The names a backend gives the GEMM it runs for `dtype` (see GemmCall).
@@ -213,6 +216,11 @@ struct GemmContext {
   const at::Tensor* operand_c = nullptr;
   const char* roles[3] = {"", "", ""};    // what A, B, C are to the user ("weight^T", ...)
   MemoryFacts memory;  // at the time of a failure (CUDA)
+  // Set by a backend whose failing call was not call.routine (a cuBLASLt step):
+  // the call that failed, and the descriptors it was given.
+  std::string api;
+  std::string descriptors;
+  std::string gemm_path;  // CUBLAS_GUARD_GEMM_PATH's choice, when the backend has one
 };
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
 
@@ -231,6 +239,12 @@ int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit);
 // The parts of the linear op that differ between devices. The orchestration
 // (checks, scans, bias, GEMM, error reports) is shared in linear_common.cpp.
 // ---------------------------------------------------------------------------
+// kBiasByCopy: the output is prefilled with a broadcast copy, then beta = 1
+// (torch's addmm fallback); kBiasInGemm: the GEMM adds GemmCall::bias (a
+// cuBLASLt epilogue); kBiasByBackend: the backend's prefill kernel, fused into
+// the input's scan when there is one, then beta = 1.
+enum class BiasHandling : int { kBiasByCopy = 0, kBiasInGemm = 1, kBiasByBackend = 2 };
+
 struct LinearBackend {
   // Enqueue a scan of `t` writing kScanFields int64 into out_slot (on t's
   // device; may be undefined when only the record matters). With a target, a
@@ -258,6 +272,14 @@ struct LinearBackend {
   // CUDA graph; if so, *counter is a fresh device counter for this call's
   // replays (nullptr when none is left). Null on devices without graphs.
   bool (*capture_replay_counter)(c10::Device device, int64_t** counter) = nullptr;
+  // How the forward's bias reaches the output for `dtype` (nullptr: kBiasByCopy).
+  BiasHandling (*bias_handling)(at::ScalarType dtype) = nullptr;
+  // kBiasByBackend: write `bias` into every row of `out` (one launch of ours),
+  // or, with a scan to run, in the same launch as the scan of `t`.
+  void (*prefill_bias)(at::Tensor& out, const at::Tensor& bias, const std::string& layer) = nullptr;
+  void (*scan_into_prefilling)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, at::Tensor& out,
+                               const at::Tensor& bias) = nullptr;
 };
 
 // Build facts of this library, as JSON (the doctor's source). The CUDA

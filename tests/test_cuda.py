@@ -221,3 +221,44 @@ def test_a_batch_beyond_int32_on_the_gpu(inject_fault) -> None:
     assert max(gemm_spans(info.value.fields).values()) < 2**31, info.value.fields
     del x
     torch.cuda.empty_cache()
+
+
+def _cudart():
+    """The CUDA runtime torch loaded (the same per-thread last-error state), through ctypes."""
+    import ctypes
+    from pathlib import Path
+
+    torch.cuda.init()
+    paths = sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                    if "libcudart.so" in line})
+    if not paths:
+        pytest.skip("torch's CUDA runtime is linked statically: no libcudart to call")
+    return ctypes.CDLL(paths[0])
+
+
+@pytest.mark.parametrize("mode,path", [("async", "legacy"), ("async", "lt"), ("off", "lt")])
+def test_a_stale_non_sticky_error_is_not_blamed_on_the_scan(mode: str, path: str) -> None:
+    """cudaStreamQuery on a busy stream leaves cudaErrorNotReady as the thread's last error;
+    the next guarded call's launch check (the scan's; in off mode on the lt path the bias
+    prefill's) must not report it as its own."""
+    import ctypes
+
+    cudart = _cudart()
+    previous = torch.ops.cublas_guard_testing.set_gemm_path(path)
+    try:
+        _stale_error_round(cudart, ctypes, mode)
+    finally:
+        torch.ops.cublas_guard_testing.set_gemm_path(previous)
+
+
+def _stale_error_round(cudart, ctypes, mode: str) -> None:
+    layer = cg.SafeLinear(64, 32, device="cuda", mode=mode, name="stale")
+    x = torch.randn(16, 64, device="cuda")
+    layer(x)
+    torch.cuda._sleep(200_000_000)  # keep the stream busy
+    rc = cudart.cudaStreamQuery(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    assert rc == 600  # cudaErrorNotReady, left behind
+    y = layer(x)
+    torch.cuda.synchronize()
+    assert_matches(y, F.linear(x, layer.weight, layer.bias))
+    cg.check()

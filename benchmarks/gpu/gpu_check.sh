@@ -10,47 +10,53 @@
 # together: the machine's start (a minute or more), every command, the idle waits. One run of this
 # script must fit in 8 minutes so that a fix and a second run still fit: it stops itself after
 # GPU_CHECK_TOTAL_S = 450 s (7.5 min); call it with the device tool's timeout_s = 480. The slots run
-# in order of value; each has its own limit, a slot never takes the time of a later one's reserve,
-# and time an earlier slot leaves unused goes to the "rest" slots at the end:
+# in the order issue 19 asks for; each has its own limit, a slot never takes the time of a later
+# one's reserve, and each writes its result (summary.txt, its junit xml) before the next starts, so
+# a run cut short still says what it saw:
 #
 #   slot       limit   what
-#   env          ~5 s  nvidia-smi, nvcc, torch, pytest-timeout, hypothesis
+#   env          ~5 s  nvidia-smi, nvcc, torch, pytest-timeout, hypothesis, xdist
 #   build       150 s  sm_90 only (TORCH_CUDA_ARCH_LIST=9.0), MAX_JOBS=nproc:
 #                      pip install --no-build-isolation --no-deps -e . (fallback: setup.py build_ext)
-#   core        100 s  the core path's CUDA tests: tests/test_cuda.py, test_async_record.py,
-#                      test_cuda_errors.py (scan, GEMM, errors, async record, graphs, >2^31 batch)
-#   bench        75 s  the benchmarks' headline rows: run.py --preset gpu starts cases for 45 s; its
-#                      target shapes run first, then the scan rows; killed at 75 s
-#   sanitizer    60 s  compute-sanitizer memcheck (benchmarks/gpu/gpu_extra_checks.sh) in its own slot: a
-#                      few-second probe first; a device that refuses the tool is reported as
-#                      "could not run here" (NORUN), not as a finding
-#   rest    the rest   every other CUDA-parametrized test (-m "not slow" -k cuda), until 10 s before
-#                      the total
+#   smoke        30 s  about 20 s of tests, serial: the shared C++ runtime (tests/test_libstdcxx.py:
+#                      NEEDED libstdc++.so.6, no std::locale/ios_base defined, an error formatting
+#                      integers in a fresh process, on CUDA too); bfloat16/float16/float64 forward and
+#                      backward against F.linear on both GEMM paths; every dtype's _64 routine through
+#                      the lowered size limit; a scan of more than 2^31 elements, contiguous and
+#                      strided; one watch producer test on CUDA
+#   tests       110 s  every CUDA test of the suite in one pytest-xdist run (-m "not slow";
+#                      benchmarks/gpu/select_cuda_tests.py keeps the tests that skip without a GPU
+#                      or run on the cuda device)
+#   bench        80 s  run.py --preset gpu twice, side by side: CUBLAS_GUARD_GEMM_PATH=legacy (the
+#                      default) then =lt (cuBLASLt bias epilogue, fused prefill), 25 s of cases each,
+#                      the target rows first; killed at 80 s
+#   sanitizer    50 s  compute-sanitizer memcheck (benchmarks/gpu/gpu_extra_checks.sh) on its workload, a
+#                      subset of the CUDA tests' paths, with CUBLAS_GUARD_GEMM_PATH=lt (the new
+#                      kernels); a device that refuses the tool is reported as NORUN, not a finding
 #   pack         ~5 s  the summary, and everything else packed into one archive
 #
-# Tests run in 8 pytest-xdist workers when xdist is there (a crash costs one worker, not the slot).
 # Each pytest run is stopped with SIGINT at its slot's limit (pytest then still prints its
 # summary, --durations and writes its junit xml; SIGKILL 30 s later only if it hangs), and
 # each test with pytest-timeout (--timeout 120, when installed) so a single hang cannot eat a slot.
 #
-# OUTPUT. Everything goes under $OUT (the device tool copies $OUT back: at most 8 files, 2 folders
-# deep), else benchmarks/results/gpu-check/. While it runs, details go to $OUT/details/; at the end
-# they are packed into $OUT/gpu_check_details.tar.gz and, when $OUT is set, removed, leaving:
-#   summary.txt (the table, printed last too), gpu_check.log, junit-core.xml, junit-rest.xml,
-#   RESULTS.md, results.json (the benchmark run), gpu_check_details.tar.gz
-# Exit status: 0 if the build and both test slots passed, else 1 (benchmark misses, a sanitizer
-# finding or a sanitizer that could not run do not fail it; the summary says so).
+# OUTPUT. Everything goes under $OUT (the device tool copies $OUT back), else
+# benchmarks/results/gpu-check/. While it runs, details go to $OUT/details/; at the end they are
+# packed into $OUT/gpu_check_details.tar.gz and, when $OUT is set, removed, leaving:
+#   summary.txt (rewritten after every slot, printed last too), gpu_check.log, junit-smoke.xml,
+#   junit-tests.xml, targets-legacy.txt, targets-lt.txt, RESULTS.md, gpu_check_details.tar.gz
+# Exit status: 0 if the build, the smoke step and the tests passed, else 1 (benchmark misses, a
+# sanitizer finding or a sanitizer that could not run do not fail it; the summary says so).
 #
-# Budgets can be overridden by environment: GPU_CHECK_TOTAL_S, GPU_CHECK_BUILD_S, GPU_CHECK_CORE_S,
-# GPU_CHECK_BENCH_S (new cases started; killed 30 s later), GPU_CHECK_SANITIZER_S,
-# GPU_CHECK_SANITIZER_TOOLS ("memcheck"), GPU_CHECK_TEST_TIMEOUT_S (per test).
+# Budgets can be overridden by environment: GPU_CHECK_TOTAL_S, GPU_CHECK_BUILD_S, GPU_CHECK_SMOKE_S,
+# GPU_CHECK_TESTS_S, GPU_CHECK_BENCH_S (new cases started per GEMM path; killed 30 s after both),
+# GPU_CHECK_SANITIZER_S, GPU_CHECK_SANITIZER_TOOLS ("memcheck"), GPU_CHECK_TEST_TIMEOUT_S (per test).
 set -u -o pipefail
 
 DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,45p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -63,17 +69,20 @@ PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 TOTAL_S="${GPU_CHECK_TOTAL_S:-450}"
 BUILD_S="${GPU_CHECK_BUILD_S:-150}"
-CORE_S="${GPU_CHECK_CORE_S:-100}"
-BENCH_S="${GPU_CHECK_BENCH_S:-45}"
-SANITIZER_S="${GPU_CHECK_SANITIZER_S:-60}"
+SMOKE_S="${GPU_CHECK_SMOKE_S:-30}"
+TESTS_S="${GPU_CHECK_TESTS_S:-110}"
+BENCH_S="${GPU_CHECK_BENCH_S:-25}"
+SANITIZER_S="${GPU_CHECK_SANITIZER_S:-50}"
 TEST_TIMEOUT_S="${GPU_CHECK_TEST_TIMEOUT_S:-120}"
 WORKERS="${GPU_CHECK_WORKERS:-8}"  # pytest-xdist workers (one GPU, 16 cores); 1: serial
 SANITIZER_TOOLS="${GPU_CHECK_SANITIZER_TOOLS:-memcheck}"  # racecheck too needs about 2 minutes more
-BENCH_HARD_S=$(( BENCH_S + 30 ))
+BENCH_HARD_S=$(( 2 * BENCH_S + 30 ))
 PACK_S=10  # kept free at the end for the summary and the archive
 EXTRA_HOOK="$ROOT/benchmarks/gpu/gpu_extra_checks.sh"
-CORE_TESTS=(tests/test_cuda.py tests/test_async_record.py tests/test_cuda_errors.py)
-
+GEMM_PATHS=(legacy lt)
+SMOKE_TESTS=(tests/test_libstdcxx.py tests/test_gpu_smoke.py
+             tests/test_dtypes.py::test_split_and_64bit_per_dtype
+             tests/test_watch.py::test_per_device_forward_producer_named_by_module_and_op)
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( TOTAL_S - $(elapsed) )); }
@@ -82,7 +91,27 @@ min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
 slot_limit() { min "$1" "$(( $(left) - $2 ))"; }
 
 STEPS=()   # "name|status|seconds|note"
-record() { STEPS+=("$1|$2|$3|$4"); }
+# Each slot's result is written at once (summary.txt), so a run cut short still says what it saw.
+record() { STEPS+=("$1|$2|$3|$4"); write_summary >/dev/null; }
+write_summary() {
+  {
+    echo
+    echo "== gpu_check.sh summary ($(elapsed)s of ${TOTAL_S}s; $(date -u '+%Y-%m-%d %H:%M UTC'); outputs in $OUT_DIR)"
+    printf '%-9s %-8s %6s  %s\n' slot status seconds note
+    local s name status secs note
+    for s in "${STEPS[@]}"; do
+      IFS='|' read -r name status secs note <<<"$s"
+      printf '%-9s %-8s %6s  %s\n' "$name" "$status" "$secs" "$note"
+    done
+    local gp
+    for gp in "${GEMM_PATHS[@]}"; do
+      if [ -f "$DETAILS/bench-$gp/targets.txt" ]; then
+        echo "-- targets, CUBLAS_GUARD_GEMM_PATH=$gp (benchmarks/run.py --preset gpu):"
+        cat "$DETAILS/bench-$gp/targets.txt"
+      fi
+    done
+  } | tee "$OUT_DIR/summary.txt"
+}
 
 PYTEST_COMMON=(-q -p no:cacheprovider --durations=15 -o junit_logging=no)
 # pytest with SIGINT restored: a shell that runs this script in the background starts it with
@@ -97,26 +126,27 @@ import pytest
 sys.exit(pytest.main(sys.argv[1:]))')
 PYTEST_TIMEOUT=()
 IGNORE=()
+XDIST=()
 
 if [ "$DRY_RUN" = 1 ]; then
-  R_CORE=$(( BENCH_HARD_S + SANITIZER_S + PACK_S ))
   echo "gpu_check.sh --dry-run (nothing is built or run)"
   echo "  repository: $ROOT"
   echo "  outputs:    $OUT_DIR (details in $DETAILS, packed at the end)"
   echo "  python:     $(command -v "$PY") ($("$PY" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null))"
-  echo "  plan:       total ${TOTAL_S}s (device timeout_s 480); build ${BUILD_S}s; core tests ${CORE_S}s;" \
-       "bench ${BENCH_S}s (+30 s to finish); sanitizer ${SANITIZER_S}s; rest of the tests until ${PACK_S}s before the end"
+  echo "  plan:       total ${TOTAL_S}s (device timeout_s 480); build ${BUILD_S}s; smoke ${SMOKE_S}s; tests ${TESTS_S}s;" \
+       "bench ${BENCH_S}s per GEMM path (killed at ${BENCH_HARD_S}s); sanitizer ${SANITIZER_S}s; ${PACK_S}s to pack"
   echo "  slot 1 build:     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=\$(nproc) timeout -s INT ${BUILD_S} $PY -m pip install --no-build-isolation --no-deps -e ."
-  echo "  slot 2 core:      timeout -s INT -k 30 <min(${CORE_S}, left - ${R_CORE})> $PY -m pytest ${CORE_TESTS[*]} ${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-core.xml"
-  echo "  slot 3 bench:     timeout -s INT ${BENCH_HARD_S} $PY benchmarks/run.py --preset gpu --budget-s ${BENCH_S} --out $DETAILS/bench --results-md $DETAILS/RESULTS.md"
+  echo "  slot 2 smoke:     timeout -s INT -k 30 ${SMOKE_S} $PY -m pytest ${SMOKE_TESTS[*]} -k 'not cpu' ${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-smoke.xml"
+  echo "  slot 3 tests:     PYTHONPATH=benchmarks/gpu timeout -s INT -k 30 <min(${TESTS_S}, left - reserves)> $PY -m pytest tests -m 'not slow' -p select_cuda_tests -n $WORKERS ${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-tests.xml"
+  for gp in "${GEMM_PATHS[@]}"; do
+    echo "  slot 4 bench:     CUBLAS_GUARD_GEMM_PATH=$gp timeout -s INT <share of ${BENCH_HARD_S}> $PY benchmarks/run.py --preset gpu --budget-s ${BENCH_S} --out $DETAILS/bench-$gp --results-md $DETAILS/RESULTS-$gp.md"
+  done
   if [ -f "$EXTRA_HOOK" ]; then
-    echo "  slot 4 sanitizer: GPU_EXTRA_BUDGET_S=$(( SANITIZER_S - 10 )) TOOLS=\"$SANITIZER_TOOLS\" OUT_EXTRA=$DETAILS/sanitizer timeout -k 5 ${SANITIZER_S} bash benchmarks/gpu/gpu_extra_checks.sh"
+    echo "  slot 5 sanitizer: CUBLAS_GUARD_GEMM_PATH=lt GPU_EXTRA_BUDGET_S=$(( SANITIZER_S - 10 )) TOOLS=\"$SANITIZER_TOOLS\" OUT_EXTRA=$DETAILS/sanitizer timeout -k 5 ${SANITIZER_S} bash benchmarks/gpu/gpu_extra_checks.sh"
   else
-    echo "  slot 4 sanitizer: (benchmarks/gpu/gpu_extra_checks.sh absent: skipped)"
+    echo "  slot 5 sanitizer: (benchmarks/gpu/gpu_extra_checks.sh absent: skipped)"
   fi
-  echo "  slot 5 rest:      timeout -s INT -k 30 <left - ${PACK_S}> $PY -m pytest tests -m 'not slow' -k cuda $(printf -- '--ignore=%s ' "${CORE_TESTS[@]}")${PYTEST_COMMON[*]} --timeout ${TEST_TIMEOUT_S} --junitxml=$OUT_DIR/junit-rest.xml"
-  echo "  both test slots:  + -n $WORKERS (pytest-xdist workers) when xdist is installed"
-  echo "  then:             summary.txt; details packed into $OUT_DIR/gpu_check_details.tar.gz"
+  echo "  after each slot:  $OUT_DIR/summary.txt rewritten; at the end details packed into $OUT_DIR/gpu_check_details.tar.gz"
   echo "The benchmark plan (headline rows first):"
   timeout 120 "$PY" benchmarks/run.py --preset gpu --dry-run 2>&1 | sed -n '1,3p'
   exit 0
@@ -176,7 +206,7 @@ fi
 # pytest-xdist: a test that crashes the interpreter (seen: a segfault in a CUDA error path,
 # 2026-11-30) then costs one worker, not the rest of the slot, and every failure is listed.
 if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" >/dev/null 2>&1; then
-  PYTEST_COMMON+=(-n "$WORKERS")
+  XDIST=(-n "$WORKERS")
 fi
 if ! "$PY" -c "import hypothesis" >/dev/null 2>&1; then
   # Property tests need hypothesis; leave their files out rather than fail collection.
@@ -187,7 +217,7 @@ fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
-RESERVE_AFTER_BUILD=$(( CORE_S + BENCH_HARD_S + SANITIZER_S + PACK_S ))
+RESERVE_AFTER_BUILD=$(( SMOKE_S + TESTS_S + BENCH_HARD_S + SANITIZER_S + PACK_S ))
 B=$(slot_limit "$BUILD_S" "$RESERVE_AFTER_BUILD")
 echo "== build (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS, CUDA_HOME=${CUDA_HOME:-unset}, limit ${B}s)"
 S=$(date +%s)
@@ -221,41 +251,54 @@ else
   record build FAIL "$BUILD_T" "rc $RC (124: over ${B}s), see details/build.log"
 fi
 
-# ---- slot 2: the core path's CUDA tests ---------------------------------------------------------
-CORE_OK=0
+# ---- slot 2: smoke (serial: xdist's start would cost more than the tests) ----------------------
+SMOKE_OK=0
 if [ "$HAS_CUDA_OPS" = 1 ]; then
-  T=$(slot_limit "$CORE_S" $(( BENCH_HARD_S + SANITIZER_S + PACK_S )))
-  run_pytest core "$T" "$OUT_DIR/junit-core.xml" "${CORE_TESTS[@]}" && CORE_OK=1
+  T=$(slot_limit "$SMOKE_S" $(( TESTS_S + BENCH_HARD_S + SANITIZER_S + PACK_S )))
+  run_pytest smoke "$T" "$OUT_DIR/junit-smoke.xml" "${SMOKE_TESTS[@]}" -k "not cpu" && SMOKE_OK=1
 else
-  record core SKIP 0 "no CUDA build"
+  record smoke SKIP 0 "no CUDA build"
 fi
 
-# ---- slot 3: the benchmarks' headline rows ------------------------------------------------------
+# ---- slot 3: every CUDA test, one xdist run -----------------------------------------------------
+TESTS_OK=0
+if [ "$HAS_CUDA_OPS" = 1 ]; then
+  T=$(slot_limit "$TESTS_S" $(( BENCH_HARD_S + SANITIZER_S + PACK_S )))
+  export PYTHONPATH="$ROOT/benchmarks/gpu${PYTHONPATH:+:$PYTHONPATH}"
+  run_pytest tests "$T" "$OUT_DIR/junit-tests.xml" tests -m "not slow" -p select_cuda_tests "${XDIST[@]}" \
+    && TESTS_OK=1
+else
+  record tests SKIP 0 "no CUDA build"
+fi
+
+# ---- slot 4: the benchmarks, both GEMM paths side by side ---------------------------------------
 if [ "$HAS_CUDA_OPS" = 1 ]; then
   HARD=$(slot_limit "$BENCH_HARD_S" $(( SANITIZER_S + PACK_S )))
-  BS=$(( HARD - 30 ))
-  if [ "$BS" -gt 10 ]; then
-    echo "== bench: run.py --preset gpu (starts cases for ${BS}s, stopped at ${HARD}s)"
-    [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$DETAILS/RESULTS.md"
+  PART=$(( HARD / 2 ))
+  for gp in "${GEMM_PATHS[@]}"; do
+    BS=$(( PART - 15 ))
+    if [ "$BS" -lt 10 ]; then record "bench-$gp" SKIP 0 "no time left"; continue; fi
+    echo "== bench-$gp: CUBLAS_GUARD_GEMM_PATH=$gp run.py --preset gpu (starts cases for ${BS}s, stopped at ${PART}s)"
+    [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$DETAILS/RESULTS-$gp.md"
     S=$(date +%s)
-    timeout -s INT -k 10 "$HARD" "$PY" benchmarks/run.py --preset gpu --out "$DETAILS/bench" \
-        --results-md "$DETAILS/RESULTS.md" --budget-s "$BS" >"$DETAILS/bench.log" 2>&1
+    CUBLAS_GUARD_GEMM_PATH=$gp timeout -s INT -k 10 "$PART" "$PY" benchmarks/run.py --preset gpu \
+        --out "$DETAILS/bench-$gp" --results-md "$DETAILS/RESULTS-$gp.md" --budget-s "$BS" \
+        >"$DETAILS/bench-$gp.log" 2>&1
     BRC=$?
     BT=$(( $(date +%s) - S ))
-    tail -30 "$DETAILS/bench.log"
+    tail -20 "$DETAILS/bench-$gp.log"
+    [ -f "$DETAILS/bench-$gp/targets.txt" ] && cp "$DETAILS/bench-$gp/targets.txt" "$OUT_DIR/targets-$gp.txt"
     if [ $BRC -eq 0 ]; then
-      record bench DONE "$BT" "$(grep -c '^PASS' "$DETAILS/bench/targets.txt" 2>/dev/null) PASS, $(grep -c '^MISS' "$DETAILS/bench/targets.txt" 2>/dev/null) MISS; rows not started are listed as skipped"
+      record "bench-$gp" DONE "$BT" "$(grep -c '^PASS' "$DETAILS/bench-$gp/targets.txt" 2>/dev/null) PASS, $(grep -c '^MISS' "$DETAILS/bench-$gp/targets.txt" 2>/dev/null) MISS; rows not started are listed as skipped"
     else
-      record bench FAIL "$BT" "rc $BRC, see details/bench.log"
+      record "bench-$gp" FAIL "$BT" "rc $BRC, see details/bench-$gp.log"
     fi
-  else
-    record bench SKIP 0 "no time left"
-  fi
+  done
 else
   record bench SKIP 0 "no CUDA build"
 fi
 
-# ---- slot 4: compute-sanitizer ----------------------------------------------------------------
+# ---- slot 5: compute-sanitizer, on the new GEMM path's kernels ---------------------------------
 if [ ! -f "$EXTRA_HOOK" ]; then
   record sanitizer SKIP 0 "benchmarks/gpu/gpu_extra_checks.sh absent"
 elif [ "$HAS_CUDA_OPS" != 1 ]; then
@@ -263,12 +306,12 @@ elif [ "$HAS_CUDA_OPS" != 1 ]; then
 else
   T=$(slot_limit "$SANITIZER_S" "$PACK_S")
   if [ "$T" -gt 15 ]; then
-    echo "== sanitizer: benchmarks/gpu/gpu_extra_checks.sh (limit ${T}s)"
+    echo "== sanitizer: benchmarks/gpu/gpu_extra_checks.sh, CUBLAS_GUARD_GEMM_PATH=lt (limit ${T}s)"
     mkdir -p "$DETAILS/sanitizer"
     S=$(date +%s)
     # The hook budgets itself with GPU_EXTRA_BUDGET_S; the outer limit leaves it 10 s to report.
-    GPU_EXTRA_BUDGET_S=$(( T - 10 )) OUT_EXTRA="$DETAILS/sanitizer" PYTHON="$PY" TOOLS="$SANITIZER_TOOLS" \
-      timeout -k 5 "$T" bash "$EXTRA_HOOK" >"$DETAILS/sanitizer/extra_checks.log" 2>&1
+    CUBLAS_GUARD_GEMM_PATH=lt GPU_EXTRA_BUDGET_S=$(( T - 10 )) OUT_EXTRA="$DETAILS/sanitizer" PYTHON="$PY" \
+      TOOLS="$SANITIZER_TOOLS" timeout -k 5 "$T" bash "$EXTRA_HOOK" >"$DETAILS/sanitizer/extra_checks.log" 2>&1
     XRC=$?
     XT=$(( $(date +%s) - S ))
     tail -20 "$DETAILS/sanitizer/extra_checks.log"
@@ -286,39 +329,16 @@ else
   fi
 fi
 
-# ---- slot 5: the rest of the CUDA tests ---------------------------------------------------------
-REST_OK=0
-if [ "$HAS_CUDA_OPS" = 1 ]; then
-  T=$(slot_limit 100000 "$PACK_S")
-  REST_IGNORE=()
-  for f in "${CORE_TESTS[@]}"; do REST_IGNORE+=("--ignore=$f"); done
-  run_pytest rest "$T" "$OUT_DIR/junit-rest.xml" tests -m "not slow" -k cuda "${REST_IGNORE[@]}" && REST_OK=1
-else
-  record rest SKIP 0 "no CUDA build"
-fi
-
 # ---- summary (last) ---------------------------------------------------------------------------
-{
-  echo
-  echo "== gpu_check.sh summary ($(elapsed)s of ${TOTAL_S}s; $(date -u '+%Y-%m-%d %H:%M UTC'); outputs in $OUT_DIR)"
-  printf '%-9s %-8s %6s  %s\n' slot status seconds note
-  for s in "${STEPS[@]}"; do
-    IFS='|' read -r name status secs note <<<"$s"
-    printf '%-9s %-8s %6s  %s\n' "$name" "$status" "$secs" "$note"
-  done
-  if [ -f "$DETAILS/bench/targets.txt" ]; then
-    echo "-- targets (benchmarks/run.py --preset gpu):"
-    cat "$DETAILS/bench/targets.txt"
-  fi
-} | tee "$OUT_DIR/summary.txt"
-[ "$HAS_CUDA_OPS" = 1 ] && [ "$CORE_OK" = 1 ] && [ "$REST_OK" = 1 ]
+write_summary
+[ "$HAS_CUDA_OPS" = 1 ] && [ "$SMOKE_OK" = 1 ] && [ "$TESTS_OK" = 1 ]
 }
 
 main 2>&1 | tee -a "$LOG"
 STATUS=${PIPESTATUS[0]}
-# Pack: the device tool brings back at most 8 files, 2 folders deep.
-[ -f "$DETAILS/RESULTS.md" ] && cp "$DETAILS/RESULTS.md" "$OUT_DIR/RESULTS.md"
-[ -f "$DETAILS/bench/results.json" ] && cp "$DETAILS/bench/results.json" "$OUT_DIR/results.json"
+# Pack: everything else in one archive.
+[ -f "$DETAILS/RESULTS-lt.md" ] && cp "$DETAILS/RESULTS-lt.md" "$OUT_DIR/RESULTS.md"
+[ -f "$DETAILS/RESULTS-legacy.md" ] && cp "$DETAILS/RESULTS-legacy.md" "$OUT_DIR/RESULTS-legacy.md"
 tar -czf "$OUT_DIR/gpu_check_details.tar.gz" -C "$OUT_DIR" details 2>/dev/null \
   && [ -n "${OUT:-}" ] && rm -rf "$DETAILS"
 exit "$STATUS"

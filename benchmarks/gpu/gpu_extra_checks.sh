@@ -187,6 +187,20 @@ try:
     expect(False, "check_features passed a NaN")
 except cg.NonFiniteInputError:
     pass
+# Every mode and dtype on the run's GEMM path (CUBLAS_GUARD_GEMM_PATH: with lt, cuBLASLt's bias
+# epilogue for bfloat16/float16 and the bias prefill fused into the input's scan, or alone in off
+# mode, for float32/float64); outputs past one block's prefill (> 32768 elements).
+for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
+    for mode in ("off", "async", "sync"):
+        for rows, fin, fout in ((7, 24, 40), (700, 48, 96)):
+            layer = cg.SafeLinear(fin, fout, device=dev, dtype=dtype, name=f"path-{mode}", mode=mode)
+            x = torch.randn(rows, fin, device=dev, dtype=dtype)
+            with torch.no_grad():
+                y, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+            scale = float(ref.abs().max()) or 1.0
+            expect(float((y.double() - ref.double()).abs().max()) <= tol * scale,
+                   f"{dtype} {mode} {rows}x{fin}->{fout} on path {os.environ.get('CUBLAS_GUARD_GEMM_PATH', 'legacy')}")
+cg.check()
 if dev == "cuda":
     torch.cuda.synchronize()
 print(f"WORKLOAD OK: {checks} checks on {dev}", flush=True)

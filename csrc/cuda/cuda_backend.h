@@ -1,7 +1,8 @@
-// Declarations shared by the two CUDA translation units (scan.cu, linear.cu).
+// Declarations shared by the CUDA translation units (scan.cu, linear.cu, lt_gemm.cu).
 #pragma once
 
 #include "guard.h"
+#include "linear/gemm_route.h"
 
 #include <cuda_runtime.h>
 
@@ -13,9 +14,39 @@ namespace cublas_guard {
 void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
                     const std::string& layer);
 
+// The same scan, whose launch also writes `bias` into every row of the
+// contiguous 2-D `out` (CUBLAS_GUARD_GEMM_PATH=lt: one launch before the GEMM).
+void scan_cuda_into_prefilling(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, at::Tensor& out, const at::Tensor& bias);
+// The prefill alone (off mode): one launch.
+void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::string& layer);
+// The column-major C[m x n] (leading dimension ldc) gets bias[r] in each
+// column's row r: the fallback of a cuBLASLt call cuBLASLt refused.
+void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc,
+                          int64_t element_size, const std::string& layer);
+
+// One cuBLASLt bias-epilogue GEMM (lt_gemm.cu), and what became of it: the
+// step that stopped it and the descriptors it was given, for a report.
+struct LtAttempt {
+  int status = 0;  // cublasStatus_t
+  LtVerdict verdict = LtVerdict::kContinue;  // kContinue: done
+  std::string step;
+  std::string descriptors;
+};
+bool lt_available();
+// `injected` != 0 (tests): the status cublasLtMatmul is taken to return; it is not called.
+LtAttempt lt_gemm_bias(const GemmCall& call, int injected = 0);
+
 // The async record of `device`: pinned host memory mapped into the device's
 // address space, and a device-memory claim word. Allocated on first use.
 void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim);
+// Async mode: whether the current stream of `device` is being captured; if
+// so, *counter is this call's own replay counter (nullptr when none is left).
+bool capture_replay_counter_cuda(c10::Device device, int64_t** counter);
+
+// Before our first launch of a call: clears a stale non-sticky error (it is
+// not ours and would be blamed on the launch), reports a sticky one.
+void clear_stale_launch_error(const std::string& layer);
 
 // After every launch: turns cudaGetLastError() into a report. An error that
 // belongs to an earlier kernel (a sticky context error) is reported as such.

@@ -11,18 +11,28 @@
 //             allow_fp16_reduced_precision_reduction
 //   float64   cublasDgemm
 // and the _64 variants (cuBLAS 12+) for arguments beyond the 32-bit limit.
+// float16 accumulates in float16 (CUBLAS_COMPUTE_16F) when
+// torch.backends.cuda.matmul.allow_fp16_accumulation is set, as torch's hgemm.
+// Under CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h) the forward's bias goes
+// through cuBLASLt's epilogue for bfloat16/float16 (lt_gemm.cu; cublasGemmEx
+// when cuBLASLt refuses) and through our prefill, fused into the input's scan,
+// for float32/float64.
 #include "cuda_backend.h"
 #include "report/pending_errors.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <torch/version.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -50,6 +60,32 @@ static_assert(cuda_code::kNotReady == cudaErrorNotReady && cuda_code::kAssert ==
                   cuda_code::kLaunchFailure == cudaErrorLaunchFailure,
               "pending_errors.h's cuda_code values must match cudaError_t");
 
+namespace {
+// How the forward's bias reaches the output (guard.h's BiasHandling): the
+// legacy path copies it; the lt path adds it in cuBLASLt's epilogue
+// (bfloat16/float16) or prefills it in the input's scan (float32/float64).
+BiasHandling bias_handling_cuda(at::ScalarType dtype) {
+  if (gemm_path() == GemmPath::kLegacy) return BiasHandling::kBiasByCopy;
+  if ((dtype == at::kBFloat16 || dtype == at::kHalf) && lt_available()) return BiasHandling::kBiasInGemm;
+  return BiasHandling::kBiasByBackend;
+}
+
+// The real runtime behind pending_errors.h's decisions (current device and stream).
+const CudaErrorProbe& cuda_probe() {
+  static const CudaErrorProbe probe{
+      [] { return static_cast<int>(cudaGetLastError()); },
+      [] { return static_cast<int>(cudaStreamQuery(at::cuda::getCurrentCUDAStream())); },
+      [](bool* capturing) {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status);
+        *capturing = status != cudaStreamCaptureStatusNone;
+        return static_cast<int>(err);
+      }};
+  return probe;
+}
+
+}  // namespace
+
 bool is_sticky_context_error(cudaError_t err) { return is_sticky_cuda_error(static_cast<int>(err)); }
 
 void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer) {
@@ -62,6 +98,19 @@ void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::str
   report.add("launch_blocking", blocking != nullptr && std::string(blocking) == "1");
   report.raise_runtime_error("layer '" + layer + "': " + cudaGetErrorName(err) +
                              " left by an earlier CUDA kernel, seen " + stage);
+}
+
+void clear_stale_launch_error(const std::string& layer) {
+  // cudaGetLastError after a launch returns the thread's last error, which may
+  // be older than the launch: a non-sticky one left by someone else's call (a
+  // stream query's cudaErrorNotReady) would be blamed on our kernel. Taken
+  // here, before the launch: a non-sticky error is cleared (no kernel of ours
+  // left it), a sticky one is reported as the earlier kernel's (the
+  // pending_errors.h decision sync mode makes before its calls).
+  const int stale = take_pending_error(cuda_probe());
+  if (stale != cuda_code::kSuccess) {
+    raise_pending_cuda_error(static_cast<cudaError_t>(stale), "before a guard kernel's launch", layer);
+  }
 }
 
 void check_launch(const char* kernel, const std::string& layer) {
@@ -137,12 +186,23 @@ std::string math_mode_name(cublasMath_t mode) {
   return name;
 }
 
+// torch's hgemm: float16 products accumulate in float16 when the user allows it (sm_70+).
+bool fp16_accumulation() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+  return at::globalContext().allowFP16AccumulationCuBLAS() &&
+         at::cuda::getCurrentDeviceProperties()->major >= 7;
+#else
+  return false;
+#endif
+}
+
 GemmNames gemm_names_cuda(at::ScalarType dtype) {
   switch (dtype) {
     case at::kBFloat16:
       return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"};
     case at::kHalf:
-      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16F", "CUBLAS_COMPUTE_32F"};
+      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16F",
+              fp16_accumulation() ? "CUBLAS_COMPUTE_16F" : "CUBLAS_COMPUTE_32F"};
     case at::kDouble:
       return {"cublasDgemm", "cublasDgemm_64", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"};
     default:
@@ -191,26 +251,36 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
     }
     case at::kBFloat16:
     case at::kHalf: {
-      // CUBLAS_COMPUTE_32F takes float alpha and beta.
+      // CUBLAS_COMPUTE_32F takes float alpha and beta, CUBLAS_COMPUTE_16F half ones.
       const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
+      const __half halpha = __float2half(alpha), hbeta = __float2half(beta);
+      const bool accumulate16 = call.dtype == at::kHalf && fp16_accumulation();
+      const cublasComputeType_t compute = accumulate16 ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F;
+      const void* alpha_ptr = accumulate16 ? static_cast<const void*>(&halpha) : &alpha;
+      const void* beta_ptr = accumulate16 ? static_cast<const void*>(&hbeta) : &beta;
       const cudaDataType_t type = call.dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+      // The math mode is set only when it differs from what torch left on the
+      // handle, and given back only then (no calls that change nothing).
       cublasMath_t previous = CUBLAS_DEFAULT_MATH;
       cublasStatus_t status = cublasGetMathMode(handle, &previous);
       if (status != CUBLAS_STATUS_SUCCESS) return status;
-      status = cublasSetMathMode(handle, half_math_mode(call.dtype));
-      if (status != CUBLAS_STATUS_SUCCESS) return status;
+      const cublasMath_t wanted = half_math_mode(call.dtype);
+      if (wanted != previous) {
+        status = cublasSetMathMode(handle, wanted);
+        if (status != CUBLAS_STATUS_SUCCESS) return status;
+      }
 #if CUBLAS_VER_MAJOR >= 12
       if (call.use_64bit) {
-        status = cublasGemmEx_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, call.a, type,
-                                 call.lda, call.b, type, call.ldb, &beta, call.c, type, call.ldc,
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+        status = cublasGemmEx_64(handle, op_a, op_b, call.m, call.n, call.k, alpha_ptr, call.a, type,
+                                 call.lda, call.b, type, call.ldb, beta_ptr, call.c, type, call.ldc,
+                                 compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
       } else
 #endif
       {
-        status = cublasGemmEx(handle, op_a, op_b, m, n, k, &alpha, call.a, type, lda, call.b, type,
-                              ldb, &beta, call.c, type, ldc, CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+        status = cublasGemmEx(handle, op_a, op_b, m, n, k, alpha_ptr, call.a, type, lda, call.b, type,
+                              ldb, beta_ptr, call.c, type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
       }
+      if (wanted == previous) return status;
       // Give the handle back as torch left it (it sets TF32 per allow_tf32).
       const cublasStatus_t restored = cublasSetMathMode(handle, previous);
       return status != CUBLAS_STATUS_SUCCESS ? status : restored;
@@ -235,6 +305,7 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
 // no string work on the clean path).
 void describe_for_report(GemmContext& ctx, int device, cublasHandle_t handle, at::ScalarType dtype) {
   ctx.device = describe_device(device);
+  ctx.gemm_path = gemm_path_name(gemm_path());
   cublasMath_t math = CUBLAS_DEFAULT_MATH;
   if (dtype == at::kBFloat16 || dtype == at::kHalf) {
     ctx.math_mode = math_mode_name(half_math_mode(dtype));  // what run_gemm sets
@@ -290,14 +361,40 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
                                what);
   }
-  if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
+  const GemmRoute route = first_route(static_cast<int>(call.dtype), gemm_path(), call.bias != nullptr,
+                                      call.use_64bit, lt_available());
+  const int injected = take_injected_fault(FaultSite::kGemmStatus);
+  if (injected != 0 && route != GemmRoute::kLtBias) {
     describe_for_report(ctx, device, handle, call.dtype);
     ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
     ctx.memory = memory_snapshot(device);
     return injected;  // as if the routine had returned it (tests only)
   }
-
-  const cublasStatus_t status = run_gemm(handle, call);
+  const GemmCall* to_run = &call;
+  GemmCall fallback;
+  if (call.bias != nullptr && route == GemmRoute::kLtBias) {
+    // A test's injected status stands for cublasLtMatmul's (every step before it runs).
+    const LtAttempt lt = lt_gemm_bias(call, injected);
+    if (lt.verdict == LtVerdict::kContinue) return 0;
+    if (lt.verdict == LtVerdict::kReport) {
+      describe_for_report(ctx, device, handle, call.dtype);
+      ctx.api = lt.step;
+      ctx.descriptors = lt.descriptors;
+      ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(lt.status));
+      ctx.memory = memory_snapshot(device);
+      return lt.status;
+    }
+    // cuBLASLt refused the case: cublasGemmEx on the bias prefilled into C.
+  }
+  if (call.bias != nullptr) {
+    prefill_columns_cuda(call.c, call.bias, call.m, call.n, call.ldc,
+                         static_cast<int64_t>(c10::elementSize(call.dtype)), ctx.layer);
+    fallback = call;
+    fallback.bias = nullptr;
+    fallback.beta = 1.0;
+    to_run = &fallback;
+  }
+  const cublasStatus_t status = run_gemm(handle, *to_run);
   if (status != CUBLAS_STATUS_SUCCESS) {
     describe_for_report(ctx, device, handle, call.dtype);
     ctx.status_name = cublasGetStatusName(status);
@@ -306,33 +403,48 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   return static_cast<int>(status);
 }
 
-// The real runtime behind pending_errors.h's decisions (current device and stream).
-const CudaErrorProbe& cuda_probe() {
-  static const CudaErrorProbe probe{
-      [] { return static_cast<int>(cudaGetLastError()); },
-      [] { return static_cast<int>(cudaStreamQuery(at::cuda::getCurrentCUDAStream())); },
-      [](bool* capturing) {
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status);
-        *capturing = status != cudaStreamCaptureStatusNone;
-        return static_cast<int>(err);
-      }};
-  return probe;
-}
+// Sync mode's results land in a pinned buffer of the calling thread (one
+// asynchronous copy and a stream synchronization: no pageable staging, no
+// allocation per call); the caller reads them before its next fetch.
+struct PinnedResults {
+  int64_t* data = nullptr;
+  int64_t capacity = 0;  // int64 elements
+  ~PinnedResults() {
+    if (data != nullptr) (void)cudaFreeHost(data);
+  }
+};
 
 at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
-  try {
-    return results.to(at::kCPU);
-  } catch (const c10::Error&) {
+  static thread_local PinnedResults pinned;
+  const int64_t count = results.numel();
+  TORCH_INTERNAL_ASSERT(results.is_contiguous() && results.scalar_type() == at::kLong);
+  if (count > pinned.capacity) {
+    if (pinned.data != nullptr) C10_CUDA_CHECK(cudaFreeHost(pinned.data));
+    pinned.data = nullptr;
+    pinned.capacity = 0;
+    const int64_t capacity = std::max<int64_t>(64, count);
+    void* host = nullptr;
+    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int64_t) * capacity, cudaHostAllocPortable));
+    pinned.data = static_cast<int64_t*>(host);
+    pinned.capacity = capacity;
+  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cudaError_t err = cudaMemcpyAsync(pinned.data, results.data_ptr(), sizeof(int64_t) * count,
+                                    cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) {
     // Our scan kernels cannot fault (every access is in bounds), so a sticky
     // error surfacing at this synchronization was left by an earlier kernel.
-    const int err = sticky_error_behind_failure(cuda_probe());
-    if (err != cudaSuccess) {
-      raise_pending_cuda_error(static_cast<cudaError_t>(err),
+    const int sticky = is_sticky_context_error(err) ? static_cast<int>(err)
+                                                    : sticky_error_behind_failure(cuda_probe());
+    if (sticky != cudaSuccess) {
+      raise_pending_cuda_error(static_cast<cudaError_t>(sticky),
                                "while waiting for the input scan (stream synchronize)", layer);
     }
-    throw;
+    (void)cudaGetLastError();
+    C10_CUDA_CHECK(err);
   }
+  return at::from_blob(pinned.data, results.sizes(), at::TensorOptions().dtype(at::kLong));
 }
 
 void check_pending_error_cuda(const std::string& layer) {
@@ -371,90 +483,14 @@ auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()
   }
 }
 
-// Replay counters of captured calls, per device: one each, never reused (a
-// graph may be replayed at any time), allocated with the claim word.
-constexpr int64_t kReplayCounters = 16384;
-
-struct DeviceRecord {
-  AsyncRecord* record = nullptr;
-  int* claim = nullptr;
-  int64_t* replay_counters = nullptr;  // kReplayCounters, zeroed
-  int64_t replay_counters_used = 0;
-};
-
-std::mutex& slots_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-std::array<DeviceRecord, 64>& device_slots() {
-  static std::array<DeviceRecord, 64> slots;
-  return slots;
-}
-
-}  // namespace
-
-void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
-  const int index = device.index();
-  TORCH_CHECK(index >= 0 && index < 64, "cublas_guard_ext: unsupported CUDA device index ", index);
-  std::lock_guard<std::mutex> lock(slots_mutex());
-  DeviceRecord& slot = device_slots()[index];
-  if (slot.record == nullptr) {
-    const c10::cuda::CUDAGuard guard(device);
-    // One-time allocations, allowed even if the first async call is being captured.
-    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    void* host = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(AsyncRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(host, 0, sizeof(AsyncRecord));
-    void* device_view = nullptr;
-    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
-    // With unified addressing (every 64-bit platform CUDA supports) both are one address.
-    TORCH_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
-    // The claim word, then the replay counters (8-byte aligned), all zero. The
-    // zeroing is waited for: no later stream is ordered after this one.
-    const size_t bytes = sizeof(int64_t) * (1 + kReplayCounters);
-    void* device_memory = nullptr;
-    C10_CUDA_CHECK(cudaMalloc(&device_memory, bytes));
-    C10_CUDA_CHECK(cudaMemset(device_memory, 0, bytes));
-    C10_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
-    slot.record = static_cast<AsyncRecord*>(host);
-    slot.claim = static_cast<int*>(device_memory);
-    slot.replay_counters = static_cast<int64_t*>(device_memory) + 1;
-    RecordHooks hooks;
-    hooks.synchronize = [](c10::Device d) {
-      const c10::cuda::CUDAGuard g(d);
-      C10_CUDA_CHECK(cudaDeviceSynchronize());
-    };
-    register_async_record(device, slot.record, slot.claim, hooks);
-  }
-  *record = slot.record;
-  *claim = slot.claim;
-}
-
-namespace {
-
-// Async mode, after async_slot_cuda: a captured call gets its own replay counter.
-bool capture_replay_counter_cuda(c10::Device device, int64_t** counter) {
-  *counter = nullptr;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // not known to be capturing: count nothing, leave no error behind
-    return false;
-  }
-  if (status == cudaStreamCaptureStatusNone) return false;
-  std::lock_guard<std::mutex> lock(slots_mutex());
-  DeviceRecord& slot = device_slots()[device.index()];
-  if (slot.replay_counters != nullptr && slot.replay_counters_used < kReplayCounters) {
-    *counter = slot.replay_counters + slot.replay_counters_used++;
-  }
-  return true;  // a replay all the same; its number is reported as unknown without a counter
-}
-
 const LinearBackend& cuda_backend() {
   static const LinearBackend backend{scan_cuda_into,   fetch_cuda,
                                      gemm_cuda,        check_pending_error_cuda,
                                      async_slot_cuda,  memory_info_cuda,
                                      /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12,
-                                     gemm_names_cuda, capture_replay_counter_cuda};
+                                     gemm_names_cuda, capture_replay_counter_cuda,
+                                     bias_handling_cuda, prefill_bias_cuda,
+                                     scan_cuda_into_prefilling};
   return backend;
 }
 

@@ -18,16 +18,30 @@
 //    the result directly; a larger grid is finished by a one-block kernel.
 //    Both leave the result deterministic.
 //  * async mode: the finishing thread fills the host-mapped record, only if it
-//    found something.
+//    found something;
+//  * the forward's bias prefill (CUBLAS_GUARD_GEMM_PATH=lt, float32/float64):
+//    the input's scan kernel also writes the bias into every row of the output
+//    (gemm_route.h's prefill_columns: block b takes columns b, b + grid, ...),
+//    so the GEMM (beta = 1) is preceded by one launch of ours, not a scan and
+//    a copy; off mode launches the prefill alone;
+//  * partials of a multi-block scan come from a buffer kept per device and
+//    stream (no allocation per call); inside a CUDA graph capture they come
+//    from the graph's own pool instead (a replay on another stream must not
+//    share them with eager scans). With CUBLAS_GUARD_GEMM_PATH=lt the last
+//    block to finish reduces them (a ticket in that buffer): one launch.
 #include "cuda_backend.h"
+#include "linear/gemm_route.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 
 namespace cublas_guard {
 namespace {
@@ -52,6 +66,21 @@ struct Geometry {
   long long sizes[kMaxScanDims];
   long long strides[kMaxScanDims];
 };
+
+// The bias prefill a scan kernel does besides its scan (out == nullptr: none).
+template <typename Bits>
+struct Prefill {
+  Bits* out;
+  const Bits* bias;
+  long long m, n, ldc;  // column-major C[m x n]: the row-major output [n x m]
+};
+
+template <typename Bits>
+__device__ __forceinline__ void run_prefill(const Prefill<Bits>& pf) {
+  if (pf.out != nullptr) {
+    prefill_columns(pf.out, pf.bias, pf.m, pf.n, pf.ldc, blockIdx.x, gridDim.x, threadIdx.x, blockDim.x);
+  }
+}
 
 __device__ __forceinline__ Partial empty_partial() { return Partial{0, 0, 0, kNone}; }
 
@@ -182,23 +211,50 @@ __device__ void write_result(const Partial& p, long long* out, const AsyncTarget
   r->flag = 1;
 }
 
-// Block-level epilogue shared by both scan kernels.
-__device__ __forceinline__ void finish_block(Partial p, Partial* partials, long long* out,
-                                             const AsyncTarget& target) {
+// Block-level epilogue shared by both scan kernels. A grid of one block
+// writes the result. A larger grid writes one partial per block; then either
+// scan_finish_kernel reduces them (ticket == nullptr), or the last block to
+// finish does, in the same launch: each block publishes its partial, fences,
+// and takes a ticket; the block that draws the last one reads every partial
+// and resets the ticket to 0 for the stream's next scan.
+__device__ __forceinline__ void finish_block(Partial p, Partial* partials, unsigned* ticket,
+                                             long long* out, const AsyncTarget& target) {
   p = block_reduce(p);
-  if (threadIdx.x != 0) return;
   if (gridDim.x == 1) {
-    write_result(p, out, target);
-  } else {
+    if (threadIdx.x == 0) write_result(p, out, target);
+    return;
+  }
+  __shared__ bool last_block;
+  if (threadIdx.x == 0) {
     partials[blockIdx.x] = p;
+    if (ticket != nullptr) {
+      __threadfence();  // the partial is visible device-wide before the ticket is taken
+      last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+  }
+  if (ticket == nullptr) return;
+  __syncthreads();  // (also: warp 0 is done with block_reduce's shared memory)
+  if (!last_block) return;
+  __threadfence();
+  const volatile Partial* all = partials;
+  Partial q = empty_partial();
+  for (unsigned i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
+    q = combine(q, Partial{all[i].nan, all[i].posinf, all[i].neginf, all[i].first});
+  }
+  q = block_reduce(q);
+  if (threadIdx.x == 0) {
+    write_result(q, out, target);
+    *ticket = 0u;
   }
 }
 
 template <typename F>
 __global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n,
-                                       long long head, Partial* partials, long long* out,
-                                       AsyncTarget target) {
+                                       long long head, Partial* partials, unsigned* ticket,
+                                       long long* out, AsyncTarget target,
+                                       Prefill<typename F::Bits> prefill) {
   constexpr int kPerVector = 16 / sizeof(typename F::Bits);
+  run_prefill(prefill);
   Partial p = empty_partial();
   const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   // Scalar head (up to the 16-byte boundary) and tail: a few threads of block 0.
@@ -224,12 +280,14 @@ __global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data
       if (i < body) classify_vector<F>(v[u], head + kPerVector * i, p);
     }
   }
-  finish_block(p, partials, out, target);
+  finish_block(p, partials, ticket, out, target);
 }
 
 template <typename F>
 __global__ void scan_strided_kernel(const typename F::Bits* __restrict__ data, long long n, Geometry g,
-                                    Partial* partials, long long* out, AsyncTarget target) {
+                                    Partial* partials, unsigned* ticket, long long* out,
+                                    AsyncTarget target, Prefill<typename F::Bits> prefill) {
+  run_prefill(prefill);
   Partial p = empty_partial();
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -242,7 +300,12 @@ __global__ void scan_strided_kernel(const typename F::Bits* __restrict__ data, l
     }
     classify<F>(__ldg(data + offset), i, p);
   }
-  finish_block(p, partials, out, target);
+  finish_block(p, partials, ticket, out, target);
+}
+
+template <typename Bits>
+__global__ void prefill_kernel(Prefill<Bits> prefill) {
+  run_prefill(prefill);
 }
 
 __global__ void scan_finish_kernel(const Partial* partials, int count, long long* out,
@@ -253,7 +316,7 @@ __global__ void scan_finish_kernel(const Partial* partials, int count, long long
   if (threadIdx.x == 0) write_result(p, out, target);
 }
 
-int multi_block_grid(long long work_items, int threads) {
+int sm_count_of_current_device() {
   static thread_local int cached_device = -1;
   static thread_local int sm_count = 0;
   const int device = c10::cuda::current_device();
@@ -261,8 +324,69 @@ int multi_block_grid(long long work_items, int threads) {
     sm_count = at::cuda::getDeviceProperties(device)->multiProcessorCount;
     cached_device = device;
   }
+  return sm_count;
+}
+
+// Blocks for a prefill of n columns of m rows: one block per column up to
+// four per SM; a small output takes one block.
+int prefill_grid(long long m, long long n) {
+  if (m * n <= kSingleBlockMax) return 1;
+  return static_cast<int>(std::max<long long>(1, std::min<long long>(n, 4LL * sm_count_of_current_device())));
+}
+
+// The multi-block partials of the current stream: one buffer per device and
+// stream, as large as the largest grid (4 blocks per SM), allocated once.
+// Kernels on one stream run in order, so its scans can share it.
+struct PartialsKey {
+  int device;
+  cudaStream_t stream;
+  bool operator==(const PartialsKey& o) const { return device == o.device && stream == o.stream; }
+};
+struct PartialsKeyHash {
+  size_t operator()(const PartialsKey& k) const {
+    return std::hash<const void*>()(k.stream) ^ static_cast<size_t>(k.device);
+  }
+};
+
+// After the partials: the ticket word of the one-launch finish (zero between scans).
+Partial* stream_partials(int grid, cudaStream_t stream, unsigned** ticket) {
+  const int device = c10::cuda::current_device();
+  const int capacity = 4 * sm_count_of_current_device();
+  static thread_local PartialsKey last_key{-1, nullptr};
+  static thread_local Partial* last = nullptr;
+  if (last != nullptr && last_key == PartialsKey{device, stream}) {
+    *ticket = reinterpret_cast<unsigned*>(last + capacity);
+    return last;
+  }
+  static std::mutex mutex;
+  static auto* buffers = new std::unordered_map<PartialsKey, at::Tensor, PartialsKeyHash>();  // kept for the process
+  TORCH_INTERNAL_ASSERT(grid <= capacity);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = buffers->find(PartialsKey{device, stream});
+  if (it == buffers->end()) {
+    // Zeroed on the stream that uses it, so the ticket is 0 before its first scan.
+    at::Tensor buffer =
+        at::zeros({capacity + 1, 4}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kLong));
+    it = buffers->emplace(PartialsKey{device, stream}, std::move(buffer)).first;
+  }
+  last_key = PartialsKey{device, stream};
+  last = reinterpret_cast<Partial*>(it->second.data_ptr<int64_t>());
+  *ticket = reinterpret_cast<unsigned*>(last + capacity);
+  return last;
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;  // unknown: take the graph-safe allocation
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+int multi_block_grid(long long work_items, int threads) {
   const long long wanted = (work_items + threads - 1) / threads;
-  return static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, 4LL * sm_count)));
+  return static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, 4LL * sm_count_of_current_device())));
 }
 
 }  // namespace
@@ -272,7 +396,7 @@ namespace {
 template <typename F>
 void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long long n,
                  at::Tensor& partials_owner, long long* out, const AsyncTarget& target,
-                 const std::string& layer) {
+                 const std::string& layer, const Prefill<typename F::Bits>& prefill) {
   using Bits = typename F::Bits;
   constexpr int kPerVector = 16 / sizeof(Bits);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -293,15 +417,32 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
     threads = kThreads;
     grid = multi_block_grid(n, threads);
   }
+  if (prefill.out != nullptr) {
+    const int wanted = prefill_grid(prefill.m, prefill.n);
+    if (wanted > grid) {
+      grid = wanted;
+      threads = kThreads;
+    }
+  }
 
   Partial* partials_ptr = nullptr;
+  unsigned* ticket = nullptr;  // set: the last block finishes (CUBLAS_GUARD_GEMM_PATH=lt), one launch
   if (grid > 1) {
     static_assert(sizeof(Partial) == 4 * sizeof(int64_t), "Partial is four int64");
-    partials_owner = at::empty({grid, 4}, owner.options().dtype(at::kLong));
-    partials_ptr = reinterpret_cast<Partial*>(partials_owner.data_ptr<int64_t>());
+    // Async mode knows whether it is captured; other scans ask the stream.
+    const bool captured = target.record != nullptr ? target.captured : stream_is_capturing(stream);
+    if (captured) {
+      partials_owner = at::empty({grid, 4}, owner.options().dtype(at::kLong));  // the graph's pool
+      partials_ptr = reinterpret_cast<Partial*>(partials_owner.data_ptr<int64_t>());
+    } else {
+      unsigned* stream_ticket = nullptr;
+      partials_ptr = stream_partials(grid, stream, &stream_ticket);
+      if (gemm_path() == GemmPath::kLt) ticket = stream_ticket;
+    }
   }
   if (geometry.contiguous) {
-    scan_contiguous_kernel<F><<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, out, target);
+    scan_contiguous_kernel<F><<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, ticket, out,
+                                                            target, prefill);
     check_launch("cublas_guard scan_contiguous_kernel", layer);
   } else {
     Geometry g{};
@@ -310,10 +451,11 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
       g.sizes[d] = geometry.sizes[d];
       g.strides[d] = geometry.strides[d];
     }
-    scan_strided_kernel<F><<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, out, target);
+    scan_strided_kernel<F><<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, ticket, out, target,
+                                                         prefill);
     check_launch("cublas_guard scan_strided_kernel", layer);
   }
-  if (grid > 1) {
+  if (grid > 1 && ticket == nullptr) {
     scan_finish_kernel<<<1, kThreads, 0, stream>>>(partials_ptr, grid, out, target);
     check_launch("cublas_guard scan_finish_kernel", layer);
   }
@@ -321,8 +463,25 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
 
 }  // namespace
 
-void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
-                    const std::string& layer) {
+namespace {
+
+template <typename Bits>
+Prefill<Bits> make_prefill(at::Tensor* out, const at::Tensor* bias) {
+  Prefill<Bits> pf{nullptr, nullptr, 0, 0, 1};
+  if (out == nullptr || out->numel() == 0) return pf;
+  TORCH_INTERNAL_ASSERT(out->is_contiguous() && out->dim() == 2 && bias->stride(0) == 1 &&
+                        out->element_size() == sizeof(Bits) && bias->element_size() == sizeof(Bits));
+  pf.out = static_cast<Bits*>(out->data_ptr());
+  pf.bias = static_cast<const Bits*>(bias->data_ptr());
+  pf.m = out->size(1);
+  pf.n = out->size(0);
+  pf.ldc = out->size(1);
+  return pf;
+}
+
+// The scan of `t`, and with `prefill_out` the bias prefill in the same launch.
+void scan_impl(const at::Tensor& t, const at::Tensor& out_slot, const AsyncTarget* target_ptr,
+               const std::string& layer, at::Tensor* prefill_out, const at::Tensor* prefill_bias) {
   TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
   TORCH_INTERNAL_ASSERT(!out_slot.defined() || (out_slot.is_cuda() && out_slot.is_contiguous() &&
                                                  out_slot.scalar_type() == at::kLong));
@@ -339,19 +498,77 @@ void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget*
     scan_geometry(owner, geometry);
   }
   if (n == 0) geometry.contiguous = true;
-  at::Tensor partials;  // kept alive until the kernels are enqueued (stream-ordered reuse)
+  clear_stale_launch_error(layer);
+  at::Tensor partials;  // a captured scan's partials: alive until the kernels are enqueued
   switch (t.scalar_type()) {
     case at::kBFloat16:
-      launch_scan<BFloat16Bits>(owner, geometry, n, partials, out, target, layer);
+      launch_scan<BFloat16Bits>(owner, geometry, n, partials, out, target, layer,
+                                make_prefill<BFloat16Bits::Bits>(prefill_out, prefill_bias));
       break;
     case at::kHalf:
-      launch_scan<Float16Bits>(owner, geometry, n, partials, out, target, layer);
+      launch_scan<Float16Bits>(owner, geometry, n, partials, out, target, layer,
+                               make_prefill<Float16Bits::Bits>(prefill_out, prefill_bias));
       break;
     case at::kDouble:
-      launch_scan<Float64Bits>(owner, geometry, n, partials, out, target, layer);
+      launch_scan<Float64Bits>(owner, geometry, n, partials, out, target, layer,
+                               make_prefill<Float64Bits::Bits>(prefill_out, prefill_bias));
       break;
     default:
-      launch_scan<Float32Bits>(owner, geometry, n, partials, out, target, layer);
+      launch_scan<Float32Bits>(owner, geometry, n, partials, out, target, layer,
+                               make_prefill<Float32Bits::Bits>(prefill_out, prefill_bias));
+      break;
+  }
+}
+
+template <typename Bits>
+void launch_prefill(const Prefill<Bits>& pf, const std::string& layer) {
+  const int grid = prefill_grid(pf.m, pf.n);
+  prefill_kernel<Bits><<<grid, grid == 1 ? kSmallThreads : kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
+  check_launch("cublas_guard prefill_kernel", layer);
+}
+
+}  // namespace
+
+void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
+                    const std::string& layer) {
+  scan_impl(t, out_slot, target_ptr, layer, nullptr, nullptr);
+}
+
+void scan_cuda_into_prefilling(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, at::Tensor& out, const at::Tensor& bias) {
+  const at::Tensor dense_bias = bias.stride(0) == 1 ? bias : bias.contiguous();
+  scan_impl(t, out_slot, target, layer, &out, &dense_bias);
+}
+
+void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::string& layer) {
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard device_guard(out.device());
+  const at::Tensor dense_bias = bias.stride(0) == 1 ? bias : bias.contiguous();
+  clear_stale_launch_error(layer);
+  switch (out.element_size()) {
+    case 2: launch_prefill(make_prefill<unsigned short>(&out, &dense_bias), layer); break;
+    case 8: launch_prefill(make_prefill<unsigned long long>(&out, &dense_bias), layer); break;
+    default: launch_prefill(make_prefill<unsigned int>(&out, &dense_bias), layer); break;
+  }
+}
+
+void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc,
+                          int64_t element_size, const std::string& layer) {
+  if (m == 0 || n == 0) return;
+  clear_stale_launch_error(layer);
+  switch (element_size) {
+    case 2:
+      launch_prefill(Prefill<unsigned short>{static_cast<unsigned short*>(c),
+                                             static_cast<const unsigned short*>(bias), m, n, ldc}, layer);
+      break;
+    case 8:
+      launch_prefill(Prefill<unsigned long long>{static_cast<unsigned long long*>(c),
+                                                 static_cast<const unsigned long long*>(bias), m, n, ldc},
+                     layer);
+      break;
+    default:
+      launch_prefill(Prefill<unsigned int>{static_cast<unsigned int*>(c), static_cast<const unsigned int*>(bias),
+                                           m, n, ldc}, layer);
       break;
   }
 }

@@ -2,11 +2,12 @@
 // the row-major-as-column-major GEMM plan and its error report. The CPU and
 // CUDA kernels differ only in their LinearBackend.
 #include "guard.h"
+#include "linear/param_cache.h"
 #include "report/call_scope.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
-#include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -19,141 +20,6 @@
 namespace cublas_guard {
 
 namespace {
-
-// ---------------------------------------------------------------------------
-// Parameters are scanned when they change, not on every call. A parameter is
-// "known clean" while it is the same tensor, with the same version counter
-// value, data pointer, dtype, sizes and strides as when it was last scanned
-// clean, and no optimizer step ran since (the generation below).
-//
-// Identity without a weak reference (torch.utils.swap_tensors refuses tensors
-// with weak references): an entry, keyed by the TensorImpl's address, holds a
-// strong reference to the tensor's *version counter*, a small object of its
-// own. While the entry holds it, no other tensor can get a counter at that
-// address, so a freed TensorImpl whose address is reused by a new tensor is
-// told apart by its counter. The entry does not keep the tensor or its memory
-// alive. An entry is dead when the counter has no other holder; every
-// insertion checks two entries, round robin, and drops dead ones, so the cost
-// per call is O(1) whatever the number of live parameters.
-//
-// Change detectors: the version counter (optimizer steps of the plain and
-// foreach kinds, load_state_dict, in-place edits under no_grad), the data
-// pointer (`.data = ...`, set_()), and the generation, bumped after every
-// torch.optim optimizer step (fused optimizers write without bumping the
-// version counter) through cublas_guard::_parameters_changed. Not seen: writes
-// through `.data` or a DLPack/NumPy alias, and kernels that write a parameter
-// in place without declaring it (a custom op, a fused update outside
-// torch.optim); those parameters are scanned again at their next tracked change.
-// ---------------------------------------------------------------------------
-class CleanParameterCache {
- public:
-  bool known_clean(const at::Tensor& t) {
-    if (!cacheable(t)) return false;
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = index_.find(t.unsafeGetTensorImpl());
-    if (it == index_.end()) return false;
-    const Entry& e = slots_[it->second];
-    return e.generation == generation_ && counter_identity(e.counter) == counter_of(t) &&
-           e.version == t._version() && e.data == t.data_ptr() &&
-           e.dtype == t.scalar_type() && t.sizes().equals(e.sizes) && t.strides().equals(e.strides);
-  }
-
-  void mark_clean(const at::Tensor& t) {
-    if (!cacheable(t)) return;
-    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    Entry entry{impl, impl->version_counter(), t._version(), t.data_ptr(), t.scalar_type(),
-                t.sizes().vec(), t.strides().vec(), 0};
-    std::lock_guard<std::mutex> lock(mutex_);
-    entry.generation = generation_;
-    sweep(2);
-    auto it = index_.find(impl);
-    if (it != index_.end()) {
-      slots_[it->second] = std::move(entry);
-    } else {
-      index_.emplace(impl, slots_.size());
-      slots_.push_back(std::move(entry));
-    }
-  }
-
-  // Forget everything (after an async report: the reported tensor must be scanned again).
-  void clear() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    index_.clear();
-    slots_.clear();
-    cursor_ = 0;
-  }
-
-  // Some parameters may have been written without a version bump: none is known clean.
-  void invalidate() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++generation_;
-  }
-
-  std::vector<int64_t> stats() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    int64_t live = 0;
-    for (const auto& e : slots_) live += e.counter.unique() ? 0 : 1;
-    return {static_cast<int64_t>(slots_.size()), live, static_cast<int64_t>(generation_)};
-  }
-
- private:
-  struct Entry {
-    const c10::TensorImpl* impl;
-    c10::VariableVersion counter;  // a strong reference to the counter, never to the tensor
-    int64_t version;
-    const void* data;
-    at::ScalarType dtype;
-    std::vector<int64_t> sizes, strides;
-    uint64_t generation;
-  };
-
-  // Inference tensors have no version counter; a view shares its base's
-  // counter (an entry per short-lived view would keep it shared forever).
-  static bool cacheable(const at::Tensor& t) {
-    return !t.is_inference() && !t.is_view() && t.unsafeGetTensorImpl()->version_counter().enabled();
-  }
-
-  // The address of the counter object: VariableVersion's only member is its
-  // intrusive_ptr, and it offers no accessor.
-  static const void* counter_identity(const c10::VariableVersion& v) {
-    static_assert(sizeof(c10::VariableVersion) == sizeof(void*),
-                  "c10::VariableVersion is expected to hold exactly one pointer");
-    const void* p = nullptr;
-    std::memcpy(&p, static_cast<const void*>(&v), sizeof(p));
-    return p;
-  }
-  static const void* counter_of(const at::Tensor& t) {
-    return counter_identity(t.unsafeGetTensorImpl()->version_counter());
-  }
-
-  // Looks at up to `n` entries from the cursor; drops those whose tensor is gone.
-  void sweep(int n) {
-    for (int i = 0; i < n && !slots_.empty(); ++i) {
-      if (cursor_ >= slots_.size()) cursor_ = 0;
-      if (slots_[cursor_].counter.unique()) {
-        index_.erase(slots_[cursor_].impl);
-        if (cursor_ + 1 != slots_.size()) {
-          slots_[cursor_] = std::move(slots_.back());
-          index_[slots_[cursor_].impl] = cursor_;
-        }
-        slots_.pop_back();
-      } else {
-        ++cursor_;
-      }
-    }
-  }
-
-  std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, size_t> index_;
-  std::vector<Entry> slots_;
-  size_t cursor_ = 0;
-  uint64_t generation_ = 0;
-};
-
-CleanParameterCache& clean_parameters() {
-  static CleanParameterCache cache;
-  return cache;
-}
 
 // ---------------------------------------------------------------------------
 // Layer names <-> ids, and per-layer call counters, for async reports.
@@ -298,16 +164,55 @@ bool first_role_is_backward(const std::vector<ScanJob>& jobs) {
   return !jobs.empty() && jobs.front().role == kRoleGradOutput;
 }
 
+// Async mode inside a CUDA graph capture. A capture records the scan kernels
+// and runs none of them: every replay scans whatever the tensors hold then.
+// So a captured call must scan the parameters whatever the clean-parameter
+// cache says (a weight written between replays, by an optimizer step or a
+// copy_, is seen by the replay's scan, never by the cache), and it proves
+// nothing clean (no scan ran), so it marks nothing. The call's number is
+// baked into the graph; its replays are counted on the device (the first scan
+// increments, the others read).
+struct CaptureState {
+  bool captured = false;
+  int64_t* replays = nullptr;
+};
+
+CaptureState capture_state(const LinearBackend& be, GuardMode mode, c10::Device device) {
+  CaptureState state;
+  if (mode == GuardMode::kAsync && be.capture_replay_counter != nullptr) {
+    state.captured = be.capture_replay_counter(device, &state.replays);
+  }
+  return state;
+}
+
+// Whether a parameter (weight, bias) is scanned in this call: always in a
+// capture, else only when the cache does not know it clean.
+bool must_scan_parameter(const CaptureState& capture, const at::Tensor& t) {
+  return capture.captured || !parameter_known_clean(t);
+}
+
 // Scans the jobs. Sync: one host synchronization for all of them, then raise
 // for the first bad one. Async: enqueue scans that fill the record if needed.
+//
+// With `prefill_out`, the first job's scan (the input's) also writes
+// `prefill_bias` into every row of it, in the same launch.
 void guard_values(const LinearBackend& be, GuardMode mode, const std::string& layer,
-                  const std::vector<ScanJob>& jobs) {
+                  const std::vector<ScanJob>& jobs, const CaptureState& capture = {},
+                  at::Tensor* prefill_out = nullptr, const at::Tensor* prefill_bias = nullptr) {
   if (jobs.empty()) return;
+  auto scan_job = [&](int64_t i, at::Tensor slot, const AsyncTarget* target) {
+    if (i == 0 && prefill_out != nullptr) {
+      be.scan_into_prefilling(*jobs[0].tensor, std::move(slot), target, layer, *prefill_out,
+                              *prefill_bias);
+    } else {
+      be.scan_into(*jobs[i].tensor, std::move(slot), target, layer);
+    }
+  };
   const at::Tensor& first = *jobs.front().tensor;
   const auto n = static_cast<int64_t>(jobs.size());
   if (mode == GuardMode::kSync) {
     at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
-    for (int64_t i = 0; i < n; ++i) be.scan_into(*jobs[i].tensor, results[i], nullptr, layer);
+    for (int64_t i = 0; i < n; ++i) scan_job(i, results[i], nullptr);
     at::Tensor host = be.fetch(results, layer);
     const int64_t* counts = host.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
@@ -319,23 +224,19 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
     int* claim = nullptr;
     be.async_slot(first.device(), &record, &claim);
     const auto ids = layers().next_call(layer, first_role_is_backward(jobs));
-    // In a CUDA graph capture the call's number is baked in: its replays are
-    // counted on the device (the first scan increments, the others read).
-    int64_t* replays = nullptr;
-    const bool captured =
-        be.capture_replay_counter != nullptr && be.capture_replay_counter(first.device(), &replays);
     for (int64_t i = 0; i < n; ++i) {
       AsyncTarget target;
       fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
-      target.captured = captured;
-      target.counts_replay = captured && i == 0;
-      target.replays = replays;
+      target.captured = capture.captured;
+      target.counts_replay = capture.captured && i == 0;
+      target.replays = capture.replays;
       // No result tensor: nothing reads it; the record is the async report.
-      be.scan_into(*jobs[i].tensor, at::Tensor(), &target, layer);
+      scan_job(i, at::Tensor(), &target);
     }
   }
+  if (capture.captured) return;  // recorded, not run: nothing is known clean
   for (const auto& job : jobs) {
-    if (job.role == kRoleWeight || job.role == kRoleBias) clean_parameters().mark_clean(*job.tensor);
+    if (job.role == kRoleWeight || job.role == kRoleBias) mark_parameter_clean(*job.tensor);
   }
 }
 
@@ -389,13 +290,21 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
 // an operand would span more than the limit (gemm_steps). m beyond the limit
 // and the leading dimensions cannot be split (ldc >= m; a leading dimension is
 // a stride), so a call still beyond the limit uses cuBLAS's 64-bit API.
+//
+// `bias` (forward, BiasHandling::kBiasInGemm): Q elements the GEMM adds to every
+// output row; each piece with k0 = 0 gets its m range of them.
 void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
                  const at::Tensor& right, double beta, const char* purpose,
-                 const std::array<const char*, 3>& roles, const std::string& layer) {
+                 const std::array<const char*, 3>& roles, const std::string& layer,
+                 const void* bias = nullptr) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
   if (R == 0) {  // an empty sum: nothing for cuBLAS to do
-    if (beta == 0.0) out.zero_();
+    if (bias != nullptr) {
+      out.copy_(at::from_blob(const_cast<void*>(bias), {Q}, out.options()).expand_as(out));
+    } else if (beta == 0.0) {
+      out.zero_();
+    }
     return;
   }
   const bool fit_limit = !(be.has_64bit_api && gemm_64bit_allowed());
@@ -447,6 +356,7 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
                                                  : k0 + n0 * whole.ldb, es);  //   columns n0..
         piece.c = advance(whole.c, m0 + n0 * whole.ldc, es);
         piece.beta = k0 == 0 ? whole.beta : 1.0;  // later k pieces accumulate
+        piece.bias = bias != nullptr && k0 == 0 ? advance(bias, m0, es) : nullptr;  // added once
         if (split) {
           piece.chunk = (steps.m < whole.m ? "m " + std::to_string(m0) + ".." +
                                                  std::to_string(m0 + piece.m) + " of " +
@@ -531,7 +441,7 @@ void raise_if_async_recorded(bool synchronize) {
     // the copy, that no CUDA call can fail or misorder, so the report taken
     // here is always raised and the claim never stays taken.
     __atomic_store_n(&reg.record->epoch, copy.epoch + 1, __ATOMIC_RELEASE);
-    clean_parameters().clear();  // a recorded parameter must be scanned again
+    forget_clean_parameters();  // a recorded parameter must be scanned again
     raise_recorded(copy, reg.device);
   }
 }
@@ -546,29 +456,48 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
   check_linear_args(x, weight, bias, layer);
   const bool has_bias = bias.has_value() && bias->defined();
   if (mode == GuardMode::kSync) be.check_pending_error(layer);
-  if (mode != GuardMode::kOff) {
-    std::vector<ScanJob> jobs{{&x, kRoleInput}};
-    if (!clean_parameters().known_clean(weight)) jobs.push_back({&weight, kRoleWeight});
-    if (has_bias && !clean_parameters().known_clean(*bias)) jobs.push_back({&*bias, kRoleBias});
-    guard_values(be, mode, layer, jobs);
-  }
-
   const int64_t in_features = weight.size(1), out_features = weight.size(0);
   const at::Tensor x2d = flatten_rows(x, in_features);
   const int64_t bytes = x2d.size(0) * out_features * weight.element_size();
-  return reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
-    at::Tensor out = at::empty({x2d.size(0), out_features}, weight.options());
-    double beta = 0.0;
-    if (has_bias && out.numel() > 0) {
-      // The bias enters through beta = 1 on an output pre-filled with it, as
-      // torch's own addmm fallback does: one broadcast copy, no kernel of ours.
-      out.copy_(bias->expand_as(out));
-      beta = 1.0;
-    }
-    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer);
-    if (x.dim() == 2) return out;  // already the output's shape
-    return out.view(with_last(x.sizes(), out_features));
+  at::Tensor out = reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
+    return at::empty({x2d.size(0), out_features}, weight.options());
   });
+  // How the bias enters (BiasHandling): a broadcast copy and beta = 1 (torch's
+  // addmm fallback), the GEMM's epilogue (beta = 0), or the backend's prefill
+  // (beta = 1), fused into the input's scan when one runs: at most one launch
+  // of ours before the GEMM.
+  BiasHandling handling = BiasHandling::kBiasByCopy;
+  if (has_bias && out.numel() > 0) {
+    handling = be.bias_handling != nullptr ? be.bias_handling(out.scalar_type()) : BiasHandling::kBiasByCopy;
+    if (handling == BiasHandling::kBiasInGemm && bias->stride(0) != 1) handling = BiasHandling::kBiasByBackend;
+  }
+  const bool prefill_in_scan = handling == BiasHandling::kBiasByBackend && mode != GuardMode::kOff;
+  if (mode != GuardMode::kOff) {
+    const CaptureState capture = capture_state(be, mode, x.device());
+    std::vector<ScanJob> jobs{{&x, kRoleInput}};
+    if (must_scan_parameter(capture, weight)) jobs.push_back({&weight, kRoleWeight});
+    if (has_bias && must_scan_parameter(capture, *bias)) jobs.push_back({&*bias, kRoleBias});
+    guard_values(be, mode, layer, jobs, capture, prefill_in_scan ? &out : nullptr,
+                 prefill_in_scan ? &*bias : nullptr);
+  }
+  double beta = 0.0;
+  const void* gemm_bias = nullptr;
+  if (handling == BiasHandling::kBiasByCopy && has_bias && out.numel() > 0) {
+    out.copy_(bias->expand_as(out));
+    beta = 1.0;
+  } else if (handling == BiasHandling::kBiasByBackend) {
+    if (!prefill_in_scan) be.prefill_bias(out, *bias, layer);
+    beta = 1.0;
+  } else if (handling == BiasHandling::kBiasInGemm) {
+    gemm_bias = bias->data_ptr();
+  }
+  reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
+    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer,
+                gemm_bias);
+    return 0;
+  });
+  if (x.dim() == 2) return out;  // already the output's shape
+  return out.view(with_last(x.sizes(), out_features));
 }
 
 at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
@@ -616,7 +545,7 @@ void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::strin
   raise_if_async_recorded(/*synchronize=*/false);
   if (!is_guarded_dtype(t.scalar_type())) raise_dtype_error(t, role_name(role), layer);
   if (mode == GuardMode::kSync) be.check_pending_error(layer);
-  guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}});
+  guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}}, capture_state(be, mode, t.device()));
 }
 
 void check_features(const LinearBackend& be, const at::Tensor& x, int64_t in_features,
@@ -635,17 +564,10 @@ at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
 
 }  // namespace cublas_guard
 
-// The package's private entry points (cublas_guard_ext.nn): the optimizer-step
-// hook and the per-name call counters.
+// The package's private entry points (cublas_guard_ext.nn): the per-name call
+// counters (the optimizer-step hook is param_cache.cpp's).
 TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
-  m.def("parameters_changed() -> ()", [] { cublas_guard::clean_parameters().invalidate(); });
   // SafeLinear calls it when an instance takes a name (async reports count calls per name).
   m.def("reset_layer_calls(str layer) -> ()",
         [](c10::string_view layer) { cublas_guard::layers().reset(std::string(layer)); });
-}
-
-// The tests' view of the parameter cache (the other hooks are in testing.cpp):
-// [entries, entries whose tensor is alive, generation].
-TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
-  m.def("clean_cache_stats() -> int[]", [] { return cublas_guard::clean_parameters().stats(); });
 }

@@ -4,9 +4,12 @@
 #include "guard.h"
 
 #include <ATen/ops/from_blob.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 namespace cublas_guard {
 
@@ -103,8 +106,44 @@ void guard_values_op(const at::Tensor& t, c10::string_view layer, int64_t role, 
   guard_tensor(cpu_backend(), t, std::string(layer), role, mode);
 }
 
+// The CPU backend as if its stream were being captured into a CUDA graph (the
+// test hook linear_as_captured): the CPU has no graphs, but the decisions a
+// capture changes (which parameters are scanned, what is marked clean) are
+// linear_common.cpp's and run here as they would on CUDA.
+bool always_captured(c10::Device /*device*/, int64_t** counter) {
+  *counter = nullptr;  // replays are reported as "a replay"
+  return true;
+}
+
+const LinearBackend& cpu_backend_as_captured() {
+  static const LinearBackend backend = [] {
+    LinearBackend b = cpu_backend();
+    b.capture_replay_counter = always_captured;
+    return b;
+  }();
+  return backend;
+}
+
+at::Tensor linear_as_captured_op(const at::Tensor& x, const at::Tensor& weight,
+                                 const c10::optional<at::Tensor>& bias, c10::string_view layer) {
+  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
+  TORCH_CHECK(flag != nullptr && std::string(flag) == "1",
+              "cublas_guard_ext: linear_as_captured is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(),
+                    "cublas_guard_ext: linear_as_captured runs the CPU backend only");
+  return linear_forward(cpu_backend_as_captured(), x, weight, bias, std::string(layer),
+                        static_cast<int64_t>(GuardMode::kAsync));
+}
+
 }  // namespace
 }  // namespace cublas_guard
+
+// Test hook (the others are in testing.cpp): an async-mode forward on the CPU
+// backend that takes its stream to be under CUDA graph capture.
+TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
+  m.def("linear_as_captured(Tensor x, Tensor weight, Tensor? bias, str layer) -> Tensor",
+        &cublas_guard::linear_as_captured_op);
+}
 
 TORCH_LIBRARY_IMPL(cublas_guard, CPU, m) {
   using namespace cublas_guard;

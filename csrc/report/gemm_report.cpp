@@ -40,8 +40,11 @@ at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* lik
   report.add("m", call.m).add("n", call.n).add("k", call.k);
   report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
   report.add("alpha", call.alpha).add("beta", call.beta);
-  report.add("api", call.routine).add("data_type", call.data_type);
-  report.add("compute_type", call.compute_type);
+  // ctx.api names the cuBLASLt step that failed, when the Lt path ran (cuda/lt_gemm.cu).
+  const std::string api = ctx.api.empty() ? std::string(call.routine) : ctx.api;
+  report.add("api", api).add("data_type", call.data_type).add("compute_type", call.compute_type);
+  if (!ctx.descriptors.empty()) report.add("descriptors", ctx.descriptors);
+  if (!ctx.gemm_path.empty()) report.add("gemm_path", ctx.gemm_path);
   if (!call.chunk.empty()) report.add("chunk", call.chunk);
   add_memory_fields(report, ctx.memory);
   if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
@@ -67,7 +70,7 @@ at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* lik
   report.attach("a", buffer_view(call.a, a_span, ctx.operand_a, call.dtype));
   report.attach("b", buffer_view(call.b, b_span, ctx.operand_b, call.dtype));
   report.attach("c", buffer_view(call.c, c_span, ctx.operand_c, call.dtype));
-  report.raise_runtime_error("layer '" + ctx.layer + "': " + call.routine + " (" + call.purpose +
+  report.raise_runtime_error("layer '" + ctx.layer + "': " + api + " (" + call.purpose +
                              ") failed with status " + std::to_string(status) +
                              (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
                              std::to_string(call.m) + ", n=" + std::to_string(call.n) +

@@ -36,9 +36,11 @@ CPU_SOURCES = (
     "testing.cpp",
     "linear/checks.cpp",
     "linear/linear_common.cpp",
+    "linear/param_cache.cpp",
     "linear/linear_cpu.cpp",
     "linear/autograd.cpp",
     "linear/autocast.cpp",
+    "linear/gemm_route.cpp",
     "report/errors.cpp",
     "report/python_errors.cpp",
     "report/pending_errors.cpp",
@@ -53,7 +55,7 @@ CPU_SOURCES = (
     "watch/watch_reraise.cpp",
     "watch/watch_python.cpp",
 )
-CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "report/replay_cuda.cu")
+CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "cuda/lt_gemm.cu", "cuda/async_slot.cu", "report/replay_cuda.cu")
 
 
 @dataclass

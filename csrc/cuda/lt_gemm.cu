@@ -1,0 +1,222 @@
+// bfloat16/float16 GEMMs with a bias through cuBLASLt's bias epilogue, as
+// torch's own addmm runs them (aten/src/ATen/cuda/CUDABlas.cpp,
+// gemm_and_bias): torch's cuBLASLt handle and its cuBLASLt workspace (the
+// same pointer and size), the heuristics preference torch sets (maximum
+// workspace, the reduced-precision reduction mask from
+// allow_{bf16,fp16}_reduced_precision_reduction, the operands' alignments),
+// one heuristic result, C = D = the output, beta = 0. float16 accumulates in
+// float16 (CUBLAS_COMPUTE_16F, half alpha/beta) when
+// torch.backends.cuda.matmul.allow_fp16_accumulation is set, as torch does on
+// sm_70+.
+//
+// Every status is checked. cuBLASLt refusing the case (no algorithm, or
+// CUBLAS_STATUS_NOT_SUPPORTED: gemm_route.h's lt_verdict) sends the call back
+// to cublasGemmEx with the bias prefilled; any other failure is reported with
+// the step that failed and the descriptors it was given. Used only under
+// CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h).
+#include "cuda_backend.h"
+#include "linear/gemm_route.h"
+
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <cublasLt.h>
+#include <cuda_fp16.h>
+#include <torch/version.h>
+
+#include <cstdint>
+#include <string>
+
+// torch's separate cuBLASLt workspace and allowFP16AccumulationCuBLAS (torch 2.7+).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+#define CUBLAS_GUARD_HAS_LT 1
+#else
+#define CUBLAS_GUARD_HAS_LT 0
+#endif
+
+namespace cublas_guard {
+
+static_assert(CUBLAS_STATUS_NOT_SUPPORTED == 15, "gemm_route.cpp's NOT_SUPPORTED code");
+
+bool lt_available() { return CUBLAS_GUARD_HAS_LT != 0; }
+
+#if CUBLAS_GUARD_HAS_LT
+
+namespace {
+
+// As torch's _getAlignment: the largest power of two up to 256 dividing the address.
+uint32_t alignment_of(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// The descriptors of one call, destroyed whatever happens.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t matmul = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t preference = nullptr;
+  ~LtDescriptors() {
+    if (preference != nullptr) (void)cublasLtMatmulPreferenceDestroy(preference);
+    if (c != nullptr) (void)cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) (void)cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) (void)cublasLtMatrixLayoutDestroy(a);
+    if (matmul != nullptr) (void)cublasLtMatmulDescDestroy(matmul);
+  }
+};
+
+const char* compute_name(cublasComputeType_t t) {
+  return t == CUBLAS_COMPUTE_16F ? "CUBLAS_COMPUTE_16F" : "CUBLAS_COMPUTE_32F";
+}
+const char* type_name(cudaDataType_t t) {
+  return t == CUDA_R_16BF ? "CUDA_R_16BF" : t == CUDA_R_16F ? "CUDA_R_16F" : "CUDA_R_32F";
+}
+const char* mask_name(uint32_t mask) {
+  switch (mask) {
+    case CUBLASLT_REDUCTION_SCHEME_NONE: return "CUBLASLT_REDUCTION_SCHEME_NONE";
+    case CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE:
+      return "CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE";
+    default: return "all (not set)";
+  }
+}
+
+}  // namespace
+
+LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
+  LtAttempt result;
+  TORCH_INTERNAL_ASSERT(call.bias != nullptr && call.beta == 0.0 && !call.use_64bit);
+  const bool half = call.dtype == at::kHalf;
+  const cudaDataType_t ab_type = half ? CUDA_R_16F : CUDA_R_16BF;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  cudaDataType_t scale = CUDA_R_32F;
+  const float alpha = static_cast<float>(call.alpha), beta = 0.0f;
+  const __half halpha = __float2half(alpha), hbeta = __float2half(0.0f);
+  const void* alpha_ptr = &alpha;
+  const void* beta_ptr = &beta;
+  if (half && at::cuda::getCurrentDeviceProperties()->major >= 7 &&
+      at::globalContext().allowFP16AccumulationCuBLAS()) {
+    compute = CUBLAS_COMPUTE_16F;
+    scale = CUDA_R_16F;
+    alpha_ptr = &halpha;
+    beta_ptr = &hbeta;
+  }
+  const at::CuBLASReductionOption reduction = half ? at::globalContext().allowFP16ReductionCuBLAS()
+                                                   : at::globalContext().allowBF16ReductionCuBLAS();
+  const bool set_mask = reduction != at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK;
+  const uint32_t mask =
+      reduction == at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK
+          ? (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE)
+          : CUBLASLT_REDUCTION_SCHEME_NONE;
+  const cublasOperation_t trans_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t trans_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  void* workspace = at::cuda::getCUDABlasLtWorkspace();
+  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  const uint32_t align_a = alignment_of(call.a), align_b = alignment_of(call.b);
+  const uint32_t align_c = alignment_of(call.c), align_d = alignment_of(call.bias);  // as torch
+
+  // The report's text, built only for a failure.
+  auto describe = [&] {
+    auto layout = [&](const char* name, bool t, int64_t rows, int64_t cols, int64_t ld) {
+      return std::string(name) + " layout(" + type_name(ab_type) + ", rows " +
+             std::to_string(t ? cols : rows) + ", cols " + std::to_string(t ? rows : cols) +
+             ", ld " + std::to_string(ld) + ")";
+    };
+    return std::string("matmul desc(") + compute_name(compute) + ", scale " + type_name(scale) +
+           ", TRANSA " + (call.trans_a ? "T" : "N") + ", TRANSB " + (call.trans_b ? "T" : "N") +
+           ", EPILOGUE CUBLASLT_EPILOGUE_BIAS, BIAS_POINTER alignment " + std::to_string(align_d) +
+           "); " + layout("A", call.trans_a, call.m, call.k, call.lda) + "; " +
+           layout("B", call.trans_b, call.k, call.n, call.ldb) + "; C=D layout(" +
+           type_name(ab_type) + ", rows " + std::to_string(call.m) + ", cols " +
+           std::to_string(call.n) + ", ld " + std::to_string(call.ldc) +
+           "); preference(MAX_WORKSPACE_BYTES " + std::to_string(workspace_size) +
+           ", REDUCTION_SCHEME_MASK " + (set_mask ? mask_name(mask) : "not set") +
+           ", MIN_ALIGNMENT A/B/C/D " + std::to_string(align_a) + "/" + std::to_string(align_b) +
+           "/" + std::to_string(align_c) + "/" + std::to_string(align_d) + " bytes)";
+  };
+  // One step: its status decides (gemm_route.h) whether to go on.
+  auto step = [&](const char* name, cublasStatus_t status, bool heuristic = false, int found = 1) {
+    result.status = static_cast<int>(status);
+    result.verdict = lt_verdict(result.status, heuristic, found);
+    if (result.verdict != LtVerdict::kContinue) {
+      result.step = name;
+      result.descriptors = describe();
+      if (status == CUBLAS_STATUS_SUCCESS) result.status = static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED);
+      return false;
+    }
+    return true;
+  };
+
+  LtDescriptors d;
+  const auto rows_a = static_cast<uint64_t>(call.trans_a ? call.k : call.m);
+  const auto cols_a = static_cast<uint64_t>(call.trans_a ? call.m : call.k);
+  const auto rows_b = static_cast<uint64_t>(call.trans_b ? call.n : call.k);
+  const auto cols_b = static_cast<uint64_t>(call.trans_b ? call.k : call.n);
+  if (!step("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&d.matmul, compute, scale)) ||
+      !step("cublasLtMatmulDescSetAttribute(TRANSA)",
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a))) ||
+      !step("cublasLtMatmulDescSetAttribute(TRANSB)",
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b))) ||
+      !step("cublasLtMatmulDescSetAttribute(EPILOGUE)",
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue))) ||
+      !step("cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias,
+                                           sizeof(call.bias))) ||
+      !step("cublasLtMatrixLayoutCreate(A)",
+            cublasLtMatrixLayoutCreate(&d.a, ab_type, rows_a, cols_a, call.lda)) ||
+      !step("cublasLtMatrixLayoutCreate(B)",
+            cublasLtMatrixLayoutCreate(&d.b, ab_type, rows_b, cols_b, call.ldb)) ||
+      !step("cublasLtMatrixLayoutCreate(C)",
+            cublasLtMatrixLayoutCreate(&d.c, ab_type, static_cast<uint64_t>(call.m),
+                                       static_cast<uint64_t>(call.n), call.ldc)) ||
+      !step("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&d.preference))) {
+    return result;
+  }
+  if (set_mask && !step("cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)",
+                        cublasLtMatmulPreferenceSetAttribute(
+                            d.preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)))) {
+    return result;
+  }
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+  if (!step("cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
+            cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                 &workspace_size, sizeof(workspace_size)))) {
+    return result;
+  }
+  for (const auto& a : alignments) {
+    if (!step("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)",
+              cublasLtMatmulPreferenceSetAttribute(d.preference, a.first, &a.second, sizeof(a.second)))) {
+      return result;
+    }
+  }
+  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  cublasLtMatmulHeuristicResult_t heuristic = {};
+  int found = 0;
+  const cublasStatus_t query = cublasLtMatmulAlgoGetHeuristic(handle, d.matmul, d.a, d.b, d.c, d.c,
+                                                              d.preference, 1, &heuristic, &found);
+  if (!step("cublasLtMatmulAlgoGetHeuristic", query, /*heuristic=*/true, found)) return result;
+  step("cublasLtMatmul",
+       injected != 0 ? static_cast<cublasStatus_t>(injected)
+                     : cublasLtMatmul(handle, d.matmul, alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr,
+                                      call.c, d.c, call.c, d.c, &heuristic.algo, workspace,
+                                      workspace_size, at::cuda::getCurrentCUDAStream()));
+  return result;
+}
+
+#else  // torch without its cuBLASLt workspace: never chosen (lt_available() is false)
+
+LtAttempt lt_gemm_bias(const GemmCall& /*call*/, int /*injected*/) {
+  LtAttempt result;
+  result.status = static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED);
+  result.verdict = LtVerdict::kFallBack;
+  result.step = "cuBLASLt (this torch has no cuBLASLt workspace)";
+  return result;
+}
+
+#endif
+
+}  // namespace cublas_guard

@@ -1,0 +1,219 @@
+"""The GEMM path (CUBLAS_GUARD_GEMM_PATH=legacy|lt, issue 19): which routine a call starts with,
+when a cuBLASLt attempt falls back to cublasGemmEx, and the bias prefill's CPU twin, all on any
+machine; then, on a GPU, both paths against F.linear and the fallback and the failure report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cublas_guard_ext as cg
+from conftest import HAS_CUDA, assert_matches, requires_cuda
+
+T = torch.ops.cublas_guard_testing
+OK, NOT_SUPPORTED, EXECUTION_FAILED, INVALID_VALUE = 0, 15, 13, 7
+
+
+def route(dtype: str, path: str, has_bias: bool = True, use_64bit: bool = False,
+          lt_available: bool = True, steps: tuple[int, ...] = ()) -> list[str]:
+    return T.gemm_route(dtype, path, has_bias, use_64bit, lt_available, list(steps))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_lt_path_takes_half_precision_bias_gemms_to_cublaslt(dtype: str) -> None:
+    assert route(dtype, "lt")[0] == "cublasLtMatmul"
+    assert route(dtype, "legacy")[0] == "cublasGemmEx"  # the default path is unchanged
+    assert route(dtype, "")[0] == "cublasGemmEx"  # unset = legacy
+    assert route(dtype, "lt", has_bias=False)[0] == "cublasGemmEx"  # gradients, bias-less layers
+    assert route(dtype, "lt", use_64bit=True)[0] == "cublasGemmEx"  # the _64 routine
+    assert route(dtype, "lt", lt_available=False)[0] == "cublasGemmEx"  # torch < 2.7
+
+
+@pytest.mark.parametrize("path", ["lt", "legacy"])
+def test_float32_and_float64_keep_their_direct_routines(path: str) -> None:
+    assert route("float32", path)[0] == "cublasSgemm"
+    assert route("float64", path)[0] == "cublasDgemm"
+
+
+def test_cublaslt_refusing_falls_back_and_other_failures_are_reported() -> None:
+    verdicts = route("bfloat16", "lt", steps=(
+        OK, 0, 1,               # a descriptor step that worked
+        OK, 1, 1,               # the heuristic found an algorithm
+        OK, 1, 0,               # ... found none: cuBLASLt refuses the case
+        NOT_SUPPORTED, 0, 1,    # any step answering NOT_SUPPORTED
+        NOT_SUPPORTED, 1, 0,
+        EXECUTION_FAILED, 0, 1,  # the matmul failed: reported, not hidden by a fallback
+        INVALID_VALUE, 1, 0,    # the heuristic query failed
+    ))
+    assert verdicts[1:] == ["continue", "continue", "fall_back", "fall_back", "fall_back",
+                            "report", "report"]
+
+
+def test_a_bad_path_name_is_refused() -> None:
+    with pytest.raises(ValueError, match="neither 'legacy' nor 'lt'"):
+        route("float32", "cublaslt")
+    with pytest.raises(ValueError, match="neither 'legacy' nor 'lt'"):
+        T.set_gemm_path("fast")
+
+
+def test_the_environment_variable_chooses_the_path_once_per_process() -> None:
+    code = "import torch, cublas_guard_ext; print(torch.ops.cublas_guard_testing.gemm_path())"
+    env = {**os.environ, "CUBLAS_GUARD_EXT_TESTING": "1"}
+    for value, expected in (("lt", "lt"), ("legacy", "legacy"), ("", "legacy")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "CUBLAS_GUARD_GEMM_PATH": value},
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.split() == [expected], out.stdout + out.stderr
+    env.pop("CUBLAS_GUARD_GEMM_PATH", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["legacy"], out.stdout + out.stderr  # the default
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "CUBLAS_GUARD_GEMM_PATH": "Lt"},
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "CUBLAS_GUARD_GEMM_PATH='Lt' is not a GEMM path" in bad.stderr
+    assert "CUBLAS_GUARD_GEMM_PATH=lt" in bad.stderr
+
+
+@pytest.mark.parametrize("m,n,ldc", [(1, 1, 1), (7, 5, 7), (7, 5, 11), (300, 3, 300), (1, 9, 4),
+                                     (33, 17, 40)])
+@pytest.mark.parametrize("workers,lanes", [(1, 1), (3, 32), (8, 1024), (1000, 7)])
+def test_the_prefill_twin_writes_the_bias_into_every_column_and_nothing_else(
+        m: int, n: int, ldc: int, workers: int, lanes: int) -> None:
+    """The loop the prefill kernels run (one worker per block, one lane per thread), on the CPU:
+    column-major C[m x n] with leading dimension ldc, padding rows untouched."""
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + ldc)
+    bias = torch.randn(m, generator=gen)
+    storage = torch.full(((n - 1) * ldc + m + 3,), 12345.0)
+    T.prefill_bias_twin(storage, bias, m, n, ldc, workers, lanes)
+    expected = torch.full_like(storage, 12345.0)
+    for col in range(n):
+        expected[col * ldc:col * ldc + m] = bias
+    assert torch.equal(storage, expected)
+
+
+def test_the_prefill_twin_refuses_a_block_that_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        T.prefill_bias_twin(torch.zeros(10), torch.zeros(4), 4, 3, 4, 1, 1)  # needs 12 elements
+    with pytest.raises(ValueError, match="does not fit"):
+        T.prefill_bias_twin(torch.zeros(40), torch.zeros(4), 4, 3, 3, 1, 1)  # ldc < m
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: both paths, every dtype, every mode, against F.linear.
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def gemm_path():
+    previous: list[str] = []
+
+    def use(path: str) -> None:
+        previous.append(T.set_gemm_path(path))
+
+    yield use
+    if previous:
+        T.set_gemm_path(previous[0])
+
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", ["legacy", "lt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["off", "async", "sync"])
+@pytest.mark.parametrize("shape", [(32, 1024, 1024), (257, 300, 77), (3, 40000, 8), (1, 8, 70000)])
+def test_both_paths_match_f_linear_forward_and_backward(gemm_path, path, dtype, mode, shape) -> None:
+    gemm_path(path)
+    m, k, n = shape
+    layer = cg.SafeLinear(k, n, device="cuda", dtype=dtype, mode=mode, name=f"{path}_{mode}")
+    x = torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    y = layer(x)
+    ref = F.linear(ref_x, layer.weight, layer.bias)
+    assert_matches(y, ref, rel=TOL[dtype])
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    w_grad, b_grad = layer.weight.grad.clone(), layer.bias.grad.clone()
+    layer.zero_grad()
+    ref.backward(grad)
+    assert_matches(x.grad, ref_x.grad, rel=TOL[dtype])
+    assert_matches(w_grad, layer.weight.grad, rel=TOL[dtype])
+    assert_matches(b_grad, layer.bias.grad, rel=TOL[dtype])
+    cg.check()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_lt_path_adds_the_bias_once_to_every_piece_of_a_split_gemm(gemm_path, size_limit, dtype) -> None:
+    """Beyond the (lowered) 32-bit limit the GEMM is split in m, n and k: the bias enters the
+    first k piece of every m range only."""
+    gemm_path("lt")
+    size_limit(64, allow_64bit=False)
+    layer = cg.SafeLinear(150, 130, device="cuda", dtype=dtype, mode="async", name="split")
+    x = torch.randn(200, 150, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cublaslt_refusing_falls_back_to_gemmex_with_the_same_result(gemm_path, inject_fault, dtype) -> None:
+    gemm_path("lt")
+    layer = cg.SafeLinear(64, 48, device="cuda", dtype=dtype, mode="off", name="refused")
+    x = torch.randn(16, 64, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        inject_fault("gemm", NOT_SUPPORTED)  # cublasLtMatmul answers NOT_SUPPORTED
+        y = layer(x)
+    assert_matches(y, F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])
+
+
+@requires_cuda
+def test_a_cublaslt_failure_names_the_call_and_its_descriptors(gemm_path, inject_fault) -> None:
+    gemm_path("lt")
+    layer = cg.SafeLinear(64, 48, device="cuda", dtype=torch.bfloat16, name="lt_fails")
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    inject_fault("gemm", EXECUTION_FAILED)
+    with pytest.raises(cg.CublasError) as info:
+        layer(x)
+    f = info.value.fields
+    assert f["api"] == "cublasLtMatmul" and f["status_name"] == "CUBLAS_STATUS_EXECUTION_FAILED"
+    assert f["gemm_path"] == "lt"
+    for needed in ("CUBLASLT_EPILOGUE_BIAS", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F", "MAX_WORKSPACE_BYTES",
+                   "rows 48", "ld 64"):
+        assert needed in f["descriptors"], f["descriptors"]
+    assert "cublasLtMatmul" in str(info.value)
+
+
+@requires_cuda
+def test_fp16_accumulation_is_honoured_and_reported(gemm_path, inject_fault) -> None:
+    if not hasattr(torch.backends.cuda.matmul, "allow_fp16_accumulation"):
+        pytest.skip("this torch has no allow_fp16_accumulation")
+    layer = cg.SafeLinear(64, 48, device="cuda", dtype=torch.float16, bias=False, name="acc16")
+    x = torch.randn(16, 64, device="cuda", dtype=torch.float16)
+    old = torch.backends.cuda.matmul.allow_fp16_accumulation
+    try:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = True
+        with torch.no_grad():
+            assert_matches(layer(x), F.linear(x, layer.weight), rel=2e-2)
+        inject_fault("gemm", EXECUTION_FAILED)
+        with pytest.raises(cg.CublasError) as info:
+            layer(x)
+        assert info.value.fields["compute_type"] == "CUBLAS_COMPUTE_16F"
+    finally:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = old
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", ["off", "async", "sync"])
+def test_a_strided_bias_is_prefilled_right_on_the_lt_path(gemm_path, mode) -> None:
+    gemm_path("lt")
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = cg.SafeLinear(32, 16, device="cuda", dtype=dtype, mode=mode, name="strided_bias")
+        wide = torch.randn(32, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            layer.bias = torch.nn.Parameter(wide[::2])  # stride 2: no epilogue, our prefill
+            x = torch.randn(8, 32, device="cuda", dtype=dtype)
+            assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])

@@ -20,8 +20,8 @@ KINDS = ("int", "float", "bool", "str", "ints")
 # The payload's "kind": which exception class a report becomes (parse._BY_KIND; the native
 # side's ErrorReport("...") names).
 REPORT_KINDS = ("cublas", "cuda_launch", "device_mismatch", "dtype", "graph_capture", "non_finite",
-                "non_finite_output", "out_of_memory", "pending_cuda", "shape_mismatch", "size_limit",
-                "watch_op_failure")
+                "non_finite_entry", "non_finite_output", "out_of_memory", "pending_cuda", "shape_mismatch",
+                "size_limit", "watch_from_nowhere", "watch_op_failure")
 
 # Fields the native side writes, by name.
 NATIVE_FIELDS: dict[str, str] = {
@@ -29,6 +29,9 @@ NATIVE_FIELDS: dict[str, str] = {
     "layer": "str", "role": "str", "reason": "str", "stage": "str", "purpose": "str", "device": "str",
     "detail": "str", "mode": "str", "pass": "str", "phase": "str", "module": "str", "op": "str",
     "backward_node": "str", "output_index": "int", "anchor": "str",
+    # watch's consequence rule: where a non-finite value was born and what it reached;
+    # verify_inputs: the op that produced a value finite and the op that read it non-finite
+    "birth_stack": "str", "reached": "str", "name": "str", "producer": "str", "reader": "str",
     # tensors
     "shape": "ints", "strides": "ints", "dtype": "str", "ndim": "int", "numel": "int",
     "expected": "str", "expected_last_dim": "int", "expected_shape": "str",
@@ -42,6 +45,7 @@ NATIVE_FIELDS: dict[str, str] = {
     "m": "int", "n": "int", "k": "int", "lda": "int", "ldb": "int", "ldc": "int",
     "alpha": "float", "beta": "float", "data_type": "str", "compute_type": "str",
     "math_mode": "str", "chunk": "str", "precheck": "bool", "rule": "str",
+    "descriptors": "str", "gemm_path": "str",  # the cuBLASLt path (cuda/lt_gemm.cu)
     "argument": "str", "value": "int", "limit": "int",
     # memory (add_memory_fields)
     "free_bytes": "int", "total_bytes": "int", "torch_allocated_bytes": "int",

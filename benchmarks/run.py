@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if not loader.info().has_cuda_kernels:
             print(
                 "run.py: the extension was built without CUDA kernels; rebuild it with a CUDA torch "
-                "and toolkit (see README, Building)",
+                "and toolkit (see docs/building.md)",
                 file=sys.stderr,
             )
             return 2

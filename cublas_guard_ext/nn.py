@@ -325,7 +325,7 @@ def replace_linear(
     :meth:`SafeLinear.from_linear`). Subclasses (e.g. the out_proj of
     ``nn.MultiheadAttention``, whose weight is used without calling forward)
     keep their type. Transformer encoder layers holding a swapped Linear are
-    routed through their guarded slow path (see the README). Parameters are
+    routed through their guarded slow path (see docs/guarantees.md). Parameters are
     shared, not copied. Everything is checked and built before the first swap:
     an error leaves the model untouched. If ``model`` itself is an
     ``nn.Linear``, the new SafeLinear is returned.

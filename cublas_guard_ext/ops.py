@@ -74,7 +74,7 @@ for _op in (_ops.check_features.default, _ops.guard_values.default, _ops.async_c
 __all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
 
 # "strict" (default): nn.Linear's rule. float32, bfloat16, float16 and float64
-#         each run natively (see the README's dtype table); input and parameters
+#         each run natively (see docs/dtypes-and-autocast.md); input and parameters
 #         of different dtypes raise DTypeError, as nn.Linear refuses them.
 # "cast" (deprecated): fp16/bf16 input into a float32 layer is upcast to float32
 #         (exact) and the output cast back. It predates native fp16/bf16 GEMMs;

@@ -1,4 +1,4 @@
-"""The package is laid out in layers with no import cycle (README, "Package layout").
+"""The package is laid out in layers with no import cycle (docs/architecture.md).
 
 Read statically: every module of the package is parsed (ast), its imports of
 other modules of the package are listed, top-level ones (run when the module is

@@ -116,7 +116,7 @@ def test_an_in_place_write_under_no_grad_is_seen_without_any_optimizer() -> None
 
 def test_an_unchanged_parameter_is_not_scanned_again() -> None:
     """The cache must really skip: a NaN written where no detector sees it (through
-    `.data`, documented in the README) passes until the next tracked change."""
+    `.data`, documented in docs/guarantees.md) passes until the next tracked change."""
     layer = cg.SafeLinear(8, 4, name="w")
     x = torch.randn(3, 8)
     layer(x)

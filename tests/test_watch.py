@@ -916,7 +916,7 @@ def test_known_values_carry_to_the_next_block_until_written():
 
 # -- Per device: the same promises on the CPU and, with a GPU, on CUDA (benchmarks/gpu/gpu_check.sh's
 # "rest" slot runs the [cuda] cases with -k cuda). On CUDA the watch still reads each scan's
-# counts with a host sync (README, "watch"); these pin what it reports there.
+# counts with a host sync (docs/watch.md); these pin what it reports there.
 
 
 class MaskedAttentionOnDevice(nn.Module):

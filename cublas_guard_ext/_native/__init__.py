@@ -5,5 +5,5 @@
 * ``facts``: torch/CUDA/cuBLAS versions, libraries, GPUs, arch support, the
   environment block of cuBLAS errors and the first-CUDA-use warning.
 
-Nothing here imports a module above it at import time (README, "Package layout").
+Nothing here imports a module above it at import time (docs/architecture.md).
 """

@@ -329,4 +329,4 @@ class ExtensionBuildError(GuardError, ImportError):
         return [str(self.fields.get("detail", ""))]
 
     def _next_steps(self) -> list[str]:
-        return [str(self.fields.get("fix", "see the README's build section"))]
+        return [str(self.fields.get("fix", "see docs/building.md"))]

@@ -32,9 +32,16 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${CI_CACHE:-$ROOT/.ci-cache}
 SANITIZE=${SANITIZE:-address,undefined}
+# Where a use-after-free or an overflow would hide: the parameter cache, watch's tables and
+# sessions, the error payloads, faults, threads, async records; then the other native paths
+# (the fast path, autograd's saved tensors, the scan, dtypes, modes, torch.func, the
+# property tests' random shapes). Not tests/test_nn.py: under this -O1 build its
+# [parametrize_spectral_norm] case is 1.44e-4 off (limit 1e-4; no sanitizer report, see
+# the issue-23 report); not tests/test_leaks.py: ASan's allocator changes what it measures.
 TESTS=${SANITIZE_TESTS:-tests/test_param_cache.py tests/test_watch.py tests/test_errors.py \
 tests/test_faults.py tests/test_threads.py tests/test_bad_inputs.py tests/test_async_record.py \
-tests/test_fast_path.py tests/test_linear.py tests/test_saved.py tests/test_scan.py}
+tests/test_fast_path.py tests/test_linear.py tests/test_saved.py tests/test_scan.py \
+tests/test_dtypes.py tests/test_modes.py tests/test_func.py tests/test_properties.py}
 START=$(date +%s)
 
 die() { echo "sanitize: $*" >&2; exit 1; }
@@ -65,6 +72,43 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan
 mkdir -p "$TORCH_EXTENSIONS_DIR"
 cd "$ROOT"
 
+# ---- 0. the setup catches what it is for (a few seconds) -------------------------
+# A tiny library with planted bugs, loaded the same way (preload, options, log files):
+# a C++ exception must pass (the libstdc++ preload), each planted bug must be reported
+# (the read past a new[] is UBSan's object-size check, or ASan's heap-buffer-overflow).
+echo "=== sanitize: self-test (planted heap overflow, signed overflow; a C++ throw must pass)"
+SELF=$(mktemp -d)
+trap 'rm -rf "$SELF"' EXIT
+cat >"$SELF/planted.cpp" <<'CPP'
+#include <climits>
+#include <stdexcept>
+extern "C" int throw_and_catch() { try { throw std::runtime_error("x"); } catch (const std::exception&) { return 1; } }
+extern "C" int heap_overflow(int i) { int* p = new int[4](); int v = p[i]; delete[] p; return v; }
+extern "C" int signed_overflow(int a) { return a + INT_MAX; }
+CPP
+"$CXX" -shared -fPIC -O1 -fno-omit-frame-pointer "-fsanitize=$SANITIZE" -fno-sanitize-recover=undefined \
+  "$SELF/planted.cpp" -o "$SELF/planted.so"
+planted() {  # planted CALL EXPECT: CALL must die with a report that contains EXPECT
+  local out=$SELF/$1 status=0
+  mkdir -p "$out"
+  ASAN_OPTIONS=detect_leaks=0:log_path=$out/asan UBSAN_OPTIONS=halt_on_error=1:log_path=$out/ubsan \
+    LD_PRELOAD=$PRELOAD "$PYTHON" -c "import ctypes, sys; lib = ctypes.CDLL('$SELF/planted.so')
+assert lib.throw_and_catch() == 1
+print('returned', lib.$1(${3:-1}))" >"$out/stdout" 2>&1 || status=$?
+  if [[ -z $2 ]]; then
+    ((status == 0)) && [[ -z $(ls "$out") || $(ls "$out") == stdout ]] \
+      || { cat "$out"/*; die "self-test: a clean call failed under the sanitizers"; }
+  elif ((status == 0)) || ! cat "$out"/* | grep -Eq "$2"; then
+    cat "$out"/*
+    die "self-test: $1 was not reported as '$2' (exit $status)"
+  fi
+  echo "  $1: ${2:-no report, as it should} (exit $status)"
+}
+planted throw_and_catch ""
+if [[ ,$SANITIZE, == *,address,* ]]; then planted heap_overflow "heap-buffer-overflow|insufficient space for an object" 4; fi
+if [[ ,$SANITIZE, == *,undefined,* ]]; then planted signed_overflow "signed integer overflow" 1; fi
+
+echo
 echo "=== sanitize: build ($SANITIZE, JIT into $TORCH_EXTENSIONS_DIR); LD_PRELOAD=$PRELOAD"
 # The build runs under the preloaded runtime too (the loader builds, then loads).
 LD_PRELOAD=$PRELOAD "$PYTHON" - <<'PY'

@@ -8,6 +8,8 @@
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
 #   make lint                            ruff (rules, format) and clang-format check; change nothing
 #   make format                          rewrite the tree the way `make lint` checks it
+#   make version-matrix                  build + demo + fast suite on torch 2.11 and 2.15 (Python 3.12)
+#   make sanitize                        the native-heavy tests under ASan + UBSan (CPU build)
 #   make venv                            only set up .venv (deps + build of the extension)
 #   make clean / make distclean          remove build outputs / also the venvs and caches
 #
@@ -39,10 +41,10 @@ BUILD_STAMP := $(VENV)/.ext-installed
 
 # Everything the compiled _C depends on: a change to any of these must rebuild it,
 # or a stale _C*.so would be tested.
-EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py $(shell find csrc -type f 2>/dev/null)
+EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/toolkit.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv demo test lint format cuda-check cuda-build-check clean distclean FORCE
+.PHONY: venv demo test lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -102,6 +104,14 @@ cuda-check: $(DEPS_STAMP)
 # Uses its own venv (.ci-cache/venv-cu) and a temp copy of the tree; leaves .venv alone.
 cuda-build-check:
 	bash .ci/cuda_build_check.sh
+
+# Own venvs (.ci-cache/venv-torch<V>-py3.12) and temp copies of the tree; leaves .venv alone.
+version-matrix:
+	bash .ci/version_matrix.sh
+
+# A JIT build of its own (.ci-cache/sanitize-ext) from the project venv; leaves its _C alone.
+sanitize: $(BUILD_STAMP)
+	PYTHON=$(abspath $(VENV_PY)) bash .ci/sanitize.sh
 
 # Build outputs only; the next `make test` rebuilds the extension.
 clean:

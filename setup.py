@@ -24,18 +24,21 @@ plan = _build.plan()
 _build.apply_env(plan)
 print(f"cublas_guard_ext: building {'CUDA' if plan.with_cuda else 'CPU-only'} extension ({plan.reason})")
 
-# Paths relative to setup.py, as setuptools wants them.
-sources = [str(Path(s).relative_to(ROOT)) for s in plan.sources]
-Extension = CUDAExtension if plan.with_cuda else CppExtension
-extension = Extension(
-    name="cublas_guard_ext._C",
-    sources=sources,
-    include_dirs=plan.include_dirs,
-    extra_compile_args={"cxx": plan.cxx_flags, "nvcc": plan.nvcc_flags},
-    extra_link_args=plan.ldflags,
-    libraries=plan.libraries,  # CppExtension appends torch's libraries after these
-    library_dirs=plan.library_dirs,
-)
+
+
+def make_extension(build_plan):
+    # Paths relative to setup.py, as setuptools wants them.
+    sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
+    Extension = CUDAExtension if build_plan.with_cuda else CppExtension
+    return Extension(
+        name="cublas_guard_ext._C",
+        sources=sources,
+        include_dirs=build_plan.include_dirs,
+        extra_compile_args={"cxx": build_plan.cxx_flags, "nvcc": build_plan.nvcc_flags},
+        extra_link_args=build_plan.ldflags,
+        libraries=build_plan.libraries,  # CppExtension appends torch's libraries after these
+        library_dirs=build_plan.library_dirs,
+    )
 
 
 class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
@@ -50,12 +53,24 @@ class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
             command = getattr(self.compiler, attr, None)
             if command:
                 setattr(self.compiler, attr, _build.without_static_runtime(list(command)))
-        super().build_extensions()
+        try:
+            super().build_extensions()
+        except Exception as exc:
+            # Never leave the user with no build where a CPU-only one is possible
+            # (FORCE_CUDA=1 keeps a failed CUDA build an error).
+            note = _build.cuda_fallback_note(plan, exc)
+            if note is None:
+                raise
+            print(f"cublas_guard_ext: {note}", file=sys.stderr, flush=True)
+            cpu_plan = _build.plan(with_cuda=False)
+            print(f"cublas_guard_ext: building CPU-only extension ({cpu_plan.reason})", flush=True)
+            self.extensions = [make_extension(cpu_plan)]
+            super().build_extensions()
 
 
 # Progress lines (file, n of N, seconds) go to stderr; pip shows them with `pip install -v`.
 with _build.torch_build_hooks():
     setup(
-        ext_modules=[extension],
+        ext_modules=[make_extension(plan)],
         cmdclass={"build_ext": BuildWithSharedRuntime},
     )

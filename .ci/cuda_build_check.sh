@@ -107,6 +107,11 @@ fi
 grep -m1 'cublas_guard_ext: building' "$LOG" || true
 grep -q 'cublas_guard_ext: building CUDA extension' "$LOG" \
   || die "setup.py did not choose the CUDA build (see the 'building' line above)"
+# setup.py falls back to a CPU-only build when the CUDA compile fails: here that is a failure.
+if grep -q 'the CUDA build failed' "$LOG"; then
+  grep -m1 'the CUDA build failed' "$LOG"
+  die "the CUDA compile failed and setup.py built CPU-only (log: $LOG)"
+fi
 
 # ---- 4. import check, outside the source copy ---------------------------------------
 stage "import check"

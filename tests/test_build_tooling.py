@@ -5,6 +5,7 @@ the JIT cache key. Fast: tiny ninja projects, no extension build."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from cublas_guard_ext._native import build as _build
 from cublas_guard_ext._native import loader as _loader
+from cublas_guard_ext._native import toolkit as _toolkit
 
 needs_ninja = pytest.mark.skipif(shutil.which("ninja") is None, reason="needs the ninja binary")
 needs_gcc = pytest.mark.skipif(not _build.pch_enabled(), reason="the precompiled header is GCC-only")
@@ -261,7 +263,10 @@ def test_the_jit_build_uses_the_keyed_directory(tmp_path: Path, monkeypatch) -> 
     [
         lambda k: k.update(torch="9.9.9"),
         lambda k: k.update(torch_cuda="99.9"),  # differs from any real build
-        lambda k: k.update(python=".cpython-312-x86_64-linux-gnu.so"),
+        # Another Python's suffix, whichever Python runs the test.
+        lambda k: k.update(python=next(s for s in (".cpython-312-x86_64-linux-gnu.so",
+                                                   ".cpython-313-x86_64-linux-gnu.so")
+                                       if s != k["python"])),
         lambda k: k.update(cxx_flags=k["cxx_flags"] + ["-O0"]),
         lambda k: k.update(with_cuda=True),
     ],
@@ -276,3 +281,236 @@ def test_every_incompatibility_changes_the_name(monkeypatch, change) -> None:
     monkeypatch.setattr(_build, "jit_cache_key", lambda build, prefix=None: changed)
     assert _build.jit_name(plan) != base
     assert base.startswith(f"cublas_guard_ext_cpu_torch{torch.__version__.replace('.', '_').replace('+', '_')}_py")
+
+
+# ---------------------------------------------------------------------------
+# CUDA toolkit vs torch's CUDA wheels (faked toolkits and wheels: no GPU, no real nvcc)
+# ---------------------------------------------------------------------------
+INCOMPATIBLE = '#error "CUDA compiler and CUDA toolkit headers are incompatible"\n'
+
+
+def fake_toolkit(tmp_path: Path, release: str, with_cublas: bool = False) -> Path:
+    """A CUDA_HOME whose nvcc reports ``release`` and whose runtime header says so."""
+    root = tmp_path / f"cuda-{release}"
+    (root / "bin").mkdir(parents=True)
+    (root / "include" / "crt").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
+    nvcc.chmod(0o755)
+    major, minor = release.split(".")
+    (root / "include" / "cuda_runtime.h").write_text(f"#define FAKE_CUDART {int(major) * 1000 + int(minor) * 10}\n")
+    (root / "include" / "crt" / "host_config.h").write_text("#define FAKE_TOOLKIT_CRT 1\n")
+    if with_cublas:
+        (root / "include" / "cublas_v2.h").write_text("#define FAKE_CUBLAS 0\n")
+    return root
+
+
+def fake_cuda_wheel(tmp_path: Path) -> Path:
+    """site-packages/nvidia/cu13/include as torch 2.15's CUDA 13.2 wheels lay it out: the
+    libraries' headers next to runtime headers a 13.0 nvcc rejects."""
+    include = tmp_path / "site-packages" / "nvidia" / "cu13" / "include"
+    (include / "crt").mkdir(parents=True)
+    (include / "cuda_runtime.h").write_text(INCOMPATIBLE)
+    (include / "crt" / "host_config.h").write_text(INCOMPATIBLE)
+    (include / "cublas_v2.h").write_text('#include <cuda_runtime.h>\n#include "cublas_api.h"\n')
+    (include / "cublas_api.h").write_text("#define FAKE_CUBLAS 1\n")
+    (include / "cublasLt.h").write_text("#include <cuda_runtime.h>\n")
+    (include / "cusparse.h").write_text("#include <cuda_runtime.h>\n")
+    return include
+
+
+@pytest.fixture
+def cuda_facts(tmp_path: Path, monkeypatch):
+    """A CUDA 13.2 torch with its wheels, and a toolkit of the release the test asks for."""
+    from torch.utils import cpp_extension
+
+    wheel = fake_cuda_wheel(tmp_path)
+    monkeypatch.setattr(torch.version, "cuda", "13.2")
+    monkeypatch.setattr(_toolkit, "cublas_include_dirs", lambda: [str(wheel)])
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # apply_env sets it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    for name in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "FORCE_CUDA", "CUBLAS_GUARD_EXT_FORCE_CPU"):
+        monkeypatch.setenv(name, "")  # recorded, so the test's own changes are undone too
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def use(release: str, with_cublas: bool = False) -> Path:
+        root = fake_toolkit(tmp_path, release, with_cublas)
+        monkeypatch.setattr(_toolkit, "find_cuda_home", lambda: str(root))
+        return root
+
+    use.wheel = wheel
+    return use
+
+
+def compile_like_torch(tmp_path: Path, plan: _build.BuildPlan, toolkit: Path,
+                       extra_includes: tuple[str, ...] = ()) -> "subprocess.CompletedProcess[str]":
+    """Preprocess a file that includes cublas_v2.h the way torch's builders order the
+    include path: the plan's dirs (-I), then torch's with the toolkit's (-isystem), then
+    the plan's own flags (which carry the -idirafter dirs)."""
+    import subprocess
+
+    source = tmp_path / "uses_cublas.cpp"
+    source.write_text("#include <cublas_v2.h>\n#include <crt/host_config.h>\n"
+                      "static_assert(FAKE_CUDART == 13000 && FAKE_CUBLAS == 1 && FAKE_TOOLKIT_CRT, \"\");\n")
+    command = ([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only"]
+               + [f"-I{d}" for d in list(extra_includes) + plan.include_dirs]
+               + ["-isystem", str(toolkit / "include")]
+               + [f for f in plan.cxx_flags if f.startswith("-idirafter")] + [str(source)])
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
+def test_only_the_headers_the_toolkit_lacks_come_from_the_wheel(tmp_path: Path, cuda_facts) -> None:
+    toolkit = cuda_facts("13.0")
+    plan = _build.plan(with_cuda=True)
+    wheel = str(cuda_facts.wheel)
+    assert plan.with_cuda and wheel not in plan.include_dirs, plan.include_dirs
+    [private] = plan.include_dirs_after
+    assert Path(private).parent == tmp_path / "ext"
+    # cuBLAS, cuBLASLt, cuSPARSE (ATen's CUDA headers include them); not the runtime's own.
+    assert sorted(os.listdir(private)) == ["cublasLt.h", "cublas_api.h", "cublas_v2.h", "cusparse.h"]
+    assert os.readlink(os.path.join(private, "cublas_v2.h")) == os.path.join(os.path.realpath(wheel), "cublas_v2.h")
+    assert f"-idirafter{private}" in plan.cxx_flags
+    i = plan.nvcc_flags.index(f"-idirafter{private}")
+    assert plan.nvcc_flags[i - 1] == "-Xcompiler"  # nvcc has no -idirafter of its own
+    # A real compile: the toolkit's cuda_runtime.h and crt/, the wheel's cuBLAS.
+    result = compile_like_torch(tmp_path, plan, toolkit)
+    assert result.returncode == 0, result.stderr
+    # The layout before the fix (the wheel folder on the include path) meets the #error.
+    before = compile_like_torch(tmp_path, plan, toolkit, extra_includes=(wheel,))
+    assert before.returncode != 0 and "toolkit headers are incompatible" in before.stderr
+    # Stable: the next plan (every JIT import makes one) reuses the same folder.
+    assert _build.plan(with_cuda=True).include_dirs_after == [private]
+
+
+def test_a_toolkit_with_cublas_takes_nothing_from_the_wheel(cuda_facts) -> None:
+    cuda_facts("13.2", with_cublas=True)
+    plan = _build.plan(with_cuda=True)
+    # cublas_v2.h is the toolkit's: only what it lacks (here cuBLASLt, cuSPARSE, the API header).
+    [private] = plan.include_dirs_after
+    assert "cublas_v2.h" not in os.listdir(private) and "cuda_runtime.h" not in os.listdir(private)
+    assert plan.notes == []  # same CUDA release: nothing to say
+
+
+def test_a_cuda_version_mismatch_is_said_before_compiling(tmp_path: Path, cuda_facts) -> None:
+    cuda_facts("13.0")
+    plan = _build.plan()
+    assert plan.with_cuda and "(nvcc 13.0, torch's CUDA 13.2)" in plan.reason
+    [note] = plan.notes
+    assert "is CUDA 13.0" in note and "built with CUDA 13.2" in note, note
+    assert "Fix: a CUDA 13.2 toolkit (CUDA_HOME=<its root>), or a torch built for CUDA 13.0" in note
+    # apply_env hands the note to the build hooks: first, before any compile step finishes.
+    _build.apply_env(plan)
+    build = write_project(tmp_path, fake_compiler(tmp_path, "sleep 0.2"))
+    _build.rewrite_ninja_file(str(build / "build.ninja"), pch=False)  # as the write hook does
+    stream = io.StringIO()
+    with _build.torch_build_hooks(stream=stream):
+        from torch.utils import cpp_extension
+
+        cpp_extension._run_ninja_build(str(build), False, "Error")
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == f"{_build.PROGRESS_PREFIX} NOTE: {note}", lines
+    assert "compile steps" in lines[1] and "] " in lines[2]
+    # An up-to-date build (a warm JIT import) says nothing, the note neither.
+    quiet = io.StringIO()
+    with _build.torch_build_hooks(stream=quiet):
+        cpp_extension._run_ninja_build(str(build), False, "Error")
+    assert quiet.getvalue() == ""
+
+
+def test_another_cuda_major_builds_cpu_only_and_says_why(cuda_facts, monkeypatch) -> None:
+    cuda_facts("12.4")
+    with_cuda, reason = _build.decide_cuda()
+    assert not with_cuda
+    assert reason.startswith("WARNING: nvcc at ") and "is CUDA 12.4" in reason and "CUDA 13.2" in reason
+    assert "building CPU-only" in reason and "Fix: a CUDA 13.2 toolkit" in reason
+    assert not _build.plan().with_cuda
+    monkeypatch.setenv("FORCE_CUDA", "1")
+    with pytest.raises(RuntimeError, match=r"FORCE_CUDA=1 but nvcc at .* is CUDA 12\.4"):
+        _build.decide_cuda()
+
+
+def test_no_cublas_headers_anywhere_builds_cpu_only(cuda_facts, monkeypatch) -> None:
+    cuda_facts("13.2")
+    monkeypatch.setattr(_toolkit, "cublas_include_dirs", lambda: [])
+    with_cuda, reason = _build.decide_cuda()
+    assert not with_cuda and reason.startswith("WARNING: no cuBLAS headers (cublas_v2.h)"), reason
+    assert "pip install the nvidia-cublas wheel of torch's CUDA 13.2" in reason
+    monkeypatch.setenv("FORCE_CUDA", "1")  # forced: the build itself reports the missing headers
+    assert _build.decide_cuda()[0]
+
+
+def test_the_jit_key_is_the_same_before_and_after_apply_env(cuda_facts, monkeypatch) -> None:
+    cuda_facts("13.2", with_cublas=True)
+    plan = _build.plan(with_cuda=True)
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ and "TORCH_CUDA_ARCH_LIST" in plan.env
+    before = _build.jit_name(plan)
+    assert _build.jit_cache_key(plan)["arch_list"] == plan.env["TORCH_CUDA_ARCH_LIST"]
+    _build.apply_env(plan)  # the loader's order: plan, apply_env, then the name
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == plan.env["TORCH_CUDA_ARCH_LIST"]
+    assert _build.jit_name(plan) == before
+    # A plan made after apply_env (a test, the doctor) finds the same directory.
+    assert _build.jit_name(_build.plan(with_cuda=True)) == before
+    # The user's own list is another build: another directory.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    assert _build.jit_cache_key(_build.plan(with_cuda=True))["arch_list"] == "8.6"
+    assert _build.jit_name(_build.plan(with_cuda=True)) != before
+    # An empty setting is no setting: torch would try to detect a GPU and fail.
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
+    empty = _build.plan(with_cuda=True)
+    assert _build.jit_name(empty) == before
+    _build.apply_env(empty)
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == plan.env["TORCH_CUDA_ARCH_LIST"]
+
+
+@pytest.mark.skipif(not _build.CSRC_DIR.is_dir(), reason="the JIT build needs csrc/ (a source checkout)")
+def test_a_failed_cuda_jit_build_falls_back_to_cpu_and_remembers(tmp_path: Path, cuda_facts, monkeypatch,
+                                                                 capsys) -> None:
+    from cublas_guard_ext.errors import ExtensionBuildError
+
+    cuda_facts("13.2", with_cublas=True)
+    built: list[bool] = []
+
+    def fake_build(plan):
+        built.append(plan.with_cuda)
+        if plan.with_cuda:
+            try:
+                raise RuntimeError("Error building extension:\nlinear.cu(12): error: planted")
+            except RuntimeError as exc:
+                raise ExtensionBuildError(missing="a successful compile", detail="...", fix="...") from exc
+        return _loader.NativeInfo("jit", "/x.so", False, "cpu")
+
+    monkeypatch.setattr(_loader, "_jit_build_plan", fake_build)
+    assert _loader._jit_build().detail == "cpu" and built == [True, False]
+    err = capsys.readouterr().err
+    assert "WARNING: the CUDA build failed" in err and "building the CPU-only extension instead" in err
+    assert "linear.cu(12): error: planted" in err and "FORCE_CUDA=1 makes this an error" in err
+    marker = Path(_loader.jit_build_directory(_build.plan(with_cuda=True))) / _toolkit.CUDA_FAILED_MARKER
+    assert marker.is_file()
+    # The next import does not fail the same compile again: straight to the CPU build.
+    built.clear()
+    assert _loader._jit_build().detail == "cpu" and built == [False]
+    assert f"the CUDA build failed before ({marker})" in capsys.readouterr().err
+    # A source edited since (newer than the marker) retries the CUDA build.
+    os.utime(marker, (1, 1))
+    built.clear()
+    _loader._jit_build()
+    assert built == [True, False]
+    # FORCE_CUDA=1: the failure is the user's answer, no fallback.
+    monkeypatch.setenv("FORCE_CUDA", "1")
+    built.clear()
+    with pytest.raises(ExtensionBuildError, match="a successful compile"):
+        _loader._jit_build()
+    assert built == [True]
+
+
+def test_no_fallback_for_what_a_cpu_build_lacks_too(cuda_facts) -> None:
+    from cublas_guard_ext.errors import ExtensionBuildError
+
+    cuda_facts("13.2", with_cublas=True)
+    plan = _build.plan(with_cuda=True)
+    no_ninja = ExtensionBuildError(missing="ninja", detail="...", fix="pip install ninja")
+    assert _build.cuda_fallback_note(plan, no_ninja) is None
+    assert _build.cuda_fallback_note(_build.plan(with_cuda=False), RuntimeError("x")) is None
+    assert _build.cuda_fallback_note(plan, RuntimeError("nvcc: error")) is not None

@@ -8,13 +8,13 @@ must not import the package (which would try to load the extension).
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +24,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+
+def _sibling(name: str):
+    """A module of this folder, also when setup.py loaded this file by path (no package)."""
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    qualified = f"_cublas_guard_{name}"
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[qualified] = module
+        spec.loader.exec_module(module)
+    return sys.modules[qualified]
+
+
+_toolkit = _sibling("toolkit")
+# Used by setup.py and the loader under these names (defined in toolkit.py).
+decide_cuda, cuda_fallback_note, record_cuda_failure = (
+    _toolkit.decide_cuda, _toolkit.cuda_fallback_note, _toolkit.record_cuda_failure)
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
@@ -73,6 +92,11 @@ class BuildPlan:
     libraries: list[str] = field(default_factory=list)
     library_dirs: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Searched after every other include dir, the toolkit's and torch's too (GCC's
+    # -idirafter; already in cxx_flags/nvcc_flags): the wheel headers the toolkit lacks.
+    include_dirs_after: list[str] = field(default_factory=list)
+    # Said before compiling (see announce_notes): e.g. nvcc's CUDA differs from torch's.
+    notes: list[str] = field(default_factory=list)
 
 
 def _torch_version_macro() -> str:
@@ -80,87 +104,6 @@ def _torch_version_macro() -> str:
 
     # A bare token the C++ side stringifies; keep it to [A-Za-z0-9_.+].
     return re.sub(r"[^A-Za-z0-9_.+]", "_", torch.__version__)
-
-
-def find_cuda_home() -> str | None:
-    """A CUDA toolkit root with bin/nvcc and include/cuda_runtime.h, if any.
-
-    torch's own guess can be a wrapper's prefix (``/usr/local`` when
-    ``/usr/local/bin/nvcc`` is a script), so every candidate is verified.
-    """
-    from torch.utils import cpp_extension
-
-    candidates = [
-        os.environ.get("CUDA_HOME"),
-        os.environ.get("CUDA_PATH"),
-        cpp_extension.CUDA_HOME,
-        "/usr/local/cuda",
-    ]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
-    for root in candidates:
-        if root and (Path(root) / "bin" / "nvcc").exists() and (
-            Path(root) / "include" / "cuda_runtime.h"
-        ).exists():
-            return root
-    return None
-
-
-def cublas_include_dirs() -> list[str]:
-    """Where pip's nvidia-cublas wheel put cublas_v2.h (torch does not add it)."""
-    found: list[str] = []
-    for base in sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]:
-        for header in glob.glob(os.path.join(base, "nvidia", "*", "include", "cublas_v2.h")):
-            found.append(os.path.dirname(header))
-        for header in glob.glob(os.path.join(base, "nvidia", "*", "*", "include", "cublas_v2.h")):
-            found.append(os.path.dirname(header))
-    return sorted(set(found))
-
-
-def decide_cuda() -> tuple[bool, str]:
-    """Whether to build the CUDA kernels, and why (shown by the doctor)."""
-    import torch
-
-    if os.environ.get("CUBLAS_GUARD_EXT_FORCE_CPU") == "1":
-        return False, "CUBLAS_GUARD_EXT_FORCE_CPU=1"
-    force = os.environ.get("FORCE_CUDA") == "1"
-    if torch.version.cuda is None:
-        if force:
-            raise RuntimeError(
-                "FORCE_CUDA=1 but this torch is a CPU-only build "
-                f"({torch.__version__}); install a CUDA build of torch first"
-            )
-        return False, f"torch {torch.__version__} is a CPU-only build"
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        if force:
-            raise RuntimeError(
-                "FORCE_CUDA=1 but no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) was "
-                "found; set CUDA_HOME to the toolkit root"
-            )
-        return False, "no CUDA toolkit found (set CUDA_HOME to build the CUDA kernels)"
-    why = "FORCE_CUDA=1" if force else f"torch {torch.__version__} and a CUDA toolkit at {cuda_home}"
-    return True, why
-
-
-def default_arch_list() -> str:
-    """The GPU archs to build for when no GPU is visible: torch's own list.
-
-    Building for what torch itself supports means the extension never lacks
-    an arch that torch has, the failure the doctor checks for.
-    """
-    import torch
-
-    archs = []
-    for arch in torch.cuda.get_arch_list():
-        match = re.fullmatch(r"sm_(\d+)(\d)", arch)
-        if match:
-            archs.append(f"{match.group(1)}.{match.group(2)}")
-    if not archs:
-        return "8.0;9.0+PTX"
-    archs[-1] += "+PTX"  # PTX of the newest arch lets future GPUs JIT-compile it
-    return ";".join(archs)
 
 
 # The C++ runtime must be the one torch runs with, linked as a shared library. Seen on the
@@ -206,11 +149,29 @@ def without_static_runtime(command: list[str]) -> list[str]:
     return [arg for arg in command if arg not in STATIC_RUNTIME_FLAGS]
 
 
+def sanitizer_flags() -> list[str]:
+    """C++ flags for CUBLAS_GUARD_EXT_SANITIZE (e.g. "address,undefined"; .ci/sanitize.sh).
+
+    -O1 and frame pointers for exact reports; every UBSan finding aborts (no recovery), so
+    a finding is a failed test, not a line in a log. Loading such a build into Python needs
+    the ASan runtime preloaded (LD_PRELOAD, see .ci/sanitize.sh). Empty when unset.
+    """
+    checks = os.environ.get("CUBLAS_GUARD_EXT_SANITIZE", "").strip()
+    if not checks:
+        return []
+    if not re.fullmatch(r"[a-z,-]+", checks):
+        raise ValueError(f"CUBLAS_GUARD_EXT_SANITIZE={checks!r}: expected e.g. 'address,undefined'")
+    flags = [f"-fsanitize={checks}", "-O1", "-fno-omit-frame-pointer"]
+    if "undefined" in checks.split(","):
+        flags.append("-fno-sanitize-recover=undefined")
+    return flags
+
+
 def plan(with_cuda: bool | None = None) -> BuildPlan:
     """The build plan for this machine (``with_cuda`` overrides the decision)."""
     import torch
 
-    decided, reason = decide_cuda()
+    decided, reason = _toolkit.decide_cuda()
     if with_cuda is None:
         with_cuda = decided
     elif with_cuda != decided:
@@ -228,18 +189,37 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
     ]
     # nvcc's -O is the host compiler's (device code is optimized by ptxas either way).
     nvcc = ["-O2", "-lineinfo", f"-DCUBLAS_GUARD_TORCH_VERSION={version}"]
+    ldflags = ["-fopenmp"]
+    sanitize = sanitizer_flags()
+    if sanitize:
+        cxx = [f for f in cxx if f != "-O2"] + sanitize
+        ldflags += [f for f in sanitize if f.startswith("-fsanitize")]
     sources = [str(CSRC_DIR / s) for s in CPU_SOURCES]
     include_dirs = [str(CSRC_DIR)]
     env: dict[str, str] = {}
+    include_after: list[str] = []
+    notes: list[str] = []
     if with_cuda:
         sources += [str(CSRC_DIR / s) for s in CUDA_SOURCES]
-        include_dirs += cublas_include_dirs()
-        cuda_home = find_cuda_home()
+        cuda_home = _toolkit.find_cuda_home()
         if cuda_home:
             env["CUDA_HOME"] = cuda_home
+            note = _toolkit.cuda_version_note(_toolkit.nvcc_version(cuda_home), torch.version.cuda,
+                                              cuda_home)
+            if note:
+                notes.append(note)
+            # Only the wheel headers the toolkit lacks (cuBLAS & co.), searched after the
+            # toolkit's: the wheel's own cuda_runtime.h must never shadow the toolkit's.
+            private = _toolkit.cuda_wheel_include_dir(_toolkit.cublas_include_dirs(),
+                                                      str(Path(cuda_home) / "include"))
+            if private:
+                include_after.append(private)
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            env["TORCH_CUDA_ARCH_LIST"] = default_arch_list()
+            env["TORCH_CUDA_ARCH_LIST"] = _toolkit.default_arch_list()
         cxx.append("-DCUBLAS_GUARD_WITH_CUDA")
+        for directory in include_after:
+            cxx.append(f"-idirafter{directory}")
+            nvcc += ["-Xcompiler", f"-idirafter{directory}"]  # nvcc has no -idirafter of its own
     cxx_runtime_libraries, cxx_runtime_dirs = shared_cxx_runtime()
     return BuildPlan(
         with_cuda=with_cuda,
@@ -247,23 +227,50 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         sources=sources,
         cxx_flags=cxx,
         nvcc_flags=nvcc,
-        ldflags=["-fopenmp"],
+        ldflags=ldflags,
         include_dirs=include_dirs,
         libraries=cxx_runtime_libraries,
         library_dirs=cxx_runtime_dirs,
         env=env,
+        include_dirs_after=include_after,
+        notes=notes,
     )
 
 
-def apply_env(build: BuildPlan) -> None:
-    """Export the plan's environment (CUDA_HOME, arch list) for torch's builder."""
-    for key, value in build.env.items():
-        os.environ.setdefault(key, value)
-    if "CUDA_HOME" in build.env:
-        from torch.utils import cpp_extension
+def effective_env(build: BuildPlan) -> dict[str, str]:
+    """The values torch's builder will see once apply_env ran: the user's own
+    non-empty setting wins, the plan's default fills in the rest."""
+    return {key: os.environ.get(key) or value for key, value in build.env.items()}
 
+
+# The notes of the plan apply_env exported last: said once, before the first compile.
+_pending_notes: list[str] = []
+
+
+def apply_env(build: BuildPlan) -> None:
+    """Export the plan's environment (CUDA_HOME, arch list) for torch's builder.
+
+    The plan's notes are said by the build hooks before ninja compiles anything (not
+    when the build is up to date, as on every warm JIT import).
+    """
+    from torch.utils import cpp_extension
+
+    for key, value in effective_env(build).items():
+        os.environ[key] = value
+    if "CUDA_HOME" in build.env:
         # cpp_extension read CUDA_HOME at import time; correct its guess too.
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
+    _pending_notes[:] = build.notes
+    if build.notes and not hasattr(cpp_extension, "_run_ninja_build"):  # no hooks: say it now
+        for note in build.notes:
+            print(f"{PROGRESS_PREFIX} NOTE: {note}", file=sys.stderr, flush=True)
+
+
+def cuda_failed_before(build: BuildPlan, build_directory: str) -> str | None:
+    """The failure marker's path if ``build`` failed in ``build_directory`` since the last
+    edit of a source or header (toolkit.record_cuda_failure), else None."""
+    return _toolkit.cuda_failed_before(build.sources + [str(p) for p in CSRC_DIR.rglob("*.h")],
+                                       build_directory)
 
 
 # ---------------------------------------------------------------------------
@@ -289,13 +296,17 @@ def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, obje
         "python": sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag,
         "compiler": os.environ.get("CXX", "c++"),
         "with_cuda": build.with_cuda,
-        "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if build.with_cuda else None,
+        # The list torch will build for: the same before and after apply_env ran.
+        "arch_list": effective_env(build).get("TORCH_CUDA_ARCH_LIST",
+                                             os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if build.with_cuda else None,
         "cxx_flags": build.cxx_flags,
         "nvcc_flags": build.nvcc_flags if build.with_cuda else [],
         "ldflags": build.ldflags,
         "libraries": build.libraries,
         "library_dirs": build.library_dirs,
         "include_dirs": build.include_dirs,
+        "include_dirs_after": build.include_dirs_after,
         "pch": pch_enabled(),
     }
 
@@ -479,14 +490,15 @@ def _ninja_jobs() -> int:
 
 def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = None,
               verbose: bool | None = None, heartbeat_s: float = HEARTBEAT_S,
-              title: str | None = None) -> bool:
+              title: str | None = None, notes: list[str] | None = None) -> bool:
     """Run ninja in ``build_directory`` and show readable progress on ``stream`` (stderr).
 
     One line per finished step (which file, n of N, seconds since the start),
     a "still working" line when a step takes longer than ``heartbeat_s``, the
     full compiler output on failure (in the raised RuntimeError, as torch's own
     runner does). CUBLAS_GUARD_EXT_VERBOSE_BUILD=1 also echoes every line ninja prints.
-    Nothing is printed when ninja has nothing to do. Returns whether it said anything.
+    ``notes`` (e.g. nvcc's CUDA differs from torch's) come first, before any compile
+    finishes. Nothing is printed when ninja has nothing to do. Returns whether it said anything.
     """
     stream = stream if stream is not None else sys.stderr
     if verbose is None:
@@ -523,6 +535,8 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
         nonlocal announced
         if not announced:
             announced = True
+            for note in notes or ():
+                say(f"NOTE: {note}")
             say(f"{title or 'building'}: {steps} compile steps in {build_directory}, ninja -j{jobs} "
                 "(a cold CPU build takes 35-85 s on 2 idle cores, by the machine)")
 
@@ -580,7 +594,8 @@ def torch_build_hooks(stream: TextIO | None = None, title: str | None = None) ->
             print(f"{PROGRESS_PREFIX} could not annotate {path}: {exc}", file=stream or sys.stderr)
 
     def run(build_directory, verbose, error_prefix):
-        run_ninja(build_directory, error_prefix, stream=stream, title=title)
+        run_ninja(build_directory, error_prefix, stream=stream, title=title,
+                  notes=list(_pending_notes))
 
     if original_write is not None:
         cpp_extension._write_ninja_file = write

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 import warnings
@@ -103,7 +104,8 @@ def _preflight(plan: _build.BuildPlan) -> None:
         )
     if plan.with_cuda and not any(
         (Path(d) / "cublas_v2.h").exists()
-        for d in plan.include_dirs + [os.path.join(os.environ.get("CUDA_HOME", ""), "include")]
+        for d in plan.include_dirs + plan.include_dirs_after
+        + [os.path.join(os.environ.get("CUDA_HOME", ""), "include")]
     ):
         raise ExtensionBuildError(
             missing="cuBLAS headers",
@@ -122,11 +124,31 @@ def jit_build_directory(plan: _build.BuildPlan, prefix: str | None = None) -> st
 
 
 def _jit_build() -> NativeInfo:
+    plan = _build.plan()
+    if plan.with_cuda and os.environ.get("FORCE_CUDA") != "1":
+        marker = _build.cuda_failed_before(plan, jit_build_directory(plan))
+        if marker:
+            print(f"{_build.PROGRESS_PREFIX} the CUDA build failed before ({marker}); using the "
+                  "CPU-only build (delete that file or edit a source to retry)", file=sys.stderr)
+            return _jit_build_plan(_build.plan(with_cuda=False))
+    try:
+        return _jit_build_plan(plan)
+    except Exception as exc:
+        # A CUDA build that failed to compile: say why, then build CPU-only (never leave
+        # the user with no build at all); FORCE_CUDA=1 keeps it an error.
+        note = _build.cuda_fallback_note(plan, exc)
+        if note is None:
+            raise
+        print(f"{_build.PROGRESS_PREFIX} {note}", file=sys.stderr, flush=True)
+        _build.record_cuda_failure(jit_build_directory(plan), note)
+        return _jit_build_plan(_build.plan(with_cuda=False))
+
+
+def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
     from torch.utils import cpp_extension
 
     from ..errors import ExtensionBuildError  # late: see the module docstring
 
-    plan = _build.plan()
     _preflight(plan)
     _build.apply_env(plan)
     flavour = "cuda" if plan.with_cuda else "cpu"

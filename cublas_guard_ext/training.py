@@ -393,6 +393,13 @@ class TrainingGuard:
         out: dict[str, Any] = {"finding": None, "op": None, "module": None, "phase": None,
                                "reproduced": False, "exception": None, "note": None}
         compiled = any(getattr(m, "_orig_mod", None) is not None for m in _wrappers(self.model))
+        # watch judges a NaN by what it reaches, raising when it reaches the model's output; under
+        # FSDP2 that raise lands after FSDP's post-forward hook and leaves its forward/backward
+        # bookkeeping half-run, and the ranks' next collectives no longer pair up (a hang). There
+        # the replay reports at birth instead: the step's loss or gradients already showed the NaN
+        # mattered, so the first birth is the producer unless the model also makes harmless
+        # infinities on purpose (T5's log(0)), which only the consequence rule can tell apart.
+        report = "birth" if self.group is not None and _fsdp_modules(self.inner) else "consequence"
         rng.restore()
         self._buffers.restore()
         try:
@@ -400,7 +407,7 @@ class TrainingGuard:
                 # (watch's global module hooks around a compiled module: fine here, they name
                 # the inner modules only)
                 warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-                with watch(self.inner, mode="sync", allow=self.allow):
+                with watch(self.inner, mode="sync", allow=self.allow, report=report):
                     replay_loss = closure()
                 flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)  # (outside the watch)
             out["reproduced"] = bool(flag is not None and flag.item())

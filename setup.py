@@ -13,7 +13,9 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_cublas_guard_build", ROOT / "cublas_guard_ext" / "_native" / "build.py")
+_spec = importlib.util.spec_from_file_location(
+    "_cublas_guard_build", ROOT / "cublas_guard_ext" / "_native" / "build.py"
+)
 _build = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _build  # dataclasses look their module up there
 _spec.loader.exec_module(_build)
@@ -23,7 +25,6 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 plan = _build.plan()
 _build.apply_env(plan)
 print(f"cublas_guard_ext: building {'CUDA' if plan.with_cuda else 'CPU-only'} extension ({plan.reason})")
-
 
 
 def make_extension(build_plan):

@@ -32,15 +32,24 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/training_guard_bench.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/training_guard_bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 15 CPU, 40 CUDA)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere, and a deferred-guard row")
-    ap.add_argument("--model", default="minilm", choices=["minilm", "gpt2"],
-                    help="all-MiniLM-L6-v2 (default) or GPT-2 small built from GPT2Config (random weights)")
+    ap.add_argument(
+        "--fused", action="store_true", help="AdamW(fused=True) everywhere, and a deferred-guard row"
+    )
+    ap.add_argument(
+        "--model",
+        default="minilm",
+        choices=["minilm", "gpt2"],
+        help="all-MiniLM-L6-v2 (default) or GPT-2 small built from GPT2Config (random weights)",
+    )
     ap.add_argument("--bf16", action="store_true", help="forward under torch.autocast(bfloat16)")
     ap.add_argument("--tokens", type=int, default=512, help="--model gpt2: tokens per sequence (8 sequences)")
     args = ap.parse_args(argv)
@@ -77,15 +86,21 @@ def main(argv: list[str] | None = None) -> int:
 
         def forward(model):
             return F.mse_loss(model(dict(features))["sentence_embedding"].float(), target)
-    autocast = (lambda: torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16)) if args.bf16 else None
+
+    autocast = (
+        (lambda: torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16)) if args.bf16 else None
+    )
     names = ["plain", "TrainingGuard"] + (["TrainingGuard(deferred)"] if args.fused else [])
     models = {n: copy.deepcopy(base) for n in names}
-    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-5, **({"fused": True} if args.fused else {}))
-            for n, m in models.items()}
+    opts = {
+        n: torch.optim.AdamW(m.parameters(), lr=1e-5, **({"fused": True} if args.fused else {}))
+        for n, m in models.items()
+    }
     guards = {"TrainingGuard": cg.TrainingGuard(models["TrainingGuard"], opts["TrainingGuard"])}
     if args.fused:
         guards["TrainingGuard(deferred)"] = cg.TrainingGuard(
-            models["TrainingGuard(deferred)"], opts["TrainingGuard(deferred)"], deferred=True)
+            models["TrainingGuard(deferred)"], opts["TrainingGuard(deferred)"], deferred=True
+        )
 
     def closure_for(name: str):
         model, opt = models[name], opts[name]
@@ -99,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                 loss = forward(model)
             loss.backward()
             return loss
+
         return closure
 
     def variant(name: str):
         closure = closure_for(name)
         if name == "plain":
+
             def plain():
                 closure()
                 opts[name].step()
+
             return plain
         guard = guards[name]
         return lambda: guard.step(closure)
@@ -132,15 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         guard.check()
     load_after = os.getloadavg()
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads"
-    what = f"GPT-2 small, 8 x {args.tokens} tokens" if args.model == "gpt2" else "all-MiniLM-L6-v2, 8 x 56 tokens"
-    print(f"{what} training step (AdamW{', fused' if args.fused else ''}{', bf16 autocast' if args.bf16 else ''}), "
-          f"{where}, "
-          f"{rounds} interleaved rounds ({time.time() - start:.0f} s), "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-          f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
+    what = (
+        f"GPT-2 small, 8 x {args.tokens} tokens"
+        if args.model == "gpt2"
+        else "all-MiniLM-L6-v2, 8 x 56 tokens"
+    )
+    print(
+        f"{what} training step (AdamW{', fused' if args.fused else ''}{', bf16 autocast' if args.bf16 else ''}), "
+        f"{where}, "
+        f"{rounds} interleaved rounds ({time.time() - start:.0f} s), "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+        f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
+    )
     print(f"{'variant':<26}{'wall median':>14}{'CPU median':>14}")
     for n in names:
-        print(f"{n:<26}{statistics.median(wall[n]) * 1e3:>11.1f} ms{statistics.median(cpu[n]) * 1e3:>11.1f} ms")
+        print(
+            f"{n:<26}{statistics.median(wall[n]) * 1e3:>11.1f} ms{statistics.median(cpu[n]) * 1e3:>11.1f} ms"
+        )
     skipped = sum(len(g.skipped) for g in guards.values())
     assert skipped == 0, f"{skipped} healthy steps were taken for bad ones"
     # The guard's own work, timed alone on the last step's gradients (steadier than a ratio
@@ -156,11 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         own.append(time.process_time() - c0)
     guard.steps -= rounds
     own_ms = statistics.median(own) * 1e3
-    print(f"the guard's own work per step (snapshot, fused check, one read), alone: {own_ms:.1f} ms CPU "
-          f"= {own_ms / (statistics.median(cpu['plain']) * 1e3):.1%} of the plain step's CPU median")
+    print(
+        f"the guard's own work per step (snapshot, fused check, one read), alone: {own_ms:.1f} ms CPU "
+        f"= {own_ms / (statistics.median(cpu['plain']) * 1e3):.1%} of the plain step's CPU median"
+    )
     for n in names[1:]:
-        print(f"ratio {n} / plain: wall {statistics.median(wall[n]) / statistics.median(wall['plain']):.3f}x, "
-              f"CPU {statistics.median(cpu[n]) / statistics.median(cpu['plain']):.3f}x")
+        print(
+            f"ratio {n} / plain: wall {statistics.median(wall[n]) / statistics.median(wall['plain']):.3f}x, "
+            f"CPU {statistics.median(cpu[n]) / statistics.median(cpu['plain']):.3f}x"
+        )
     return 0
 
 

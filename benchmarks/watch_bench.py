@@ -32,17 +32,23 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/watch_bench.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/watch_bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default: 15 CPU, 40 CUDA)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--no-dispatch-mode", action="store_true", help="skip the empty TorchDispatchMode row")
-    ap.add_argument("--model-per-variant", action="store_true",
-                    help="give each variant its own model and optimizer (a training loop watched at every "
-                         "step: what a block's scans found stays known for the next block); default: one "
-                         "model, which the unwatched steps in between change")
+    ap.add_argument(
+        "--model-per-variant",
+        action="store_true",
+        help="give each variant its own model and optimizer (a training loop watched at every "
+        "step: what a block's scans found stays known for the next block); default: one "
+        "model, which the unwatched steps in between change",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -116,18 +122,24 @@ def main(argv: list[str] | None = None) -> int:
             faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     load_after = os.getloadavg()
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} torch threads"
-    print(f"all-MiniLM-L6-v2 training step (AdamW), 8 x 56 tokens, {where}, {rounds} interleaved rounds "
-          f"({time.time() - start:.0f} s), {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (1 min)")
-    print(f"watch: {ops} ops seen per step, {scanned} scans, {saved} scans spared (values known or finite by "
-          f"construction){'; a model per variant' if args.model_per_variant else ''}")
+    print(
+        f"all-MiniLM-L6-v2 training step (AdamW), 8 x 56 tokens, {where}, {rounds} interleaved rounds "
+        f"({time.time() - start:.0f} s), {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (1 min)"
+    )
+    print(
+        f"watch: {ops} ops seen per step, {scanned} scans, {saved} scans spared (values known or finite by "
+        f"construction){'; a model per variant' if args.model_per_variant else ''}"
+    )
     print("| variant | median wall ms | vs plain | median CPU ms | vs plain | median page faults |")
     print("|---|---|---|---|---|---|")
     base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
     for name in variants:
         mw, mc = statistics.median(wall[name]), statistics.median(cpu[name])
-        print(f"| {name} | {mw * 1e3:.1f} | {mw / base_wall:.3f}x | {mc * 1e3:.1f} | {mc / base_cpu:.3f}x "
-              f"| {statistics.median(faults[name]):,.0f} |")
+        print(
+            f"| {name} | {mw * 1e3:.1f} | {mw / base_wall:.3f}x | {mc * 1e3:.1f} | {mc / base_cpu:.3f}x "
+            f"| {statistics.median(faults[name]):,.0f} |"
+        )
     ratio_wall = statistics.median(wall["watch(async)"]) / base_wall
     ratio_cpu = statistics.median(cpu["watch(async)"]) / base_cpu
     print(f"watch(async) vs plain: {ratio_wall:.3f}x wall, {ratio_cpu:.3f}x CPU time (goal: within 1.10x)")

@@ -84,8 +84,7 @@ class ErrorReport {
 // (python_errors.cpp), handing it the report's attached tensors and the
 // operands of this thread's guarded call (report/call_scope.h); otherwise
 // returns and the caller throws the c10 error.
-void throw_python_error_if_possible(const std::string& message,
-                                    const ErrorReport* report = nullptr);
+void throw_python_error_if_possible(const std::string& message, const ErrorReport* report = nullptr);
 
 // Device memory at some moment (-1 = unknown), and the fields it adds to a report.
 struct MemoryFacts {
@@ -112,9 +111,8 @@ void check_scannable(const at::Tensor& t);
 [[noreturn]] void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer);
 // TypeError report: `t` (playing `role`) and `anchor` (playing `anchor_role`)
 // are of different floating dtypes (nn.Linear refuses them too).
-[[noreturn]] void raise_dtype_mismatch(const at::Tensor& t, const char* role,
-                                       const at::Tensor& anchor, const char* anchor_role,
-                                       const std::string& layer);
+[[noreturn]] void raise_dtype_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+                                       const char* anchor_role, const std::string& layer);
 
 // The input alone (what check_features needs): a guarded dtype, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
@@ -122,16 +120,15 @@ void check_scannable(const at::Tensor& t);
 void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer);
 // The whole linear call: the input checks plus weight/bias dtype, shape and
 // device agreement.
-void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, const std::string& layer);
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const std::string& layer);
 // Backward operands (grad_output against weight or input).
-void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
-                     const c10::SymInt& expected_last, const char* other_name,
-                     const std::string& layer);
+void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other, const c10::SymInt& expected_last,
+                     const char* other_name, const std::string& layer);
 
 // Raises NonFiniteInputError's report when `counts` (host int64[4]) is not clean.
-void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts,
-                         const char* tensor_role, const std::string& layer);
+void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const char* tensor_role,
+                         const std::string& layer);
 
 // Largest value cuBLAS's 32-bit int arguments (m, n, k, lda, ldb, ldc) may take.
 // Lowered only by tests (set_size_limit_for_testing) so the limit logic runs on CPU.
@@ -278,8 +275,7 @@ struct LinearBackend {
   // or, with a scan to run, in the same launch as the scan of `t`.
   void (*prefill_bias)(at::Tensor& out, const at::Tensor& bias, const std::string& layer) = nullptr;
   void (*scan_into_prefilling)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                               const std::string& layer, at::Tensor& out,
-                               const at::Tensor& bias) = nullptr;
+                               const std::string& layer, at::Tensor& out, const at::Tensor& bias) = nullptr;
 };
 
 // Build facts of this library, as JSON (the doctor's source). The CUDA
@@ -287,13 +283,12 @@ struct LinearBackend {
 std::string build_info_json();
 void set_cuda_build_info(std::string (*provider)());
 
-at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x,
-                          const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                          const std::string& layer, int64_t mode);
+at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias, const std::string& layer, int64_t mode);
 // The value scan of any tensor of a guarded dtype under a mode (sync raises now, async
 // records, off does nothing); `role` is a TensorRole for the report.
-void guard_tensor(const LinearBackend& backend, const at::Tensor& t, const std::string& layer,
-                  int64_t role, int64_t mode);
+void guard_tensor(const LinearBackend& backend, const at::Tensor& t, const std::string& layer, int64_t role,
+                  int64_t mode);
 at::Tensor linear_grad_input(const LinearBackend& backend, const at::Tensor& grad_output,
                              const at::Tensor& weight, const std::string& layer);
 at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& grad_output,
@@ -308,8 +303,7 @@ at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
 struct RecordHooks {
   void (*synchronize)(c10::Device device);
 };
-void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
-                           RecordHooks hooks);
+void register_async_record(c10::Device device, AsyncRecord* record, int* claim, RecordHooks hooks);
 void raise_if_async_recorded(bool synchronize);
 
 // The CPU scan (also the reference the CUDA scan is tested against).

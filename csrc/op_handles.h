@@ -10,9 +10,8 @@
 
 namespace cublas_guard {
 
-using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
-                                   const c10::optional<at::Tensor>&, c10::string_view, int64_t,
-                                   bool);
+using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                   c10::string_view, int64_t, bool);
 using GradGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using GuardValuesSignature = void(const at::Tensor&, c10::string_view, int64_t, int64_t);
 

@@ -28,22 +28,19 @@ at::Tensor scan_meta(const at::Tensor& x) {
   return at::empty({kScanFields}, x.options().dtype(at::kLong));
 }
 
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                       int64_t mode, bool /*scan_grad*/) {
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       c10::string_view layer, int64_t mode, bool /*scan_grad*/) {
   parse_mode(mode);
   check_linear_args(x, weight, bias, std::string(layer));
   return at::empty_symint(linear_output_shape(x, weight.sym_size(0)), weight.options());
 }
 
-at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
-                           c10::string_view layer) {
+at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
   check_grad_args(grad_output, weight, weight.sym_size(0), "weight", std::string(layer));
   return at::empty_symint(linear_output_shape(grad_output, weight.sym_size(1)), weight.options());
 }
 
-at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
-                            c10::string_view layer) {
+at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   check_grad_args(grad_output, x, grad_output.sym_size(-1), "input", std::string(layer));
   return at::empty_symint({grad_output.sym_size(-1), x.sym_size(-1)}, x.options());
 }
@@ -52,8 +49,7 @@ void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_v
   check_input(x, in_features, std::string(layer));
 }
 
-void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/,
-                       int64_t mode) {
+void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/, int64_t mode) {
   parse_mode(mode);
 }
 
@@ -111,4 +107,3 @@ TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
   m.impl("check_features", &check_features_meta);
   m.impl("guard_values", &guard_values_meta);
 }
-

@@ -103,8 +103,7 @@ PyObject* fast_linear(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
       PyThreadState* state;
       ~Restore() { PyEval_RestoreThread(state); }
     } restore{saved};
-    out = op.call(x, weight, bias, c10::string_view(layer, static_cast<size_t>(length)), mode,
-                  scan_grad);
+    out = op.call(x, weight, bias, c10::string_view(layer, static_cast<size_t>(length)), mode, scan_grad);
   }
   return THPVariable_Wrap(std::move(out));
   END_HANDLE_TH_ERRORS
@@ -119,8 +118,8 @@ PyObject* cuda_first_use_done(PyObject* /*self*/, PyObject* arg) {
 }
 
 PyMethodDef module_methods[] = {
-    {"_fast_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_linear)),
-     METH_FASTCALL, "The guarded linear through a typed dispatcher handle, or None (see python_module.cpp)."},
+    {"_fast_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_linear)), METH_FASTCALL,
+     "The guarded linear through a typed dispatcher handle, or None (see python_module.cpp)."},
     {"_cuda_first_use_done", &cuda_first_use_done, METH_O,
      "Marks cuda:index as having had its first-use diagnostics."},
     {nullptr, nullptr, 0, nullptr}};

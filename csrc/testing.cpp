@@ -160,7 +160,6 @@ int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed);
 
 bool gemm_64bit_allowed() { return allow_64bit().load(std::memory_order_relaxed); }
 
-
 namespace {
 
 // ---------------------------------------------------------------------------
@@ -208,9 +207,8 @@ int fake_stream_is_capturing(bool* capturing) {
 // raised inside a call) on the modelled state, then the next sync-mode call's
 // check on what it left. Returns {reported, last error left (peeked), stream
 // queries made, capture invalidated, what the next call's check reports}.
-std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_error,
-                                          int64_t context_error, bool stream_busy,
-                                          bool capturing) {
+std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_error, int64_t context_error,
+                                          bool stream_busy, bool capturing) {
   FakeCuda state;
   state.last = static_cast<int>(last_error);
   state.context = static_cast<int>(context_error);

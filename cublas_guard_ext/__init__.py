@@ -13,6 +13,7 @@ Public API::
 
 from __future__ import annotations
 
+from .capsule_replay import replay
 from .errors import (
     CublasError,
     CublasOutOfMemoryError,
@@ -33,9 +34,8 @@ from .errors import (
 from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
-from .capsule_replay import replay
-from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
 from .training import NonFiniteStepError, TrainingGuard
+from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
 
 __version__ = "0.1.0"
 

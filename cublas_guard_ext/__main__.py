@@ -16,10 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="report the CUDA/cuBLAS environment and what is wrong with it")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--no-probe", action="store_true", help="skip the live GEMM on the GPU")
-    doctor.add_argument("--capsule", metavar="PATH",
-                        help="also compare this machine with the environment a failure capsule recorded")
-    replay = sub.add_parser("replay", help="run a failure capsule's cuBLAS call alone and say whether it "
-                                           "fails by itself")
+    doctor.add_argument(
+        "--capsule",
+        metavar="PATH",
+        help="also compare this machine with the environment a failure capsule recorded",
+    )
+    replay = sub.add_parser(
+        "replay", help="run a failure capsule's cuBLAS call alone and say whether it fails by itself"
+    )
     replay.add_argument("capsule", metavar="CAPSULE", help="the capsule file a failing call wrote")
     replay.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module that holds the parameters under DDP / torch.compile wrappers."""
     seen = set()
@@ -87,9 +88,12 @@ class _Buffers:
         self.kept: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
 
     def snapshot(self) -> None:
-        self.kept = [(module, name, buf, buf.detach().clone())
-                     for module in self.model.modules()
-                     for name, buf in module._buffers.items() if buf is not None]
+        self.kept = [
+            (module, name, buf, buf.detach().clone())
+            for module in self.model.modules()
+            for name, buf in module._buffers.items()
+            if buf is not None
+        ]
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -152,8 +156,14 @@ def _eager_if(compiled: bool) -> Iterator[None]:
 
 # FSDP2 settings a replay changes, as attributes of its param groups / states (the names have
 # moved between torch versions: whichever exist are saved and put back).
-_FSDP_GROUP_ATTRS = ("reduce_grads", "all_reduce_grads", "reshard_after_backward", "post_forward_mesh_info",
-                     "_reshard_after_forward", "_use_post_forward_mesh")
+_FSDP_GROUP_ATTRS = (
+    "reduce_grads",
+    "all_reduce_grads",
+    "reshard_after_backward",
+    "post_forward_mesh_info",
+    "_reshard_after_forward",
+    "_use_post_forward_mesh",
+)
 _FSDP_STATE_ATTRS = ("_auto_reshard_after_forward",)
 
 
@@ -165,8 +175,11 @@ def _fsdp_local(modules: list[Any]) -> Iterator[None]:
     settings back as they were."""
     states = [m._get_fsdp_state() for m in modules]
     groups = [g for st in states for g in getattr(st, "_fsdp_param_groups", [])]
-    saved = [(obj, {a: v for a, v in vars(obj).items() if a in attrs})  # plain attributes, not properties
-             for objs, attrs in ((groups, _FSDP_GROUP_ATTRS), (states, _FSDP_STATE_ATTRS)) for obj in objs]
+    saved = [
+        (obj, {a: v for a, v in vars(obj).items() if a in attrs})  # plain attributes, not properties
+        for objs, attrs in ((groups, _FSDP_GROUP_ATTRS), (states, _FSDP_STATE_ATTRS))
+        for obj in objs
+    ]
     for m in modules:  # the public setters, whatever they set inside
         m.set_requires_gradient_sync(False, recurse=False)
         m.set_reshard_after_forward(False, recurse=False)

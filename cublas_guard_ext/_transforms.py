@@ -176,15 +176,19 @@ def _bilinear_function(name: str, doc: str, op_name: str, product, grad_first, g
 
 # gi = g W:   dg = dgi W^T = linear(dgi, W);   dW = g^T dgi = grad_weight(g, dgi)
 _GradInput = _bilinear_function(
-    "_GradInput", "gi = g W (the input gradient), itself differentiable (double backward, hessian).",
-    "linear_grad_input", lambda g, w, layer: grad_input(g, w, layer),
+    "_GradInput",
+    "gi = g W (the input gradient), itself differentiable (double backward, hessian).",
+    "linear_grad_input",
+    lambda g, w, layer: grad_input(g, w, layer),
     grad_first=lambda g, w, dgi, layer: linear(dgi, w, None, layer, _MODE_OFF, False),
     grad_second=lambda g, w, dgi, layer: grad_weight(g, dgi, layer),
 )
 # gw = g^T x:   dg = x dgw^T = linear(x, dgw);   dx = g dgw = grad_input(g, dgw)
 _GradWeight = _bilinear_function(
-    "_GradWeight", "gw = g^T x (the weight gradient), itself differentiable.",
-    "linear_grad_weight", lambda g, x, layer: grad_weight(g, x, layer),
+    "_GradWeight",
+    "gw = g^T x (the weight gradient), itself differentiable.",
+    "linear_grad_weight",
+    lambda g, x, layer: grad_weight(g, x, layer),
     grad_first=lambda g, x, dgw, layer: linear(x, dgw, None, layer, _MODE_OFF, False),
     grad_second=lambda g, x, dgw, layer: grad_input(g, dgw, layer),
 )
@@ -231,8 +235,10 @@ def _linear_vmap(info, in_dims, x, weight, bias, layer="", mode=1, scan_grad=Fal
         return linear(_front(x, x_d), weight, bias, layer, mode, scan_grad), 0
     # Per-sample weights or bias (ensembles): one guarded GEMM per sample.
     return _per_sample(
-        info, lambda xi, wi, bi: linear(xi, wi, bi, layer, mode, scan_grad),
-        (x, weight, bias), (x_d, w_d, b_d),
+        info,
+        lambda xi, wi, bi: linear(xi, wi, bi, layer, mode, scan_grad),
+        (x, weight, bias),
+        (x_d, w_d, b_d),
     )
 
 
@@ -248,9 +254,7 @@ def _grad_input_vmap(info, in_dims, grad_output, weight, layer=""):
         out = grad_input(grad_output, w.transpose(0, 1).reshape(w.shape[1], n * in_f), layer)
         out = out.unflatten(-1, (n, in_f))
         return out, out.dim() - 2
-    return _per_sample(
-        info, lambda gi, wi: grad_input(gi, wi, layer), (grad_output, weight), (g_d, w_d)
-    )
+    return _per_sample(info, lambda gi, wi: grad_input(gi, wi, layer), (grad_output, weight), (g_d, w_d))
 
 
 def _grad_weight_vmap(info, in_dims, grad_output, x, layer=""):
@@ -265,9 +269,7 @@ def _grad_weight_vmap(info, in_dims, grad_output, x, layer=""):
         xs = x.movedim(x_d, -2).flatten(-2)
         return grad_weight(grad_output, xs, layer).unflatten(1, (n, -1)), 1
     # Per-sample weight gradients (vmap over grad): one GEMM per sample.
-    return _per_sample(
-        info, lambda gi, xi: grad_weight(gi, xi, layer), (grad_output, x), (g_d, x_d)
-    )
+    return _per_sample(info, lambda gi, xi: grad_weight(gi, xi, layer), (grad_output, x), (g_d, x_d))
 
 
 def _guard_values_vmap(info, in_dims, t, layer, role, mode):

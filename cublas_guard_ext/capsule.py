@@ -109,7 +109,10 @@ def loaded_cublas() -> dict[str, Any]:
     """libcublas and libcublasLt as loaded in this process: path and version, or 'not loaded'."""
     out: dict[str, Any] = {}
     loaded = facts.loaded_libraries(r"libcublas")
-    for key, pattern, lt in (("libcublas", r"^libcublas\.so", False), ("libcublasLt", r"^libcublasLt\.so", True)):
+    for key, pattern, lt in (
+        ("libcublas", r"^libcublas\.so", False),
+        ("libcublasLt", r"^libcublasLt\.so", True),
+    ):
         paths = [p for p in loaded if re.search(pattern, os.path.basename(p))]
         if not paths:
             out[key] = "not loaded"
@@ -159,23 +162,37 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_arch_list": facts._safe(torch.cuda.get_arch_list, []),
-        "extension": {k: ext.get(k) for k in ("kind", "built_with_torch", "cuda_compiled", "built_archs",
-                                               "cuda_compiled_version", "cublas_header_version")},
+        "extension": {
+            k: ext.get(k)
+            for k in (
+                "kind",
+                "built_with_torch",
+                "cuda_compiled",
+                "built_archs",
+                "cuda_compiled_version",
+                "cublas_header_version",
+            )
+        },
         "cuda_runtime": facts.cuda_version_text(ext.get("cudart_runtime_version"))
-        if ext.get("cudart_runtime_version") else "not loaded (a CPU build of the extension)"
-        if not ext.get("cuda_compiled") else "unknown",
+        if ext.get("cudart_runtime_version")
+        else "not loaded (a CPU build of the extension)"
+        if not ext.get("cuda_compiled")
+        else "unknown",
         "driver": facts.cuda_version_text(ext.get("driver_version"))
-        if ext.get("driver_version") else "unknown",
+        if ext.get("driver_version")
+        else "unknown",
         "cublas_runtime_version": ext.get("cublas_runtime_version") or "not loaded",
         "libraries": loaded_cublas(),
         "nvidia_wheels": _nvidia_wheels(),
         "tf32": {
             "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "allow_bf16_reduced_precision_reduction":
-                bool(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction),
-            "allow_fp16_reduced_precision_reduction":
-                bool(torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction),
+            "allow_bf16_reduced_precision_reduction": bool(
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+            ),
+            "allow_fp16_reduced_precision_reduction": bool(
+                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+            ),
         },
         "env": {k: v for k, v in sorted(os.environ.items()) if _RELEVANT_ENV.match(k)},
         "gpu": None,
@@ -184,9 +201,12 @@ def environment() -> dict[str, Any]:
         index = facts._safe(torch.cuda.current_device, 0)
         props = facts._safe(lambda: torch.cuda.get_device_properties(index))
         if props is not None:
-            env["gpu"] = {"index": index, "name": props.name,
-                          "compute_capability": f"{props.major}.{props.minor}",
-                          "total_memory": int(props.total_memory)}
+            env["gpu"] = {
+                "index": index,
+                "name": props.name,
+                "compute_capability": f"{props.major}.{props.minor}",
+                "total_memory": int(props.total_memory),
+            }
     return env
 
 
@@ -201,9 +221,16 @@ def _alignment(t: torch.Tensor) -> int:
 
 
 def _describe(t: torch.Tensor) -> dict[str, Any]:
-    return {"shape": list(t.shape), "strides": list(t.stride()), "storage_offset": int(t.storage_offset()),
-            "dtype": str(t.dtype), "device": str(t.device), "alignment": _alignment(t),
-            "numel": int(t.numel()), "bytes": int(t.numel() * t.element_size())}
+    return {
+        "shape": list(t.shape),
+        "strides": list(t.stride()),
+        "storage_offset": int(t.storage_offset()),
+        "dtype": str(t.dtype),
+        "device": str(t.device),
+        "alignment": _alignment(t),
+        "numel": int(t.numel()),
+        "bytes": int(t.numel() * t.element_size()),
+    }
 
 
 def _statistics(t: torch.Tensor) -> dict[str, Any]:
@@ -214,7 +241,8 @@ def _statistics(t: torch.Tensor) -> dict[str, Any]:
         "nan_count": int(torch.isnan(flat).sum()),
         "posinf_count": int((flat == float("inf")).sum()),
         "neginf_count": int((flat == float("-inf")).sum()),
-        "min": None, "max": None,
+        "min": None,
+        "max": None,
     }
     if bool(finite.any()):
         values = flat[finite]
@@ -222,7 +250,7 @@ def _statistics(t: torch.Tensor) -> dict[str, Any]:
     digest = hashlib.sha256()
     step = max(1, (64 << 20) // max(1, flat.element_size()))
     for start in range(0, flat.numel(), step):
-        digest.update(bytes(flat[start:start + step].cpu().clone().untyped_storage()))
+        digest.update(bytes(flat[start : start + step].cpu().clone().untyped_storage()))
     stats["sha256"] = digest.hexdigest()
     return stats
 
@@ -259,7 +287,9 @@ def _math_mode(device: str, dtype: torch.dtype) -> str:
     if not device.startswith("cuda"):
         return f"cpu (torch addmm, {str(dtype).removeprefix('torch.')})"
     if dtype == torch.float32:
-        return "CUBLAS_TF32_TENSOR_OP_MATH" if torch.backends.cuda.matmul.allow_tf32 else "CUBLAS_DEFAULT_MATH"
+        return (
+            "CUBLAS_TF32_TENSOR_OP_MATH" if torch.backends.cuda.matmul.allow_tf32 else "CUBLAS_DEFAULT_MATH"
+        )
     if dtype in (torch.float16, torch.bfloat16):
         return "CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION"
     return "CUBLAS_DEFAULT_MATH"
@@ -267,9 +297,26 @@ def _math_mode(device: str, dtype: torch.dtype) -> str:
 
 def _recorded_call(f: dict[str, Any]) -> dict[str, Any]:
     """The GEMM as the native report describes it (a CublasError from a guarded GEMM)."""
-    call = {key: f.get(key) for key in ("transa", "transb", "m", "n", "k", "lda", "ldb", "ldc",
-                                        "alpha", "beta", "data_type", "compute_type", "math_mode",
-                                        "chunk", "workspace_bytes")}
+    call = {
+        key: f.get(key)
+        for key in (
+            "transa",
+            "transb",
+            "m",
+            "n",
+            "k",
+            "lda",
+            "ldb",
+            "ldc",
+            "alpha",
+            "beta",
+            "data_type",
+            "compute_type",
+            "math_mode",
+            "chunk",
+            "workspace_bytes",
+        )
+    }
     call["routine"] = f.get("api")
     call["dtype"] = f.get("c_dtype") or f.get("a_dtype")
     call["device"] = str(f.get("c_device") or f.get("a_device") or "")
@@ -290,50 +337,100 @@ def _planned_call(phase: str, ops: dict[str, torch.Tensor]) -> tuple[dict[str, A
             x, w, bias = ops["input"], ops["weight"], ops.get("bias")
             out_f, in_f = w.shape
             rows = x.numel() // max(1, in_f)
-            call = dict(transa="T", transb="N", m=out_f, n=rows, k=in_f, lda=in_f, ldb=in_f, ldc=out_f,
-                        alpha=1.0, beta=1.0 if bias is not None else 0.0)
+            call = dict(
+                transa="T",
+                transb="N",
+                m=out_f,
+                n=rows,
+                k=in_f,
+                lda=in_f,
+                ldb=in_f,
+                ldc=out_f,
+                alpha=1.0,
+                beta=1.0 if bias is not None else 0.0,
+            )
 
             def make() -> dict[str, torch.Tensor]:
                 c = torch.zeros(rows, out_f, dtype=w.dtype, device=w.device)
                 if bias is not None:
                     c.copy_(bias.detach().expand_as(c))
-                return {"a": w.detach().reshape(-1).clone(), "b": x.detach().reshape(-1).clone(),
-                        "c": c.reshape(-1)}
+                return {
+                    "a": w.detach().reshape(-1).clone(),
+                    "b": x.detach().reshape(-1).clone(),
+                    "c": c.reshape(-1),
+                }
         elif phase == "grad_input":
             g, w = ops["grad_output"], ops["weight"]
             out_f, in_f = w.shape
             rows = g.numel() // max(1, out_f)
-            call = dict(transa="N", transb="N", m=in_f, n=rows, k=out_f, lda=in_f, ldb=out_f, ldc=in_f,
-                        alpha=1.0, beta=0.0)
+            call = dict(
+                transa="N",
+                transb="N",
+                m=in_f,
+                n=rows,
+                k=out_f,
+                lda=in_f,
+                ldb=out_f,
+                ldc=in_f,
+                alpha=1.0,
+                beta=0.0,
+            )
 
             def make() -> dict[str, torch.Tensor]:
-                return {"a": w.detach().reshape(-1).clone(), "b": g.detach().reshape(-1).clone(),
-                        "c": torch.zeros(rows * in_f, dtype=w.dtype, device=w.device)}
+                return {
+                    "a": w.detach().reshape(-1).clone(),
+                    "b": g.detach().reshape(-1).clone(),
+                    "c": torch.zeros(rows * in_f, dtype=w.dtype, device=w.device),
+                }
         elif phase == "grad_weight":
             g, x = ops["grad_output"], ops["input"]
             out_f, in_f = g.shape[-1], x.shape[-1]
             rows = x.numel() // max(1, in_f)
-            call = dict(transa="N", transb="T", m=in_f, n=out_f, k=rows, lda=in_f, ldb=out_f, ldc=in_f,
-                        alpha=1.0, beta=0.0)
+            call = dict(
+                transa="N",
+                transb="T",
+                m=in_f,
+                n=out_f,
+                k=rows,
+                lda=in_f,
+                ldb=out_f,
+                ldc=in_f,
+                alpha=1.0,
+                beta=0.0,
+            )
 
             def make() -> dict[str, torch.Tensor]:
-                return {"a": x.detach().reshape(-1).clone(), "b": g.detach().reshape(-1).clone(),
-                        "c": torch.zeros(out_f * in_f, dtype=x.dtype, device=x.device)}
+                return {
+                    "a": x.detach().reshape(-1).clone(),
+                    "b": g.detach().reshape(-1).clone(),
+                    "c": torch.zeros(out_f * in_f, dtype=x.dtype, device=x.device),
+                }
         else:
             return None
-        device, dtype = str(ops["weight" if "weight" in ops else "input"].device), \
-            ops["weight" if "weight" in ops else "input"].dtype
+        device, dtype = (
+            str(ops["weight" if "weight" in ops else "input"].device),
+            ops["weight" if "weight" in ops else "input"].dtype,
+        )
     except Exception:  # operands that do not make a linear
         return None
     call = {key: int(v) if isinstance(v, int) else v for key, v in call.items()}
-    call.update(routine=_routine(device, dtype), dtype=str(dtype), device=device,
-                math_mode=_math_mode(device, dtype), data_type=None, compute_type=None, chunk=None,
-                workspace_bytes=None, source="planned")
+    call.update(
+        routine=_routine(device, dtype),
+        dtype=str(dtype),
+        device=device,
+        math_mode=_math_mode(device, dtype),
+        data_type=None,
+        compute_type=None,
+        chunk=None,
+        workspace_bytes=None,
+        source="planned",
+    )
     return call, make
 
 
 def _spans(call: dict[str, Any]) -> dict[str, int]:
     """Elements each operand of a column-major call spans: (outer - 1) * ld + inner."""
+
     def span(inner: int, outer: int, ld: int) -> int:
         return 0 if inner <= 0 or outer <= 0 else (outer - 1) * ld + inner
 
@@ -390,8 +487,16 @@ def build(err: BaseException, native: dict[str, Any] | None) -> dict[str, Any]:
     gemm, kept = _keep(buffers, total <= limit)
     if call is not None and not buffers:
         spans = _spans(call)
-        gemm = {name: {"numel": spans[name], "dtype": call["dtype"], "device": call["device"],
-                       "alignment": 256, "unreadable": unreadable or "not available"} for name in spans}
+        gemm = {
+            name: {
+                "numel": spans[name],
+                "dtype": call["dtype"],
+                "device": call["device"],
+                "alignment": 256,
+                "unreadable": unreadable or "not available",
+            }
+            for name in spans
+        }
         kept = "unreadable"
     if operands and buffers:
         described = {name: _describe(t) for name, t in operands.items()}

@@ -31,8 +31,15 @@ from typing import Any
 from . import capsule as _capsule
 
 # Every variant, in the order they run; the worker knows what each means.
-VARIANTS = ("as recorded", "TF32 flipped", "other routine", "cublasLt", "no workspace",
-            "contiguous copies", "_64 API")
+VARIANTS = (
+    "as recorded",
+    "TF32 flipped",
+    "other routine",
+    "cublasLt",
+    "no workspace",
+    "contiguous copies",
+    "_64 API",
+)
 WORKER = "cublas_guard_ext.tools._replay_worker"
 _CONTEXT_BROKEN = 3  # the worker's exit status when a variant broke the CUDA context
 
@@ -41,8 +48,9 @@ def _run_worker(path: str, names: list[str], timeout: float) -> tuple[list[dict[
     env = dict(os.environ)
     env["CUDA_LAUNCH_BLOCKING"] = "1"
     env[_capsule.ENV_OFF] = "0"  # the replay's own failures are not captured again
-    proc = subprocess.run([sys.executable, "-m", WORKER, path, *names], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", WORKER, path, *names], capture_output=True, text=True, timeout=timeout, env=env
+    )
     results = []
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -67,19 +75,26 @@ def run_variants(path: str, timeout: float = 600.0) -> tuple[list[dict[str, Any]
             pending = rest
             continue
         for name in rest:  # the worker died without a word on these
-            results.append({"name": name, "status": "not run",
-                            "detail": f"the replay process exited with status {code}: "
-                                      f"{(stderr.strip().splitlines() or [''])[-1][:300]}"})
+            results.append(
+                {
+                    "name": name,
+                    "status": "not run",
+                    "detail": f"the replay process exited with status {code}: "
+                    f"{(stderr.strip().splitlines() or [''])[-1][:300]}",
+                }
+            )
         break
     order = {name: i for i, name in enumerate(VARIANTS)}
     return sorted(results, key=lambda r: order.get(r["name"], len(order))), "".join(errors)
 
 
 def _call_text(call: dict[str, Any]) -> str:
-    return (f"{call.get('routine')} transa={call.get('transa')} transb={call.get('transb')} m={call.get('m')} "
-            f"n={call.get('n')} k={call.get('k')} lda={call.get('lda')} ldb={call.get('ldb')} "
-            f"ldc={call.get('ldc')} alpha={call.get('alpha')} beta={call.get('beta')} {call.get('dtype')}, "
-            f"math mode {call.get('math_mode')}")
+    return (
+        f"{call.get('routine')} transa={call.get('transa')} transb={call.get('transb')} m={call.get('m')} "
+        f"n={call.get('n')} k={call.get('k')} lda={call.get('lda')} ldb={call.get('ldb')} "
+        f"ldc={call.get('ldc')} alpha={call.get('alpha')} beta={call.get('beta')} {call.get('dtype')}, "
+        f"math mode {call.get('math_mode')}"
+    )
 
 
 def _env_text(env: dict[str, Any]) -> str:
@@ -92,10 +107,12 @@ def _env_text(env: dict[str, Any]) -> str:
         return ", ".join(f"{name} {e.get('version')} ({e.get('path')})" for e in entry)
 
     gpu = env.get("gpu") or {}
-    return (f"torch {env.get('torch')} (built with CUDA {env.get('torch_cuda') or 'none'}), CUDA runtime "
-            f"{env.get('cuda_runtime')}, driver {env.get('driver')}, {lib('libcublas')}, {lib('libcublasLt')}, "
-            f"GPU {gpu.get('name', 'none')} (compute capability {gpu.get('compute_capability', '-')}), "
-            f"torch arch list {' '.join(env.get('torch_arch_list') or []) or '-'}")
+    return (
+        f"torch {env.get('torch')} (built with CUDA {env.get('torch_cuda') or 'none'}), CUDA runtime "
+        f"{env.get('cuda_runtime')}, driver {env.get('driver')}, {lib('libcublas')}, {lib('libcublasLt')}, "
+        f"GPU {gpu.get('name', 'none')} (compute capability {gpu.get('compute_capability', '-')}), "
+        f"torch arch list {' '.join(env.get('torch_arch_list') or []) or '-'}"
+    )
 
 
 def verdict(data: dict[str, Any], variants: list[dict[str, Any]]) -> tuple[bool, str]:
@@ -112,58 +129,88 @@ def verdict(data: dict[str, Any], variants: list[dict[str, Any]]) -> tuple[bool,
     if synthetic:
         lines.append(
             "note: the operands' values are not in this capsule "
-            f"({data.get('values')}): the replay ran on synthetic values of the recorded layout")
+            f"({data.get('values')}): the replay ran on synthetic values of the recorded layout"
+        )
     if call.get("source") == "planned":
-        lines.append("note: the error was raised around the GEMM, not by it: the replay runs the GEMM this "
-                     "call was about to run, planned from its operands' shapes (contiguous layout)")
+        lines.append(
+            "note: the error was raised around the GEMM, not by it: the replay runs the GEMM this "
+            "call was about to run, planned from its operands' shapes (contiguous layout)"
+        )
     if reproduced:
-        lines.append(f"REPRODUCED: the GEMM fails by itself on this stack ({first.get('detail')}); "
-                     f"it was {original} at {where}.")
-        lines.append("variants that pass: " + (", ".join(passed) or "none") + "; that fail too: "
-                     + (", ".join(failed) or "none"))
+        lines.append(
+            f"REPRODUCED: the GEMM fails by itself on this stack ({first.get('detail')}); "
+            f"it was {original} at {where}."
+        )
+        lines.append(
+            "variants that pass: "
+            + (", ".join(passed) or "none")
+            + "; that fail too: "
+            + (", ".join(failed) or "none")
+        )
         lines.append("what to try:")
         if "TF32 flipped" in passed:
-            lines.append("  - the call passes with TF32 flipped: set torch.backends.cuda.matmul.allow_tf32 "
-                         "accordingly, and report the failing math mode to NVIDIA")
+            lines.append(
+                "  - the call passes with TF32 flipped: set torch.backends.cuda.matmul.allow_tf32 "
+                "accordingly, and report the failing math mode to NVIDIA"
+            )
         if "other routine" in passed or "cublasLt" in passed:
-            lines.append("  - another routine computes it: a cuBLAS bug for this routine and shape; the "
-                         "cuBLAS wheel that matches torch (pip install nvidia-cublas==<torch's version>) "
-                         "often has the fix")
+            lines.append(
+                "  - another routine computes it: a cuBLAS bug for this routine and shape; the "
+                "cuBLAS wheel that matches torch (pip install nvidia-cublas==<torch's version>) "
+                "often has the fix"
+            )
         if "no workspace" in passed:
-            lines.append("  - it passes without a workspace: try CUBLAS_WORKSPACE_CONFIG=:0:0 or a "
-                         "smaller one (:4096:8)")
+            lines.append(
+                "  - it passes without a workspace: try CUBLAS_WORKSPACE_CONFIG=:0:0 or a "
+                "smaller one (:4096:8)"
+            )
         if "contiguous copies" in passed:
-            lines.append("  - contiguous operands pass: make the input contiguous (x.contiguous()) "
-                         "before the layer")
-        lines.append("  - install the nvidia-cublas wheel matching the CUDA torch was built with, and "
-                     "run `python -m cublas_guard_ext doctor`")
-        lines.append("  - check TORCH_CUDA_ARCH_LIST covers this GPU; try the call on another GPU to "
-                     "rule out the card")
+            lines.append(
+                "  - contiguous operands pass: make the input contiguous (x.contiguous()) before the layer"
+            )
+        lines.append(
+            "  - install the nvidia-cublas wheel matching the CUDA torch was built with, and "
+            "run `python -m cublas_guard_ext doctor`"
+        )
+        lines.append(
+            "  - check TORCH_CUDA_ARCH_LIST covers this GPU; try the call on another GPU to rule out the card"
+        )
         lines.append("bug report (paste as is):")
         lines.append(
             f"  cuBLAS call fails in isolation with {original}: {_call_text(call)}; operand "
             f"alignments {', '.join(str((data.get('gemm_operands') or {}).get(n, {}).get('alignment')) for n in 'abc')}"
             f" bytes; variants passing: {', '.join(passed) or 'none'}; failing: {', '.join(failed) or 'none'}. "
             f"Environment: {_env_text(data.get('environment') or {})}. Replayed alone with "
-            "CUDA_LAUNCH_BLOCKING=1 from a cublas_guard_ext capsule.")
+            "CUDA_LAUNCH_BLOCKING=1 from a cublas_guard_ext capsule."
+        )
     else:
         if first is None or first["status"] != "passed":
-            lines.append(f"NOT RUN: {first.get('detail') if first else 'no result'}. The {original} at "
-                         f"{where} could not be replayed here; the capsule still has the facts "
-                         "(python -m cublas_guard_ext doctor --capsule compares them with a machine).")
+            lines.append(
+                f"NOT RUN: {first.get('detail') if first else 'no result'}. The {original} at "
+                f"{where} could not be replayed here; the capsule still has the facts "
+                "(python -m cublas_guard_ext doctor --capsule compares them with a machine)."
+            )
         else:
-            lines.append(f"NOT REPRODUCED: the GEMM alone passes ({first.get('detail')}); the {original} "
-                         f"at {where} came from outside this GEMM: an earlier kernel (an out-of-range "
-                         "index in an embedding, a gather or a loss), memory pressure, or a transient or "
-                         "hardware fault.")
+            lines.append(
+                f"NOT REPRODUCED: the GEMM alone passes ({first.get('detail')}); the {original} "
+                f"at {where} came from outside this GEMM: an earlier kernel (an out-of-range "
+                "index in an embedding, a gather or a loss), memory pressure, or a transient or "
+                "hardware fault."
+            )
         lines.append("next steps:")
-        lines.append("  - rerun the failing run with CUDA_LAUNCH_BLOCKING=1: the kernel that really "
-                     "failed raises at its own line")
-        lines.append("  - run it under compute-sanitizer (compute-sanitizer --tool memcheck python ...) "
-                     "to find an out-of-bounds access")
+        lines.append(
+            "  - rerun the failing run with CUDA_LAUNCH_BLOCKING=1: the kernel that really "
+            "failed raises at its own line"
+        )
+        lines.append(
+            "  - run it under compute-sanitizer (compute-sanitizer --tool memcheck python ...) "
+            "to find an out-of-bounds access"
+        )
         lines.append("  - wrap the model in cublas_guard_ext.watch(model): it names the op that failed")
-        lines.append("  - check the GPU's health (nvidia-smi -q: ECC errors, temperature) if it recurs "
-                     "at random places")
+        lines.append(
+            "  - check the GPU's health (nvidia-smi -q: ECC errors, temperature) if it recurs "
+            "at random places"
+        )
     skipped = [f"{v['name']} ({v.get('detail')})" for v in variants if v["status"] == "not applicable"]
     if skipped:
         lines.append("not applicable here: " + "; ".join(skipped))
@@ -184,9 +231,14 @@ def replay(path: str | os.PathLike, timeout: float = 600.0) -> dict[str, Any]:
         "variants": variants,
         "call": data.get("call"),
         "values": data.get("values"),
-        "error": {"class": data.get("error_class"), "status": data.get("status"),
-                  "status_name": data.get("status_name"), "layer": data.get("layer"),
-                  "phase": data.get("phase"), "call_number": data.get("call_number")},
+        "error": {
+            "class": data.get("error_class"),
+            "status": data.get("status"),
+            "status_name": data.get("status_name"),
+            "layer": data.get("layer"),
+            "phase": data.get("phase"),
+            "call_number": data.get("call_number"),
+        },
     }
 
 

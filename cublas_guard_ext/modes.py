@@ -45,9 +45,7 @@ _blocks: contextvars.ContextVar[tuple[tuple[object, Mode], ...]] = contextvars.C
 def validate(mode: str) -> Mode:
     """Return ``mode`` if it names a mode, else raise ``ValueError``."""
     if mode not in MODE_CODES:
-        raise ValueError(
-            f"cublas_guard_ext: mode must be one of {sorted(MODE_CODES)}, got {mode!r}"
-        )
+        raise ValueError(f"cublas_guard_ext: mode must be one of {sorted(MODE_CODES)}, got {mode!r}")
     return mode  # type: ignore[return-value]
 
 

@@ -14,8 +14,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
 from . import ops as _ops_module
-from .ops import linear as _guarded_linear
 from .ops import DTYPE_POLICIES, validate_dtype_policy
+from .ops import linear as _guarded_linear
 
 __all__ = ["SafeLinear", "replace_linear", "name_layers"]
 
@@ -86,8 +86,15 @@ class SafeLinear(nn.Linear):
         name = self.guard_name
         if name is not None and name != "":
             return name
-        return ("<unnamed SafeLinear(" + str(self.in_features) + "->" + str(self.out_features)
-                + ") #" + str(self._unnamed_number) + ">")
+        return (
+            "<unnamed SafeLinear("
+            + str(self.in_features)
+            + "->"
+            + str(self.out_features)
+            + ") #"
+            + str(self._unnamed_number)
+            + ">"
+        )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         if torch.jit.is_scripting():
@@ -116,13 +123,17 @@ class SafeLinear(nn.Linear):
         # The fast entry (see cublas_guard_ext.ops.fast_linear): the same op, the
         # same checks; None sends the call down ops.linear, which decides as before.
         if self.dtype_policy == "strict":
-            out = _fast_linear(input, self.weight, self.bias, self.guard_label, self.mode,
-                               self.scan_grad)
+            out = _fast_linear(input, self.weight, self.bias, self.guard_label, self.mode, self.scan_grad)
             if out is not None:
                 return out
         return _guarded_linear(
-            input, self.weight, self.bias, layer=self.guard_label, mode=self.mode,
-            scan_grad=self.scan_grad, dtype_policy=self.dtype_policy,
+            input,
+            self.weight,
+            self.bias,
+            layer=self.guard_label,
+            mode=self.mode,
+            scan_grad=self.scan_grad,
+            dtype_policy=self.dtype_policy,
         )
 
     def extra_repr(self) -> str:
@@ -201,9 +212,7 @@ def _module_state_keys() -> frozenset[str]:
 def _swappable_type(module: nn.Module) -> bool:
     """nn.Linear itself, or the class torch.nn.utils.parametrize made of it."""
     cls = type(module)
-    return cls is nn.Linear or (
-        parametrize.is_parametrized(module) and cls.__bases__ == (nn.Linear,)
-    )
+    return cls is nn.Linear or (parametrize.is_parametrized(module) and cls.__bases__ == (nn.Linear,))
 
 
 def _why_not_swappable(linear: nn.Linear) -> str | None:
@@ -243,9 +252,7 @@ def _after_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     torch.ops.cublas_guard_internal.parameters_changed.default()
 
 
-_OPTIMIZER_HOOK = register_optimizer_step_post_hook(
-    torch.compiler.disable(_after_optimizer_step)
-)
+_OPTIMIZER_HOOK = register_optimizer_step_post_hook(torch.compiler.disable(_after_optimizer_step))
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> nn.Module:

@@ -63,12 +63,17 @@ def fast_linear(
         return None
     return _fast_linear(x, weight, bias, layer, code, scan_grad)
 
+
 # The guards that return nothing (check_features, guard_values: the backward
 # scan of scan_grad, async_check) would be dead code to torch.compile's graphs
 # (Dynamo, AOTAutograd, Inductor all eliminate unused pure calls): marked
 # side-effectful, they are kept and run in compiled forward and backward graphs.
-for _op in (_ops.check_features.default, _ops.guard_values.default, _ops.async_check.default,
-            torch.ops.cublas_guard_testing.set_fault.default):
+for _op in (
+    _ops.check_features.default,
+    _ops.guard_values.default,
+    _ops.async_check.default,
+    torch.ops.cublas_guard_testing.set_fault.default,
+):
     torch.fx.node.has_side_effect(_op)
 
 __all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
@@ -155,8 +160,7 @@ class ScanResult:
             return f"ScanResult(pending on {self.tensor.device})"
         v = self._values()
         return (
-            f"ScanResult(nan_count={v[0]}, posinf_count={v[1]}, neginf_count={v[2]}, "
-            f"first_bad_index={v[3]})"
+            f"ScanResult(nan_count={v[0]}, posinf_count={v[1]}, neginf_count={v[2]}, first_bad_index={v[3]})"
         )
 
 

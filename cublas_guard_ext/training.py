@@ -111,34 +111,47 @@ class NonFiniteStepError(GuardError, ValueError):
         f = self.fields
         lines = []
         if f.get("op"):
-            lines.append(f"replayed under watch: {f['op']} in module '{f.get('module') or ''}' "
-                         f"({f.get('phase')}) produced it")
+            lines.append(
+                f"replayed under watch: {f['op']} in module '{f.get('module') or ''}' "
+                f"({f.get('phase')}) produced it"
+            )
         elif f.get("phase") == "entry":
             lines.append(f"replayed under watch: {f.get('finding', '').splitlines()[0]}")
         if f.get("classification") == "persistent":
             lines.append("persistent: the replay (same batch, same RNG states) is non-finite again")
         else:
-            lines.append("transient: the replay (same batch, same RNG states) is finite; a one-off "
-                         "(hardware, a race, a non-deterministic kernel, state outside the model)")
+            lines.append(
+                "transient: the replay (same batch, same RNG states) is finite; a one-off "
+                "(hardware, a race, a non-deterministic kernel, state outside the model)"
+            )
         if f.get("finding") and f.get("phase") != "entry":
             lines.append("finding: " + f["finding"].splitlines()[0])
         if f.get("bad_gradients"):
             more = f["bad_gradient_count"] - len(f["bad_gradients"])
-            lines.append("non-finite gradients: " + ", ".join(f["bad_gradients"])
-                         + (f" and {more} more" if more > 0 else ""))
+            lines.append(
+                "non-finite gradients: "
+                + ", ".join(f["bad_gradients"])
+                + (f" and {more} more" if more > 0 else "")
+            )
         lines.append(f"loss: {_fmt_loss(f.get('loss'))}")
         if f.get("note"):
             lines.append(f["note"])
-        lines.append(f"parameters, buffers, optimizer state and RNG states are as before step {f.get('step')}")
+        lines.append(
+            f"parameters, buffers, optimizer state and RNG states are as before step {f.get('step')}"
+        )
         return lines
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("classification") == "transient":
-            return ["rerun from here: a transient step that returns often points at the hardware "
-                    "(run `python -m cublas_guard_ext doctor`) or a race"]
+            return [
+                "rerun from here: a transient step that returns often points at the hardware "
+                "(run `python -m cublas_guard_ext doctor`) or a race"
+            ]
         if self.fields.get("op"):
-            return ["fix the op named above (clamp its input, add an epsilon, lower the learning rate); "
-                    "on_nan='skip' drops such steps and goes on"]
+            return [
+                "fix the op named above (clamp its input, add an epsilon, lower the learning rate); "
+                "on_nan='skip' drops such steps and goes on"
+            ]
         return ["look at the batch of this step (it reproduces); on_nan='skip' drops such steps and goes on"]
 
 
@@ -170,7 +183,9 @@ class TrainingGuard:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingGuard: model must be an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"TrainingGuard: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"TrainingGuard: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if on_nan not in _ON_NAN:
             raise ValueError(f"TrainingGuard: on_nan must be 'raise' or 'skip', got {on_nan!r}")
         if deferred:
@@ -178,10 +193,13 @@ class TrainingGuard:
                 raise ValueError(
                     "TrainingGuard(deferred=True) needs an optimizer that skips a step on the device "
                     f"(torch.optim.Adam/AdamW/SGD(..., fused=True)), got {type(optimizer).__name__} "
-                    "without fused=True; use deferred=False (one host sync per step)")
+                    "without fused=True; use deferred=False (one host sync per step)"
+                )
             if scaler is not None:
-                raise ValueError("TrainingGuard: deferred=True with scaler= is not supported: "
-                                 "GradScaler reads its own Inf check on the host; use deferred=False")
+                raise ValueError(
+                    "TrainingGuard: deferred=True with scaler= is not supported: "
+                    "GradScaler reads its own Inf check on the host; use deferred=False"
+                )
         self.model = model
         self.inner = _unwrap(model)
         self.optimizer = optimizer
@@ -330,7 +348,9 @@ class TrainingGuard:
         scaler.update()
         return loss
 
-    def _step_deferred(self, closure: Callable[[], Any], rng: _RngState, loss: Any, flag: torch.Tensor) -> Any:
+    def _step_deferred(
+        self, closure: Callable[[], Any], rng: _RngState, loss: Any, flag: torch.Tensor
+    ) -> Any:
         opt = self.optimizer
         assert opt is not None
         if self.group is not None:
@@ -390,8 +410,15 @@ class TrainingGuard:
 
     def _replay(self, closure: Callable[[], Any], rng: _RngState) -> dict[str, Any]:
         """Run the closure again from the same RNG and buffers, under watch; what it found."""
-        out: dict[str, Any] = {"finding": None, "op": None, "module": None, "phase": None,
-                               "reproduced": False, "exception": None, "note": None}
+        out: dict[str, Any] = {
+            "finding": None,
+            "op": None,
+            "module": None,
+            "phase": None,
+            "reproduced": False,
+            "exception": None,
+            "note": None,
+        }
         compiled = any(getattr(m, "_orig_mod", None) is not None for m in _wrappers(self.model))
         # watch judges a NaN by what it reaches, raising when it reaches the model's output; under
         # FSDP2 that raise lands after FSDP's post-forward hook and leaves its forward/backward
@@ -406,10 +433,14 @@ class TrainingGuard:
             with self._replay_context(), _eager_if(compiled), warnings.catch_warnings():
                 # (watch's global module hooks around a compiled module: fine here, they name
                 # the inner modules only)
-                warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+                warnings.filterwarnings(
+                    "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+                )
                 with watch(self.inner, mode="sync", allow=self.allow, report=report):
                     replay_loss = closure()
-                flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)  # (outside the watch)
+                flag = _bad_flag(
+                    replay_loss, self._replay_grads(), self.scaler is None
+                )  # (outside the watch)
             out["reproduced"] = bool(flag is not None and flag.item())
             if out["reproduced"]:
                 out["note"] = "the replay under watch is non-finite again, but watch named no producer"
@@ -429,8 +460,11 @@ class TrainingGuard:
                 replay_loss = closure()
                 flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)
             if flag is not None and flag.item():
-                out.update(reproduced=True, note="reproduces only as compiled: the eager replay under "
-                           "watch is finite, the compiled one is not (a compiler numerics difference?)")
+                out.update(
+                    reproduced=True,
+                    note="reproduces only as compiled: the eager replay under "
+                    "watch is finite, the compiled one is not (a compiler numerics difference?)",
+                )
         return out
 
     def _replay_grads(self) -> list[torch.Tensor]:
@@ -451,7 +485,9 @@ class TrainingGuard:
                 stack.enter_context(_fsdp_local(fsdp))
             yield
 
-    def _error(self, step: int, reports: list[dict], rank: int | None, world: int | None) -> NonFiniteStepError:
+    def _error(
+        self, step: int, reports: list[dict], rank: int | None, world: int | None
+    ) -> NonFiniteStepError:
         named = [r for r in reports if r["finding"] is not None]
         reproduced = [r for r in reports if r["reproduced"]]
         loss_bad = [r for r in reports if r["loss"] is not None and not math.isfinite(r["loss"])]
@@ -462,9 +498,16 @@ class TrainingGuard:
             extra = f"reproduced on ranks {[r['rank'] for r in reproduced]}"
             note = f"{note}; {extra}" if note else extra
         return NonFiniteStepError(
-            step=step, loss=origin["loss"], module=origin["module"], op=origin["op"], phase=origin["phase"],
-            classification="persistent" if reproduced else "transient", rank=origin["rank"],
+            step=step,
+            loss=origin["loss"],
+            module=origin["module"],
+            op=origin["op"],
+            phase=origin["phase"],
+            classification="persistent" if reproduced else "transient",
+            rank=origin["rank"],
             **({"world_size": world} if world is not None else {}),
-            bad_gradients=origin["bad"][:8], bad_gradient_count=len(origin["bad"]),
-            finding=origin["finding"], note=note,
+            bad_gradients=origin["bad"][:8],
+            bad_gradient_count=len(origin["bad"]),
+            finding=origin["finding"],
+            note=note,
         )

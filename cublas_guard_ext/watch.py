@@ -155,11 +155,19 @@ def check_pending() -> None:
         raise _typed(message)
 
 
-def _entry_error(role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]) -> errors.GuardError:
+def _entry_error(
+    role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]
+) -> errors.GuardError:
     nan, posinf, neginf, first = counts
     return errors.NonFiniteEntryError(
-        role=role, name=name, nan_count=nan, posinf_count=posinf, neginf_count=neginf,
-        first_bad_index=first, shape=list(tensor.shape), dtype=str(tensor.dtype),
+        role=role,
+        name=name,
+        nan_count=nan,
+        posinf_count=posinf,
+        neginf_count=neginf,
+        first_bad_index=first,
+        shape=list(tensor.shape),
+        dtype=str(tensor.dtype),
     )
 
 
@@ -246,7 +254,8 @@ class NonFiniteFromNowhereError(errors.GuardError, ValueError):
         return [
             f"argument: shape {list(f.get('shape') or [])} {f.get('dtype')} on {f.get('device')}, "
             f"first bad element at flat index {f.get('first_bad_index')}",
-            f"read in {f.get('phase', 'forward')}" + (f" in module '{f['module']}'" if f.get("module") else ""),
+            f"read in {f.get('phase', 'forward')}"
+            + (f" in module '{f['module']}'" if f.get("module") else ""),
         ]
 
     def _next_steps(self) -> list[str]:
@@ -292,7 +301,9 @@ def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _patched_capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
     if _native.active():
-        raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
+        raise WatchCaptureError(
+            when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)"
+        )
     return _originals["capture_begin"](self, *args, **kwargs)
 
 
@@ -343,7 +354,9 @@ class watch:
                     f"cublas_guard_ext.watch: mode must be 'sync', 'async' or None, got {mode!r}"
                 )
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"cublas_guard_ext.watch: model must be an nn.Module or None, got {type(model).__name__}")
+            raise TypeError(
+                f"cublas_guard_ext.watch: model must be an nn.Module or None, got {type(model).__name__}"
+            )
         if report is not None and report not in _REPORT_CODES:
             raise ValueError(
                 f"cublas_guard_ext.watch: report must be 'consequence', 'birth' or None, got {report!r}"
@@ -371,7 +384,10 @@ class watch:
 
     def _state_tensors(self) -> Iterable[tuple[str, str, torch.Tensor]]:
         assert self.model is not None
-        for role, items in (("parameter", self.model.named_parameters()), ("buffer", self.model.named_buffers())):
+        for role, items in (
+            ("parameter", self.model.named_parameters()),
+            ("buffer", self.model.named_buffers()),
+        ):
             for name, t in items:
                 if t.is_floating_point() and t.numel() > 0:
                     yield role, name, t
@@ -410,8 +426,11 @@ class watch:
                 continue
             if consequence:
                 if t.requires_grad and t.is_leaf and id(t) not in self._grad_hooked:
-                    self._hook_gradient(t, f"the gradient of the model's argument "
-                                           f"'{self._arg_name(module, args, kwargs, path)}'")
+                    self._hook_gradient(
+                        t,
+                        f"the gradient of the model's argument "
+                        f"'{self._arg_name(module, args, kwargs, path)}'",
+                    )
                 if not _native.known_finite(t):
                     name = self._arg_name(module, args, kwargs, path)
                     _native.entry(t, name, int(self._allowed_name(name)))  # judged by what it reaches
@@ -451,8 +470,11 @@ class watch:
         try:
             import inspect
 
-            params = [p for p in inspect.signature(module.forward).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            params = [
+                p
+                for p in inspect.signature(module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
             return params[int(key)].name + rest
         except (ValueError, TypeError, IndexError):
             return f"args[{key}]{rest}"
@@ -503,8 +525,10 @@ class watch:
                 self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
             state, state_names = [], []
             if self.model is not None:
-                for kind, items in (("parameter", self.model.named_parameters()),
-                                    ("buffer", self.model.named_buffers())):
+                for kind, items in (
+                    ("parameter", self.model.named_parameters()),
+                    ("buffer", self.model.named_buffers()),
+                ):
                     for name, t in items:
                         state.append(t)
                         state_names.append(name)
@@ -512,8 +536,17 @@ class watch:
                             self._hook_gradient(t, f"the gradient of parameter '{name}'")
             _install_patches()
             self._patched = True
-            _native.begin(_MODE_CODES[mode], names, allowed, self.allow_ops, clean,
-                          _REPORT_CODES[self.report], int(self.model is not None), state, state_names)
+            _native.begin(
+                _MODE_CODES[mode],
+                names,
+                allowed,
+                self.allow_ops,
+                clean,
+                _REPORT_CODES[self.report],
+                int(self.model is not None),
+                state,
+                state_names,
+            )
             if self.verify_inputs:
                 _native.set_verify(True)
         except BaseException:

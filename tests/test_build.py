@@ -42,7 +42,11 @@ SMOKE = textwrap.dedent(
 
 def run(code: str, env: dict[str, str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
 
@@ -125,7 +129,7 @@ def _elf_needed(path: str) -> list[str]:
 
     data = Path(path).read_bytes()
     assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF"
-    e_shoff, = struct.unpack_from("<Q", data, 0x28)
+    (e_shoff,) = struct.unpack_from("<Q", data, 0x28)
     e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
     dynamic = next(s for s in sections if s[1] == 6)  # SHT_DYNAMIC
@@ -137,7 +141,7 @@ def _elf_needed(path: str) -> list[str]:
             break
         if tag == 1:  # DT_NEEDED
             start = strtab[4] + value
-            names.append(data[start:data.index(b"\0", start)].decode())
+            names.append(data[start : data.index(b"\0", start)].decode())
     return names
 
 

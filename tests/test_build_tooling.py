@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,8 +50,14 @@ default lib.so
 """
 
 
-def write_project(tmp_path: Path, cxx: str, cflags: str = "", post: str = "", ldflags: str = "",
-                  a_body: str = "int a() { return 1; }\n") -> Path:
+def write_project(
+    tmp_path: Path,
+    cxx: str,
+    cflags: str = "",
+    post: str = "",
+    ldflags: str = "",
+    a_body: str = "int a() { return 1; }\n",
+) -> Path:
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     (src / "a.cpp").write_text(a_body)
@@ -117,7 +124,9 @@ def test_files_that_do_not_need_the_pch_do_not_wait_for_it(tmp_path: Path, monke
     # of ATen (they are what the PCH is for).
     monkeypatch.undo()
     assert _build.NO_PCH_SOURCES and _build.NO_PCH_SOURCES <= set(_build.CPU_SOURCES)
-    for name in _build.NO_PCH_SOURCES if _build.CSRC_DIR.is_dir() else ():  # (an installed build has no csrc/)
+    for name in (
+        _build.NO_PCH_SOURCES if _build.CSRC_DIR.is_dir() else ()
+    ):  # (an installed build has no csrc/)
         text = (_build.CSRC_DIR / name).read_text()
         assert "torch/library.h" not in text and "ATen/ATen.h" not in text, name
 
@@ -153,8 +162,9 @@ def test_progress_names_each_file_n_of_n_and_seconds(tmp_path: Path) -> None:
     build = write_project(tmp_path, fake_compiler(tmp_path, "sleep 0.4"))
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=False)
     stream = io.StringIO()
-    said = _build.run_ninja(str(build), "Error", stream=stream, verbose=False, heartbeat_s=0.25,
-                            title="test build")
+    said = _build.run_ninja(
+        str(build), "Error", stream=stream, verbose=False, heartbeat_s=0.25, title="test build"
+    )
     lines = stream.getvalue().splitlines()
     assert said
     assert all(line.startswith(_build.PROGRESS_PREFIX) for line in lines), lines
@@ -191,9 +201,14 @@ def test_the_precompiled_header_is_used(tmp_path: Path, monkeypatch) -> None:
     # A real compile with a small PCH: -H lists "! <file>.gch" when GCC uses a PCH,
     # and -Werror turns -Winvalid-pch (a rejected PCH) into a failure.
     monkeypatch.setattr(_build, "PCH_INCLUDES", ("vector", "string"))
-    build = write_project(tmp_path, "c++", cflags="-O2 -fPIC", post="-std=c++17 -H -Werror",
-                          ldflags="-shared",
-                          a_body="int a() { std::vector<std::string> v{\"x\"}; return (int)v.size(); }\n")
+    build = write_project(
+        tmp_path,
+        "c++",
+        cflags="-O2 -fPIC",
+        post="-std=c++17 -H -Werror",
+        ldflags="-shared",
+        a_body='int a() { std::vector<std::string> v{"x"}; return (int)v.size(); }\n',
+    )
     monkeypatch.setattr(_build, "NO_PCH_SOURCES", frozenset({"b.cpp"}))
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     stream = io.StringIO()
@@ -264,9 +279,13 @@ def test_the_jit_build_uses_the_keyed_directory(tmp_path: Path, monkeypatch) -> 
         lambda k: k.update(torch="9.9.9"),
         lambda k: k.update(torch_cuda="99.9"),  # differs from any real build
         # Another Python's suffix, whichever Python runs the test.
-        lambda k: k.update(python=next(s for s in (".cpython-312-x86_64-linux-gnu.so",
-                                                   ".cpython-313-x86_64-linux-gnu.so")
-                                       if s != k["python"])),
+        lambda k: k.update(
+            python=next(
+                s
+                for s in (".cpython-312-x86_64-linux-gnu.so", ".cpython-313-x86_64-linux-gnu.so")
+                if s != k["python"]
+            )
+        ),
         lambda k: k.update(cxx_flags=k["cxx_flags"] + ["-O0"]),
         lambda k: k.update(with_cuda=True),
     ],
@@ -280,7 +299,9 @@ def test_every_incompatibility_changes_the_name(monkeypatch, change) -> None:
     change(changed)
     monkeypatch.setattr(_build, "jit_cache_key", lambda build, prefix=None: changed)
     assert _build.jit_name(plan) != base
-    assert base.startswith(f"cublas_guard_ext_cpu_torch{torch.__version__.replace('.', '_').replace('+', '_')}_py")
+    assert base.startswith(
+        f"cublas_guard_ext_cpu_torch{torch.__version__.replace('.', '_').replace('+', '_')}_py"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -298,7 +319,9 @@ def fake_toolkit(tmp_path: Path, release: str, with_cublas: bool = False) -> Pat
     nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
     nvcc.chmod(0o755)
     major, minor = release.split(".")
-    (root / "include" / "cuda_runtime.h").write_text(f"#define FAKE_CUDART {int(major) * 1000 + int(minor) * 10}\n")
+    (root / "include" / "cuda_runtime.h").write_text(
+        f"#define FAKE_CUDART {int(major) * 1000 + int(minor) * 10}\n"
+    )
     (root / "include" / "crt" / "host_config.h").write_text("#define FAKE_TOOLKIT_CRT 1\n")
     if with_cublas:
         (root / "include" / "cublas_v2.h").write_text("#define FAKE_CUBLAS 0\n")
@@ -329,7 +352,13 @@ def cuda_facts(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(_toolkit, "cublas_include_dirs", lambda: [str(wheel)])
     monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # apply_env sets it
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    for name in ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CUDA_PATH", "FORCE_CUDA", "CUBLAS_GUARD_EXT_FORCE_CPU"):
+    for name in (
+        "TORCH_CUDA_ARCH_LIST",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "FORCE_CUDA",
+        "CUBLAS_GUARD_EXT_FORCE_CPU",
+    ):
         monkeypatch.setenv(name, "")  # recorded, so the test's own changes are undone too
         monkeypatch.delenv(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -343,20 +372,25 @@ def cuda_facts(tmp_path: Path, monkeypatch):
     return use
 
 
-def compile_like_torch(tmp_path: Path, plan: _build.BuildPlan, toolkit: Path,
-                       extra_includes: tuple[str, ...] = ()) -> "subprocess.CompletedProcess[str]":
+def compile_like_torch(
+    tmp_path: Path, plan: _build.BuildPlan, toolkit: Path, extra_includes: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     """Preprocess a file that includes cublas_v2.h the way torch's builders order the
     include path: the plan's dirs (-I), then torch's with the toolkit's (-isystem), then
     the plan's own flags (which carry the -idirafter dirs)."""
-    import subprocess
 
     source = tmp_path / "uses_cublas.cpp"
-    source.write_text("#include <cublas_v2.h>\n#include <crt/host_config.h>\n"
-                      "static_assert(FAKE_CUDART == 13000 && FAKE_CUBLAS == 1 && FAKE_TOOLKIT_CRT, \"\");\n")
-    command = ([os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only"]
-               + [f"-I{d}" for d in list(extra_includes) + plan.include_dirs]
-               + ["-isystem", str(toolkit / "include")]
-               + [f for f in plan.cxx_flags if f.startswith("-idirafter")] + [str(source)])
+    source.write_text(
+        "#include <cublas_v2.h>\n#include <crt/host_config.h>\n"
+        'static_assert(FAKE_CUDART == 13000 && FAKE_CUBLAS == 1 && FAKE_TOOLKIT_CRT, "");\n'
+    )
+    command = (
+        [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only"]
+        + [f"-I{d}" for d in list(extra_includes) + plan.include_dirs]
+        + ["-isystem", str(toolkit / "include")]
+        + [f for f in plan.cxx_flags if f.startswith("-idirafter")]
+        + [str(source)]
+    )
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
@@ -370,7 +404,9 @@ def test_only_the_headers_the_toolkit_lacks_come_from_the_wheel(tmp_path: Path, 
     assert Path(private).parent == tmp_path / "ext"
     # cuBLAS, cuBLASLt, cuSPARSE (ATen's CUDA headers include them); not the runtime's own.
     assert sorted(os.listdir(private)) == ["cublasLt.h", "cublas_api.h", "cublas_v2.h", "cusparse.h"]
-    assert os.readlink(os.path.join(private, "cublas_v2.h")) == os.path.join(os.path.realpath(wheel), "cublas_v2.h")
+    assert os.readlink(os.path.join(private, "cublas_v2.h")) == os.path.join(
+        os.path.realpath(wheel), "cublas_v2.h"
+    )
     assert f"-idirafter{private}" in plan.cxx_flags
     i = plan.nvcc_flags.index(f"-idirafter{private}")
     assert plan.nvcc_flags[i - 1] == "-Xcompiler"  # nvcc has no -idirafter of its own
@@ -465,8 +501,9 @@ def test_the_jit_key_is_the_same_before_and_after_apply_env(cuda_facts, monkeypa
 
 
 @pytest.mark.skipif(not _build.CSRC_DIR.is_dir(), reason="the JIT build needs csrc/ (a source checkout)")
-def test_a_failed_cuda_jit_build_falls_back_to_cpu_and_remembers(tmp_path: Path, cuda_facts, monkeypatch,
-                                                                 capsys) -> None:
+def test_a_failed_cuda_jit_build_falls_back_to_cpu_and_remembers(
+    tmp_path: Path, cuda_facts, monkeypatch, capsys
+) -> None:
     from cublas_guard_ext.errors import ExtensionBuildError
 
     cuda_facts("13.2", with_cublas=True)

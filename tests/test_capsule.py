@@ -43,10 +43,16 @@ def recompute(data: dict) -> torch.Tensor:
     as the column-major m x n matrix cuBLAS would have written."""
     call, ops = data["call"], data["gemm_operands"]
     m, n, k = call["m"], call["n"], call["k"]
-    a = (column_major(ops["a"]["values"], k, m, call["lda"]).t() if call["transa"] == "T"
-         else column_major(ops["a"]["values"], m, k, call["lda"]))
-    b = (column_major(ops["b"]["values"], n, k, call["ldb"]).t() if call["transb"] == "T"
-         else column_major(ops["b"]["values"], k, n, call["ldb"]))
+    a = (
+        column_major(ops["a"]["values"], k, m, call["lda"]).t()
+        if call["transa"] == "T"
+        else column_major(ops["a"]["values"], m, k, call["lda"])
+    )
+    b = (
+        column_major(ops["b"]["values"], n, k, call["ldb"]).t()
+        if call["transb"] == "T"
+        else column_major(ops["b"]["values"], k, n, call["ldb"])
+    )
     c = column_major(ops["c"]["values"], m, n, call["ldc"])
     return call["alpha"] * (a @ b) + call["beta"] * c
 
@@ -63,16 +69,35 @@ def failing_forward(inject_fault, status: int = 13, layer=None, x=None) -> tuple
 def test_a_forward_failure_writes_a_capsule(folder, inject_fault) -> None:
     err, (x, w, b) = failing_forward(inject_fault)
     assert err.capsule is not None and os.path.dirname(err.capsule) == str(folder)
-    assert f"capsule: {err.capsule} (replay the call alone: python -m cublas_guard_ext replay " \
-           f"{err.capsule})" in str(err)
+    assert (
+        f"capsule: {err.capsule} (replay the call alone: python -m cublas_guard_ext replay "
+        f"{err.capsule})" in str(err)
+    )
     data = torch.load(err.capsule, weights_only=True)  # plain data: no code runs
     assert data["format"] == capsule.FORMAT and data["error_class"] == "CublasError"
     assert (data["status"], data["status_name"], data["layer"], data["phase"]) == (
-        13, "CUBLAS_STATUS_EXECUTION_FAILED", NAME, "forward")
+        13,
+        "CUBLAS_STATUS_EXECUTION_FAILED",
+        NAME,
+        "forward",
+    )
     assert isinstance(data["call_number"], int) and data["call_number"] >= 1
     call = data["call"]
-    for key in ("transa", "transb", "m", "n", "k", "lda", "ldb", "ldc", "alpha", "beta", "data_type",
-                "compute_type", "math_mode"):
+    for key in (
+        "transa",
+        "transb",
+        "m",
+        "n",
+        "k",
+        "lda",
+        "ldb",
+        "ldc",
+        "alpha",
+        "beta",
+        "data_type",
+        "compute_type",
+        "math_mode",
+    ):
         assert call[key] == err.fields[key], key
     assert (call["routine"], call["dtype"], call["source"]) == (err.api, "torch.float32", "recorded")
     assert (call["m"], call["n"], call["k"], call["beta"]) == (5, 3, 12, 1.0)
@@ -82,8 +107,9 @@ def test_a_forward_failure_writes_a_capsule(folder, inject_fault) -> None:
         entry = data["gemm_operands"][name]
         assert entry["dtype"] == "torch.float32" and entry["alignment"] >= 4
         assert entry["values"].dtype == torch.float32
-    torch.testing.assert_close(recompute(data).t(), F.linear(x.double(), w.double(), b.double()),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        recompute(data).t(), F.linear(x.double(), w.double(), b.double()), rtol=1e-12, atol=1e-12
+    )
     # The user's tensors of the call, described.
     assert data["call_operands"]["input"]["shape"] == [3, 12]
     assert data["call_operands"]["weight"]["strides"] == [12, 1]
@@ -112,8 +138,11 @@ def test_a_backward_failure_writes_a_capsule(folder, inject_fault, needs: str) -
     assert err.purpose == needs and err.capsule and err.capsule in str(err)
     data = torch.load(err.capsule, weights_only=True)
     assert data["phase"] == needs and data["status"] == 14 and data["values"] == "values"
-    expected = g.double() @ layer.weight.detach().double() if needs == "grad_input" \
+    expected = (
+        g.double() @ layer.weight.detach().double()
+        if needs == "grad_input"
         else g.double().t() @ x.detach().double()
+    )
     torch.testing.assert_close(recompute(data).t(), expected, rtol=1e-12, atol=1e-12)
     names = {"grad_input": {"grad_output", "weight"}, "grad_weight": {"grad_output", "input"}}[needs]
     assert set(data["call_operands"]) == names
@@ -143,6 +172,7 @@ def test_an_unwritable_folder_leaves_the_error_intact(tmp_path, folder, inject_f
     lines = str(err).splitlines()
     note = [line for line in lines if "capsule" in line]
     assert note == [f"  capsule: not written ({err.capsule_note})"]
+
     # The same message otherwise; the output (operand C) is a new allocation on each call,
     # so its alignment may differ between the two.
     def same(text_lines):
@@ -169,7 +199,10 @@ def test_values_over_the_cap_are_kept_as_statistics(folder, inject_fault, monkey
     assert (stats_b["min"], stats_b["max"]) == (finite.min().item(), finite.max().item())
     assert stats_b["sha256"] == hashlib.sha256(bytes(x.contiguous().untyped_storage())).hexdigest()
     stats_a = ops["a"]["statistics"]
-    assert stats_a["sha256"] == hashlib.sha256(bytes(layer.weight.detach().clone().untyped_storage())).hexdigest()
+    assert (
+        stats_a["sha256"]
+        == hashlib.sha256(bytes(layer.weight.detach().clone().untyped_storage())).hexdigest()
+    )
     assert stats_a["nan_count"] == 0
 
 
@@ -196,18 +229,28 @@ def test_an_error_around_the_gemm_records_the_planned_call(folder, phase: str) -
     GEMM the guarded call was about to run, planned from its operands (here checked by
     recomputing it from the stored buffers)."""
     x, w, b, g = torch.randn(5, 3, 6), torch.randn(4, 6), torch.randn(4), torch.randn(5, 3, 4)
-    operands = {"forward": {"input": x, "weight": w, "bias": b},
-                "grad_input": {"grad_output": g, "weight": w},
-                "grad_weight": {"grad_output": g, "input": x}}[phase]
-    err = _payload_error("pending_cuda", stage="before the guarded call", cuda_error="cudaErrorAssert",
-                         cuda_error_code=710, cuda_error_string="device-side assert triggered")
+    operands = {
+        "forward": {"input": x, "weight": w, "bias": b},
+        "grad_input": {"grad_output": g, "weight": w},
+        "grad_weight": {"grad_output": g, "input": x},
+    }[phase]
+    err = _payload_error(
+        "pending_cuda",
+        stage="before the guarded call",
+        cuda_error="cudaErrorAssert",
+        cuda_error_code=710,
+        cuda_error_string="device-side assert triggered",
+    )
     errors.attach_capsule(err, {"phase": phase, "call_number": 9, "operands": operands, "buffers": {}})
     data = capsule.load(err.capsule)
     assert data["call"]["source"] == "planned" and data["call_number"] == 9
     assert data["call"]["routine"] == "torch CPU addmm"
     x, w, b, g = x.double(), w.double(), b.double(), g.double()
-    expected = {"forward": F.linear(x, w, b).reshape(15, 4), "grad_input": g.reshape(15, 4) @ w,
-                "grad_weight": g.reshape(15, 4).t() @ x.reshape(15, 6)}[phase]
+    expected = {
+        "forward": F.linear(x, w, b).reshape(15, 4),
+        "grad_input": g.reshape(15, 4) @ w,
+        "grad_weight": g.reshape(15, 4).t() @ x.reshape(15, 6),
+    }[phase]
     torch.testing.assert_close(recompute(data).t(), expected, rtol=1e-12, atol=1e-12)
     assert "planned from its operands" in cg.replay(err.capsule)["verdict"]
 
@@ -217,10 +260,16 @@ def test_unreadable_operands_replay_on_synthetic_values(folder) -> None:
     layout and says so, and the replay says it ran on synthetic values (meta tensors
     stand in for unreadable ones here)."""
     x, w = torch.empty(3, 6, device="meta"), torch.empty(4, 6, device="meta")
-    err = _payload_error("cuda_launch", kernel="scan", cuda_error="cudaErrorNoKernelImageForDevice",
-                         cuda_error_code=209, cuda_error_string="no kernel image")
-    errors.attach_capsule(err, {"phase": "forward", "call_number": 1, "operands": {"input": x, "weight": w},
-                                "buffers": {}})
+    err = _payload_error(
+        "cuda_launch",
+        kernel="scan",
+        cuda_error="cudaErrorNoKernelImageForDevice",
+        cuda_error_code=209,
+        cuda_error_string="no kernel image",
+    )
+    errors.attach_capsule(
+        err, {"phase": "forward", "call_number": 1, "operands": {"input": x, "weight": w}, "buffers": {}}
+    )
     data = capsule.load(err.capsule)
     assert data["values"] == "unreadable"
     assert all("unreadable" in data["gemm_operands"][n] for n in "abc")
@@ -269,9 +318,13 @@ def test_replay_reproduced_with_the_fault_and_not_without(folder, inject_fault, 
 
 def test_replay_cli(folder, inject_fault) -> None:
     err, _ = failing_forward(inject_fault)
-    out = subprocess.run([sys.executable, "-m", "cublas_guard_ext", "replay", err.capsule, "--json"],
-                         capture_output=True, text=True, timeout=600,
-                         env=_fresh_env(CUBLAS_GUARD_EXT_FAULT="gemm:7:100"))
+    out = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "replay", err.capsule, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_fresh_env(CUBLAS_GUARD_EXT_FAULT="gemm:7:100"),
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert {"reproduced", "verdict", "variants", "call"} <= set(report)
@@ -279,35 +332,60 @@ def test_replay_cli(folder, inject_fault) -> None:
     assert all(set(v) >= {"name", "status"} for v in report["variants"])
     # With 100 faults armed the contiguous copies fail too.
     assert {v["name"]: v["status"] for v in report["variants"]}["contiguous copies"] == "failed"
-    text = subprocess.run([sys.executable, "-m", "cublas_guard_ext", "replay", err.capsule],
-                          capture_output=True, text=True, timeout=600, env=_fresh_env())
+    text = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "replay", err.capsule],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_fresh_env(),
+    )
     assert text.returncode == 0 and "NOT REPRODUCED" in text.stdout
-    bad = subprocess.run([sys.executable, "-m", "cublas_guard_ext", "replay", str(folder / "none.pt")],
-                         capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "replay", str(folder / "none.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 2 and "cannot read" in bad.stderr
 
 
-@pytest.mark.parametrize("spec,expect", [
-    ("gemm:7:1", "CUBLAS_STATUS_INVALID_VALUE"),
-    ("launch:209:1,gemm:14:2", "CUBLAS_STATUS_INTERNAL_ERROR"),
-])
+@pytest.mark.parametrize(
+    "spec,expect",
+    [
+        ("gemm:7:1", "CUBLAS_STATUS_INVALID_VALUE"),
+        ("launch:209:1,gemm:14:2", "CUBLAS_STATUS_INTERNAL_ERROR"),
+    ],
+)
 def test_a_fresh_process_takes_its_fault_from_the_environment(spec: str, expect: str) -> None:
     code = "import torch, cublas_guard_ext as cg; cg.SafeLinear(4, 2)(torch.randn(3, 4))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=_fresh_env(CUBLAS_GUARD_EXT_FAULT=spec, CUBLAS_GUARD_CAPSULE="0"))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_fresh_env(CUBLAS_GUARD_EXT_FAULT=spec, CUBLAS_GUARD_CAPSULE="0"),
+    )
     assert out.returncode != 0 and expect in out.stderr and "CublasError" in out.stderr
 
 
-@pytest.mark.parametrize("spec,testing,message", [
-    ("gemm:13", "1", "ignoring CUBLAS_GUARD_EXT_FAULT entry 'gemm:13': expected site:code:times"),
-    ("nowhere:13:1", "1", "unknown fault site 'nowhere'"),
-    ("gemm:x:1", "1", "ignoring CUBLAS_GUARD_EXT_FAULT entry 'gemm:x:1'"),
-    ("gemm:13:1", None, "CUBLAS_GUARD_EXT_FAULT is ignored without CUBLAS_GUARD_EXT_TESTING=1"),
-])
+@pytest.mark.parametrize(
+    "spec,testing,message",
+    [
+        ("gemm:13", "1", "ignoring CUBLAS_GUARD_EXT_FAULT entry 'gemm:13': expected site:code:times"),
+        ("nowhere:13:1", "1", "unknown fault site 'nowhere'"),
+        ("gemm:x:1", "1", "ignoring CUBLAS_GUARD_EXT_FAULT entry 'gemm:x:1'"),
+        ("gemm:13:1", None, "CUBLAS_GUARD_EXT_FAULT is ignored without CUBLAS_GUARD_EXT_TESTING=1"),
+    ],
+)
 def test_a_bad_environment_fault_is_named_and_ignored(spec: str, testing, message: str) -> None:
     code = "import torch, cublas_guard_ext as cg; print(cg.SafeLinear(4, 2)(torch.randn(3, 4)).shape)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=_fresh_env(CUBLAS_GUARD_EXT_FAULT=spec, CUBLAS_GUARD_EXT_TESTING=testing))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_fresh_env(CUBLAS_GUARD_EXT_FAULT=spec, CUBLAS_GUARD_EXT_TESTING=testing),
+    )
     assert out.returncode == 0, out.stderr
     assert message in out.stderr and "torch.Size([3, 2])" in out.stdout
 
@@ -349,9 +427,15 @@ def test_a_real_earlier_kernel_failure_replays_as_not_reproduced(tmp_path) -> No
         "try:\n"
         "    lin(emb(torch.tensor([3, 12], device='cuda'))); torch.cuda.synchronize()\n"
         "except cg.PendingCudaError as err:\n"
-        "    print('CAPSULE', err.capsule)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env=_fresh_env(CUBLAS_GUARD_CAPSULE_DIR=str(tmp_path), CUBLAS_GUARD_EXT_FAULT=None))
+        "    print('CAPSULE', err.capsule)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_fresh_env(CUBLAS_GUARD_CAPSULE_DIR=str(tmp_path), CUBLAS_GUARD_EXT_FAULT=None),
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("CAPSULE ")]
     assert lines, out.stdout + out.stderr
     path = lines[0].split(" ", 1)[1]
@@ -366,8 +450,10 @@ def test_a_real_earlier_kernel_failure_replays_as_not_reproduced(tmp_path) -> No
 
 @torch.library.custom_op("capsuletest::failing_mm", mutates_args=())
 def _failing_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, "
-                       "opa, opb, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc)`")
+    raise RuntimeError(
+        "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, "
+        "opa, opb, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc)`"
+    )
 
 
 @_failing_mm.register_fake

@@ -38,8 +38,10 @@ def test_speedup_rows_use_the_inverse_ratio() -> None:
 
 
 def test_the_table_withholds_noisy_ratios() -> None:
-    rows = [bench.Row("sync", 10.0, 13.0, (1.28, 1.30, 1.33)),
-            bench.Row("off", 10.0, 10.3, (0.97, 1.03, 1.08))]
+    rows = [
+        bench.Row("sync", 10.0, 13.0, (1.28, 1.30, 1.33)),
+        bench.Row("off", 10.0, 10.3, (0.97, 1.03, 1.08)),
+    ]
     lines = bench.format_table(rows, "nn.Linear", "SafeLinear").splitlines()
     assert lines[0].split() == ["case", "nn.Linear", "SafeLinear", "ratio", "noise"]
     assert "1.30x" in lines[1] and lines[1].endswith("+-0.03")
@@ -79,7 +81,10 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
     env = {**os.environ, "CUBLAS_GUARD_MODE": mode}
     result = subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "demo", "--steps", "3", "--no-bench"],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"guard mode: {mode}" in result.stdout
@@ -116,7 +121,8 @@ def test_demo_sections_catch_their_own_errors(mode: str) -> None:
     from cublas_guard_ext.tools import _minilm
 
     module = "0.model.encoder.layer.3.intermediate" if _minilm.available() else ""
-    assert re.search(r"aten\.log\.default in module '[^']*" + re.escape(module) + r"[^']*' \(forward\)",
-                     result.stdout), result.stdout
+    assert re.search(
+        r"aten\.log\.default in module '[^']*" + re.escape(module) + r"[^']*' \(forward\)", result.stdout
+    ), result.stdout
     assert "(backward)" in sections[next(k for k in sections if k.startswith("a planted sqrt"))]
     assert "the guard caught 7 bad inputs" in result.stdout

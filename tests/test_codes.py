@@ -17,10 +17,20 @@ _ENUM = re.compile(r"enum\s+(?:class\s+)?(\w+)\s*:\s*int64_t\s*\{([^}]*)\}")
 _ENUMERATOR = re.compile(r"(k\w+)\s*=\s*(-?\d+)")
 _CONSTANT = re.compile(r"constexpr\s+(?:int|int64_t)\s+(kMode\w+|kRole\w+)\s*=\s*(-?\d+)")
 # What C++ calls each code ("kSync" in GuardMode, "kModeSync" elsewhere, "kRoleGradOutput").
-_MODE_NAMES = {"kOff": "off", "kSync": "sync", "kAsync": "async",
-               "kModeOff": "off", "kModeSync": "sync", "kModeAsync": "async"}
-_ROLE_NAMES = {"kRoleInput": "input", "kRoleWeight": "weight", "kRoleBias": "bias",
-               "kRoleGradOutput": "grad_output"}
+_MODE_NAMES = {
+    "kOff": "off",
+    "kSync": "sync",
+    "kAsync": "async",
+    "kModeOff": "off",
+    "kModeSync": "sync",
+    "kModeAsync": "async",
+}
+_ROLE_NAMES = {
+    "kRoleInput": "input",
+    "kRoleWeight": "weight",
+    "kRoleBias": "bias",
+    "kRoleGradOutput": "grad_output",
+}
 
 
 def cpp_codes(root: Path = CSRC) -> list[tuple[str, str, str, int]]:
@@ -52,8 +62,9 @@ def disagreements(root: Path = CSRC) -> list[str]:
 
 def test_csrc_agrees_with_codes_py() -> None:
     found = cpp_codes()
-    assert {("guard.h", "kSync", "mode", 1), ("report/async_record.h", "kRoleGradOutput", "role", 3)} <= \
-        {(w, n, k, v) for w, n, k, v in found}
+    assert {("guard.h", "kSync", "mode", 1), ("report/async_record.h", "kRoleGradOutput", "role", 3)} <= {
+        (w, n, k, v) for w, n, k, v in found
+    }
     assert {n for _, n, k, _ in found if k == "mode"} >= {"kOff", "kSync", "kAsync"}
     assert {n for _, n, k, _ in found if k == "role"} == set(_ROLE_NAMES)
     assert disagreements() == []
@@ -78,10 +89,18 @@ def test_the_python_side_uses_codes_py() -> None:
     assert (_transforms._MODE_OFF, _transforms._ROLE_GRAD_OUTPUT) == (codes.MODE_OFF, codes.ROLE_GRAD_OUTPUT)
     # SafeLinear's TorchScript branch writes the codes as literals (TorchScript takes no global ints).
     source = Path(guarded_nn.__file__).read_text()
-    match = re.search(r'code = (\d+) if mode is None else \((\d+) if mode == "off" else '
-                      r'\((\d+) if mode == "async" else (\d+)\)\)', source)
+    match = re.search(
+        r'code = (\d+) if mode is None else \((\d+) if mode == "off" else '
+        r'\((\d+) if mode == "async" else (\d+)\)\)',
+        source,
+    )
     assert match, "SafeLinear's TorchScript mode line changed: update this test"
     default, off, async_, other = (int(v) for v in match.groups())
-    assert (default, off, async_, other) == (codes.MODE_SYNC, codes.MODE_OFF, codes.MODE_ASYNC, codes.MODE_SYNC)
+    assert (default, off, async_, other) == (
+        codes.MODE_SYNC,
+        codes.MODE_OFF,
+        codes.MODE_ASYNC,
+        codes.MODE_SYNC,
+    )
     watch_module = importlib.import_module("cublas_guard_ext.watch")  # the package's `watch` is the class
     assert watch_module._MODE_CODES == {"sync": codes.MODE_SYNC, "async": codes.MODE_ASYNC}

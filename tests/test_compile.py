@@ -12,6 +12,7 @@ import torch._dynamo
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches
 
 NAN = float("nan")

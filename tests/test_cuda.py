@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+
 from conftest import HAS_CUDA, assert_matches, gemm_spans
 
 pytestmark = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and the CUDA build")
@@ -229,8 +230,13 @@ def _cudart():
     from pathlib import Path
 
     torch.cuda.init()
-    paths = sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                    if "libcudart.so" in line})
+    paths = sorted(
+        {
+            line.split()[-1]
+            for line in Path("/proc/self/maps").read_text().splitlines()
+            if "libcudart.so" in line
+        }
+    )
     if not paths:
         pytest.skip("torch's CUDA runtime is linked statically: no libcudart to call")
     return ctypes.CDLL(paths[0])

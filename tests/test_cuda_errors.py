@@ -16,20 +16,31 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches, requires_cuda
 
 # cudaError_t values, written out from driver_types.h (not taken from the product).
 INVALID_VALUE, MEMORY_ALLOCATION, NO_KERNEL_IMAGE = 1, 2, 209
 NOT_READY, CAPTURE_UNSUPPORTED = 600, 900
 INVALID_DEVICE = 101  # cudaErrorInvalidDevice
-STICKY = {214: "ECCUncorrectable", 700: "IllegalAddress", 702: "LaunchTimeout", 710: "Assert",
-          714: "HardwareStackError", 715: "IllegalInstruction", 716: "MisalignedAddress",
-          717: "InvalidAddressSpace", 718: "InvalidPc", 719: "LaunchFailure"}
+STICKY = {
+    214: "ECCUncorrectable",
+    700: "IllegalAddress",
+    702: "LaunchTimeout",
+    710: "Assert",
+    714: "HardwareStackError",
+    715: "IllegalInstruction",
+    716: "MisalignedAddress",
+    717: "InvalidAddressSpace",
+    718: "InvalidPc",
+    719: "LaunchFailure",
+}
 NOT_STICKY = [INVALID_VALUE, MEMORY_ALLOCATION, NO_KERNEL_IMAGE, NOT_READY, CAPTURE_UNSUPPORTED]
 
 
-def simulate(stage: str, last: int = 0, context: int = 0, busy: bool = False,
-             capturing: bool = False) -> dict[str, int]:
+def simulate(
+    stage: str, last: int = 0, context: int = 0, busy: bool = False, capturing: bool = False
+) -> dict[str, int]:
     result = torch.ops.cublas_guard_testing.simulate_cuda_errors(stage, last, context, busy, capturing)
     return dict(zip(("reported", "left", "queries", "capture_invalidated", "next_call"), result))
 
@@ -38,7 +49,12 @@ def test_a_torch_failure_on_a_busy_stream_leaves_no_error_for_the_next_call() ->
     """The defect: the query's cudaErrorNotReady stayed the thread's last error, and every later
     sync-mode call reported it as "left by an earlier CUDA kernel"."""
     assert simulate("failure", busy=True) == {
-        "reported": 0, "left": 0, "queries": 1, "capture_invalidated": 0, "next_call": 0}
+        "reported": 0,
+        "left": 0,
+        "queries": 1,
+        "capture_invalidated": 0,
+        "next_call": 0,
+    }
 
 
 @pytest.mark.parametrize("code", NOT_STICKY)
@@ -66,7 +82,12 @@ def test_a_stream_being_captured_is_never_queried() -> None:
 
 def test_a_clean_state_reports_nothing() -> None:
     assert simulate("before") == {
-        "reported": 0, "left": 0, "queries": 0, "capture_invalidated": 0, "next_call": 0}
+        "reported": 0,
+        "left": 0,
+        "queries": 0,
+        "capture_invalidated": 0,
+        "next_call": 0,
+    }
     assert simulate("failure")["reported"] == 0
 
 

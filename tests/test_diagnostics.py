@@ -18,6 +18,7 @@ import cublas_guard_ext as cg
 from cublas_guard_ext import errors
 from cublas_guard_ext._native import facts
 from cublas_guard_ext.tools import doctor
+
 from conftest import assert_matches
 
 STATUSES = {"OK", "WARN", "FAIL", "SKIP"}
@@ -26,7 +27,9 @@ STATUSES = {"OK", "WARN", "FAIL", "SKIP"}
 def run_doctor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "doctor", *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -37,8 +40,10 @@ def test_doctor_json_is_valid_and_complete() -> None:
     assert set(report) == {"summary", "checks", "environment"}
     statuses = [c["status"] for c in report["checks"]]
     assert report["summary"] == {
-        "failed": statuses.count("FAIL"), "warnings": statuses.count("WARN"),
-        "skipped": statuses.count("SKIP"), "ok": statuses.count("OK"),
+        "failed": statuses.count("FAIL"),
+        "warnings": statuses.count("WARN"),
+        "skipped": statuses.count("SKIP"),
+        "ok": statuses.count("OK"),
     }
     assert sum(report["summary"].values()) == len(statuses)
     names = [c["name"] for c in report["checks"]]
@@ -82,8 +87,14 @@ def test_cpu_only_torch_reports_tf32_and_launch_blocking_not_applicable() -> Non
 @pytest.mark.parametrize("blocking", [None, "1", "0"])
 @pytest.mark.parametrize("tf32", [False, True])
 def test_no_ok_row_carries_a_fix(blocking, tf32, monkeypatch) -> None:
-    env = gpu_env(**{"tf32": {"torch.backends.cuda.matmul.allow_tf32": tf32,
-                              "torch.get_float32_matmul_precision()": "highest"}})
+    env = gpu_env(
+        **{
+            "tf32": {
+                "torch.backends.cuda.matmul.allow_tf32": tf32,
+                "torch.get_float32_matmul_precision()": "highest",
+            }
+        }
+    )
     env["env"]["CUDA_LAUNCH_BLOCKING"] = blocking
     for environment in (env, gpu_env(torch_cuda=None, cuda_available=False, devices=[])):
         items = doctor.checks(environment, probe=False)
@@ -94,8 +105,9 @@ def test_no_ok_row_carries_a_fix(blocking, tf32, monkeypatch) -> None:
         assert "rerun with CUDA_LAUNCH_BLOCKING=1" in launch.reason
 
 
-@pytest.mark.parametrize("value,status", [(None, "OK"), ("async", "OK"), (" Off ", "OK"),
-                                          ("asnyc", "FAIL"), ("1", "FAIL")])
+@pytest.mark.parametrize(
+    "value,status", [(None, "OK"), ("async", "OK"), (" Off ", "OK"), ("asnyc", "FAIL"), ("1", "FAIL")]
+)
 def test_the_guard_mode_variable_is_checked(value, status, monkeypatch) -> None:
     if value is None:
         monkeypatch.delenv("CUBLAS_GUARD_MODE", raising=False)
@@ -111,7 +123,10 @@ def test_the_guard_mode_variable_is_checked(value, status, monkeypatch) -> None:
 def test_doctor_fails_on_an_invalid_guard_mode() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "doctor", "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
     )
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
@@ -119,8 +134,15 @@ def test_doctor_fails_on_an_invalid_guard_mode() -> None:
     assert check["status"] == "FAIL" and report["summary"]["failed"] >= 1
     # ...and it is right: a SafeLinear without its own mode does raise with that setting.
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch, cublas_guard_ext as cg; cg.SafeLinear(4, 2)(torch.randn(3, 4))"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
+        [
+            sys.executable,
+            "-c",
+            "import torch, cublas_guard_ext as cg; cg.SafeLinear(4, 2)(torch.randn(3, 4))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUBLAS_GUARD_MODE": "asnyc"},
     )
     assert probe.returncode != 0 and "ValueError" in probe.stderr
 
@@ -128,18 +150,38 @@ def test_doctor_fails_on_an_invalid_guard_mode() -> None:
 def gpu_env(**changes) -> dict:
     """A synthetic environment of a machine with one GPU, for the GPU-side checks."""
     env = {
-        "python": "3.11", "platform": "linux", "torch": torch.__version__, "torch_cuda": "13.0",
-        "torch_arch_list": ["sm_80", "sm_90"], "cuda_available": True,
-        "tf32": {"torch.backends.cuda.matmul.allow_tf32": False,
-                 "torch.get_float32_matmul_precision()": "highest"},
+        "python": "3.11",
+        "platform": "linux",
+        "torch": torch.__version__,
+        "torch_cuda": "13.0",
+        "torch_arch_list": ["sm_80", "sm_90"],
+        "cuda_available": True,
+        "tf32": {
+            "torch.backends.cuda.matmul.allow_tf32": False,
+            "torch.get_float32_matmul_precision()": "highest",
+        },
         "env": {name: None for name in facts.ENV_VARS},
-        "extension": {"built_with_torch": torch.__version__, "cuda_compiled": True,
-                      "built_archs": "800,900", "cudart_runtime_version": 13000,
-                      "driver_version": 13000, "kind": "prebuilt", "path": "/x/_C.so"},
+        "extension": {
+            "built_with_torch": torch.__version__,
+            "cuda_compiled": True,
+            "built_archs": "800,900",
+            "cudart_runtime_version": 13000,
+            "driver_version": 13000,
+            "kind": "prebuilt",
+            "path": "/x/_C.so",
+        },
         "libraries": ["/nv/lib/libcublas.so.13.1.1", "/nv/lib/libcublasLt.so.13.1.1"],
-        "devices": [{"index": 0, "name": "NVIDIA H200", "compute_capability": "9.0",
-                     "free_memory": 100 << 30, "total_memory": 140 << 30,
-                     "torch_allocated": 0, "torch_reserved": 0}],
+        "devices": [
+            {
+                "index": 0,
+                "name": "NVIDIA H200",
+                "compute_capability": "9.0",
+                "free_memory": 100 << 30,
+                "total_memory": 140 << 30,
+                "torch_allocated": 0,
+                "torch_reserved": 0,
+            }
+        ],
     }
     for path, value in changes.items():
         target = env
@@ -170,14 +212,31 @@ def test_healthy_gpu_environment_passes() -> None:
         ({"extension.driver_version": 12020}, "driver vs runtime", "FAIL", "driver supports CUDA 12.2"),
         ({"devices.0.free_memory": 10 << 20}, "GPU memory", "FAIL", "0.01 GiB free"),
         ({"devices.0.free_memory": 2 << 30}, "GPU memory", "WARN", "2.00 GiB free"),
-        ({"libraries": ["/a/libcublas.so.13", "/b/libcublas.so.12", "/a/libcublasLt.so.13"]},
-         "cuBLAS libraries", "FAIL", "several copies"),
-        ({"libraries": ["/a/libcublas.so.13.1", "/b/libcublasLt.so.12.8"]},
-         "cuBLAS libraries", "WARN", "mismatched pair"),
+        (
+            {"libraries": ["/a/libcublas.so.13", "/b/libcublas.so.12", "/a/libcublasLt.so.13"]},
+            "cuBLAS libraries",
+            "FAIL",
+            "several copies",
+        ),
+        (
+            {"libraries": ["/a/libcublas.so.13.1", "/b/libcublasLt.so.12.8"]},
+            "cuBLAS libraries",
+            "WARN",
+            "mismatched pair",
+        ),
         ({"extension.built_with_torch": "1.13.0"}, "extension build", "FAIL", "rebuild"),
         ({"extension.cuda_compiled": False}, "extension CUDA kernels", "FAIL", "without CUDA"),
-        ({"tf32": {"torch.backends.cuda.matmul.allow_tf32": True,
-                   "torch.get_float32_matmul_precision()": "high"}}, "TF32", "WARN", "allow_tf32 = False"),
+        (
+            {
+                "tf32": {
+                    "torch.backends.cuda.matmul.allow_tf32": True,
+                    "torch.get_float32_matmul_precision()": "high",
+                }
+            },
+            "TF32",
+            "WARN",
+            "allow_tf32 = False",
+        ),
     ],
 )
 def test_each_gpu_problem_is_named(changes, item, status, text) -> None:
@@ -196,8 +255,14 @@ def test_doctor_exit_status_is_non_zero_on_fail(monkeypatch, capsys) -> None:
 
 @pytest.mark.parametrize(
     "cc,archs,status",
-    [((9, 0), ["sm_90"], "OK"), ((8, 6), ["sm_80"], "OK"), ((8, 0), ["sm_86"], "FAIL"),
-     ((9, 0), ["sm_80", "compute_80"], "WARN"), ((10, 0), ["sm_90"], "FAIL"), ((7, 5), [], "FAIL")],
+    [
+        ((9, 0), ["sm_90"], "OK"),
+        ((8, 6), ["sm_80"], "OK"),
+        ((8, 0), ["sm_86"], "FAIL"),
+        ((9, 0), ["sm_80", "compute_80"], "WARN"),
+        ((10, 0), ["sm_90"], "FAIL"),
+        ((7, 5), [], "FAIL"),
+    ],
 )
 def test_arch_support(cc, archs, status) -> None:
     assert facts.arch_support(cc, archs)[0] == status
@@ -238,12 +303,21 @@ def test_alloc_failed_is_an_out_of_memory_error(device: str, inject_fault, statu
 
 
 def test_memory_fields_are_formatted() -> None:
-    err = errors.from_payload({
-        "kind": "out_of_memory", "layer": "big", "stage": "the forward GEMM's output",
-        "bytes_requested": 3 << 30, "free_bytes": 1536 << 20, "total_bytes": 80 << 30,
-        "torch_allocated_bytes": 70 << 30, "torch_reserved_bytes": 75 << 30,
-        "workspace_bytes": 32 << 20, "device": "cuda:0", "environment": {"torch": "x"},
-    })
+    err = errors.from_payload(
+        {
+            "kind": "out_of_memory",
+            "layer": "big",
+            "stage": "the forward GEMM's output",
+            "bytes_requested": 3 << 30,
+            "free_bytes": 1536 << 20,
+            "total_bytes": 80 << 30,
+            "torch_allocated_bytes": 70 << 30,
+            "torch_reserved_bytes": 75 << 30,
+            "workspace_bytes": 32 << 20,
+            "device": "cuda:0",
+            "environment": {"torch": "x"},
+        }
+    )
     assert isinstance(err, torch.OutOfMemoryError) and isinstance(err, cg.OutOfMemoryError)
     text = str(err)
     assert "(3.00 GiB requested)" in text

@@ -74,8 +74,13 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
     torch.set_num_threads(1)
     # "stay" measures the timeout itself; the others must finish (or fail) well before it.
     timeout = GLOO_TIMEOUT_S if scenario == "stay" else LONG_TIMEOUT_S
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=timeout),
+    )
     result: dict = {"rank": rank, "scenario": scenario, "steps_done": 0, "skipped": []}
     start = time.monotonic()
 
@@ -120,15 +125,21 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
             # then the "agree" pattern, with a bad batch on rank 1 (one process launch for both)
             agreed = cg.name_layers(cg.replace_linear(make_model()), prefix=f"rank{rank}")
             agreed = train(agreed, poison=True, agree=True)
-            torch.save({"plain": plain.state_dict(), "safe": safe.state_dict(),
-                        "agreed": agreed.state_dict()}, Path(out_dir, f"rank{rank}.pt"))
+            torch.save(
+                {"plain": plain.state_dict(), "safe": safe.state_dict(), "agreed": agreed.state_dict()},
+                Path(out_dir, f"rank{rank}.pt"),
+            )
         else:
             safe = cg.name_layers(cg.replace_linear(make_model()), prefix=f"rank{rank}")
             try:
                 train(safe, poison=True)
             except cg.NonFiniteInputError as err:
-                result["error"] = {"type": type(err).__name__, "layer": err.layer, "message": str(err),
-                                   "is_value_error": isinstance(err, ValueError)}
+                result["error"] = {
+                    "type": type(err).__name__,
+                    "layer": err.layer,
+                    "message": str(err),
+                    "is_value_error": isinstance(err, ValueError),
+                }
                 if scenario == "stay":  # caught, and this rank does not join the collective
                     dump()
                     other = Path(out_dir, f"rank{1 - rank}.json")
@@ -159,16 +170,24 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
 # --------------------------------------------------------------------------
 # The tests (the parent side)
 # --------------------------------------------------------------------------
-def launch(scenario: str, tmp_path: Path, script: str = __file__) -> tuple[list[dict], list[int], list[float]]:
+def launch(
+    scenario: str, tmp_path: Path, script: str = __file__
+) -> tuple[list[dict], list[int], list[float]]:
     """Start both ranks (``script worker RANK INIT_FILE SCENARIO OUT_DIR``); wait for each
     (bounded); return their results, exit codes, and the seconds from the start to each
     process's exit. Other test files reuse it with their own worker script."""
     init_file = tmp_path / "rendezvous"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     start = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, script, "worker", str(rank), str(init_file), scenario,
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for rank in range(WORLD)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "worker", str(rank), str(init_file), scenario, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(WORLD)
+    ]
     codes, ends, logs = [], [], []
     for p in procs:
         try:
@@ -188,18 +207,21 @@ def launch(scenario: str, tmp_path: Path, script: str = __file__) -> tuple[list[
     return results, codes, ends
 
 
-def assert_the_other_rank_failed_fast(results: list[dict], codes: list[int], ends: list[float],
-                                      label: str, bad_rank: int, bad_step: int) -> None:
+def assert_the_other_rank_failed_fast(
+    results: list[dict], codes: list[int], ends: list[float], label: str, bad_rank: int, bad_step: int
+) -> None:
     """The rank that saw no bad value fails in its next collective, promptly (the peer's
     closed connection, not the timeout), and every process ends."""
     other = results[1 - bad_rank]
     assert other["status"] == "error" and codes[1 - bad_rank] == 2, (codes, other)
     assert other["steps_done"] == bad_step
     assert other["elapsed"] - other["step_started"] < LONG_TIMEOUT_S - 5, "it waited for the timeout"
-    print(f"\n[{label}] rank {1 - bad_rank} got {other['other_error']['type']} after "
-          f"{other['elapsed'] - other['step_started']:.1f} s in the step: "
-          f"{other['other_error']['message'][:160]!r}; processes exited at "
-          f"{', '.join(f'{e:.1f}' for e in ends)} s after launch")
+    print(
+        f"\n[{label}] rank {1 - bad_rank} got {other['other_error']['type']} after "
+        f"{other['elapsed'] - other['step_started']:.1f} s in the step: "
+        f"{other['other_error']['message'][:160]!r}; processes exited at "
+        f"{', '.join(f'{e:.1f}' for e in ends)} s after launch"
+    )
     assert max(ends) < PROCESS_LIMIT_S
 
 
@@ -257,10 +279,12 @@ def test_nan_caught_on_one_rank_other_rank_times_out(tmp_path: Path) -> None:
     assert bad["error"]["type"] == "NonFiniteInputError" and codes[BAD_RANK] == 3
     assert other["status"] == "error" and other["steps_done"] == BAD_STEP, other
     assert codes[1 - BAD_RANK] == 2, codes
-    print(f"\n[ddp/stay] rank {1 - BAD_RANK} got {other['other_error']['type']} after "
-          f"{other['elapsed'] - other['step_started']:.1f} s in the step (gloo timeout {GLOO_TIMEOUT_S} s): "
-          f"{other['other_error']['message'][:160]!r}; processes exited at "
-          f"{', '.join(f'{e:.1f}' for e in ends)} s after launch")
+    print(
+        f"\n[ddp/stay] rank {1 - BAD_RANK} got {other['other_error']['type']} after "
+        f"{other['elapsed'] - other['step_started']:.1f} s in the step (gloo timeout {GLOO_TIMEOUT_S} s): "
+        f"{other['other_error']['message'][:160]!r}; processes exited at "
+        f"{', '.join(f'{e:.1f}' for e in ends)} s after launch"
+    )
     # From the start of the failing step: it waited for (about) the timeout, not much longer.
     waited = other["elapsed"] - other["step_started"]
     assert GLOO_TIMEOUT_S * 0.8 <= waited <= GLOO_TIMEOUT_S + 20, waited

@@ -10,20 +10,24 @@ import sys
 
 import pytest
 import torch
+from test_diagnostics import gpu_env
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import capsule
 from cublas_guard_ext.tools import doctor
-from test_diagnostics import gpu_env
 
 
 def env_with(cublas=None, **changes) -> dict:
     env = gpu_env(**changes)
-    env["cublas"] = cublas if cublas is not None else {
-        "torch_requires": {"name": "nvidia-cublas", "version": "13.1.0.3"},
-        "installed": {"name": "nvidia-cublas", "version": "13.1.0.3"},
-        "loaded": {"libcublas": "13.1.0", "libcublasLt": "13.1.0"},
-    }
+    env["cublas"] = (
+        cublas
+        if cublas is not None
+        else {
+            "torch_requires": {"name": "nvidia-cublas", "version": "13.1.0.3"},
+            "installed": {"name": "nvidia-cublas", "version": "13.1.0.3"},
+            "loaded": {"libcublas": "13.1.0", "libcublasLt": "13.1.0"},
+        }
+    )
     return env
 
 
@@ -34,20 +38,28 @@ def check(env: dict, prefix: str) -> doctor.Check:
 def test_the_healthy_machine_passes_the_new_checks() -> None:
     items = doctor.checks_2026(env_with())
     assert [(c.name, c.status) for c in items] == [
-        ("cuBLAS wheel vs torch", "OK"), ("libcublas vs libcublasLt", "OK"),
-        ("GPU vs CUDA 13 (cuda:0)", "OK"), ("cuBLAS workspace settings", "OK")]
+        ("cuBLAS wheel vs torch", "OK"),
+        ("libcublas vs libcublasLt", "OK"),
+        ("GPU vs CUDA 13 (cuda:0)", "OK"),
+        ("cuBLAS workspace settings", "OK"),
+    ]
     assert all(not c.fix for c in items)
 
 
-@pytest.mark.parametrize("installed,loaded,status,text", [
-    ("13.0.2.14", "13.0.2", "FAIL", "torch was built with 13.1.0.3"),
-    (None, None, "WARN", "is not installed"),
-    ("13.1.0.3", "12.8.4", "FAIL", "another copy comes first"),
-])
+@pytest.mark.parametrize(
+    "installed,loaded,status,text",
+    [
+        ("13.0.2.14", "13.0.2", "FAIL", "torch was built with 13.1.0.3"),
+        (None, None, "WARN", "is not installed"),
+        ("13.1.0.3", "12.8.4", "FAIL", "another copy comes first"),
+    ],
+)
 def test_a_cublas_wheel_that_does_not_match_torch(installed, loaded, status, text) -> None:
-    facts = {"torch_requires": {"name": "nvidia-cublas", "version": "13.1.0.3"},
-             "installed": {"name": "nvidia-cublas", "version": installed} if installed else None,
-             "loaded": {"libcublas": loaded, "libcublasLt": loaded} if loaded else {}}
+    facts = {
+        "torch_requires": {"name": "nvidia-cublas", "version": "13.1.0.3"},
+        "installed": {"name": "nvidia-cublas", "version": installed} if installed else None,
+        "loaded": {"libcublas": loaded, "libcublasLt": loaded} if loaded else {},
+    }
     item = check(env_with(facts), "cuBLAS wheel vs torch")
     assert item.status == status and text in item.reason, item
     if status == "FAIL" and installed != "13.1.0.3":
@@ -62,20 +74,26 @@ def test_the_wheel_check_is_skipped_where_it_cannot_apply() -> None:
 
 
 def test_libcublas_and_libcublaslt_of_different_releases() -> None:
-    facts = {"torch_requires": None, "installed": None,
-             "loaded": {"libcublas": "13.1.0", "libcublasLt": "12.9.1"}}
+    facts = {
+        "torch_requires": None,
+        "installed": None,
+        "loaded": {"libcublas": "13.1.0", "libcublasLt": "12.9.1"},
+    }
     item = check(env_with(facts), "libcublas vs libcublasLt")
     assert item.status == "FAIL" and "libcublas 13.1.0, libcublasLt 12.9.1" in item.reason and item.fix
     facts["loaded"] = {"libcublas": "13.1.0"}
     assert check(env_with(facts), "libcublas vs libcublasLt").status == "SKIP"
 
 
-@pytest.mark.parametrize("cc,arch_list,status,text", [
-    ("7.0", ["sm_70", "sm_80", "sm_90"], "FAIL", "below 7.5"),
-    ("6.1", ["sm_80"], "FAIL", "CUDA 13 builds no longer cover"),
-    ("8.6", ["sm_80", "sm_90"], "WARN", "sm_86 is not in torch's arch list"),
-    ("9.0", ["sm_80", "sm_90"], "OK", "supported"),
-])
+@pytest.mark.parametrize(
+    "cc,arch_list,status,text",
+    [
+        ("7.0", ["sm_70", "sm_80", "sm_90"], "FAIL", "below 7.5"),
+        ("6.1", ["sm_80"], "FAIL", "CUDA 13 builds no longer cover"),
+        ("8.6", ["sm_80", "sm_90"], "WARN", "sm_86 is not in torch's arch list"),
+        ("9.0", ["sm_80", "sm_90"], "OK", "supported"),
+    ],
+)
 def test_gpus_cuda_13_dropped_or_torch_lacks(cc, arch_list, status, text) -> None:
     env = env_with(**{"devices.0.compute_capability": cc, "torch_arch_list": arch_list})
     item = check(env, "GPU vs CUDA 13")
@@ -89,15 +107,18 @@ def test_a_volta_on_cuda_12_is_not_failed_for_cuda_13() -> None:
     assert check(env, "GPU vs CUDA 12").status == "OK"
 
 
-@pytest.mark.parametrize("config,lt,cc,status,text", [
-    (":4096:8", None, "9.0", "WARN", "wants 32 MiB"),
-    (":4096:8", None, "8.0", "OK", "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
-    (":0:0", None, "8.0", "WARN", "no workspace at all"),
-    ("4096:8", None, "9.0", "FAIL", "is not ':SIZE_KiB:COUNT"),
-    (None, "1024", "9.0", "WARN", "CUBLASLT_WORKSPACE_SIZE=1024 KiB"),
-    (None, "lots", "9.0", "WARN", "is not a size in KiB"),
-    (":32768:2", "32768", "10.0", "OK", ""),
-])
+@pytest.mark.parametrize(
+    "config,lt,cc,status,text",
+    [
+        (":4096:8", None, "9.0", "WARN", "wants 32 MiB"),
+        (":4096:8", None, "8.0", "OK", "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
+        (":0:0", None, "8.0", "WARN", "no workspace at all"),
+        ("4096:8", None, "9.0", "FAIL", "is not ':SIZE_KiB:COUNT"),
+        (None, "1024", "9.0", "WARN", "CUBLASLT_WORKSPACE_SIZE=1024 KiB"),
+        (None, "lots", "9.0", "WARN", "is not a size in KiB"),
+        (":32768:2", "32768", "10.0", "OK", ""),
+    ],
+)
 def test_workspace_settings_on_new_architectures(config, lt, cc, status, text) -> None:
     env = env_with(**{"devices.0.compute_capability": cc})
     env["env"]["CUBLAS_WORKSPACE_CONFIG"] = config
@@ -119,8 +140,10 @@ def test_capsule_checks_name_what_differs() -> None:
     then = copy.deepcopy(here)
     then["torch"] = "2.9.0+cu130"
     then["gpu"] = {"name": "NVIDIA H100", "compute_capability": "9.0"}
-    then["libraries"] = {"libcublas": [{"path": "/x/libcublas.so.13", "version": "13.0.2"}],
-                         "libcublasLt": "not loaded"}
+    then["libraries"] = {
+        "libcublas": [{"path": "/x/libcublas.so.13", "version": "13.0.2"}],
+        "libcublasLt": "not loaded",
+    }
     then["env"] = {**here["env"], "CUDA_LAUNCH_BLOCKING": "1"}
     items = {c.name: c for c in doctor.capsule_checks(then, here)}
     assert items["capsule: torch"].reason == f"the capsule's '2.9.0+cu130', here {torch.__version__!r}"
@@ -139,14 +162,39 @@ def test_doctor_reads_a_capsule(tmp_path, monkeypatch, inject_fault) -> None:
     data["environment"]["torch"] = "2.9.0+cu130"
     data["environment"]["gpu"] = {"name": "NVIDIA H100", "compute_capability": "9.0"}
     torch.save(data, info.value.capsule)
-    out = subprocess.run([sys.executable, "-m", "cublas_guard_ext", "doctor", "--json", "--no-probe",
-                          "--capsule", info.value.capsule], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cublas_guard_ext",
+            "doctor",
+            "--json",
+            "--no-probe",
+            "--capsule",
+            info.value.capsule,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     rows = {c["name"]: c for c in report["checks"]}
     assert rows["capsule: torch"]["status"] == "WARN" and "2.9.0+cu130" in rows["capsule: torch"]["reason"]
     assert "NVIDIA H100" in rows["capsule: GPU"]["reason"]
     assert report["environment"]["capsule"]["path"] == info.value.capsule
-    missing = subprocess.run([sys.executable, "-m", "cublas_guard_ext", "doctor", "--no-probe", "--capsule",
-                              str(tmp_path / "nope.pt")], capture_output=True, text=True, timeout=300)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cublas_guard_ext",
+            "doctor",
+            "--no-probe",
+            "--capsule",
+            str(tmp_path / "nope.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode == 1 and "[FAIL] capsule" in missing.stdout

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import CUBLAS_STATUSES, HAS_CUDA, assert_matches, max_rel_error, requires_cuda
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -35,10 +36,18 @@ ROUTINE = {
     },
 }
 DATA_TYPE = {
-    "cpu": {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-            torch.float64: "float64"},
-    "cuda": {torch.float32: "CUDA_R_32F", torch.bfloat16: "CUDA_R_16BF", torch.float16: "CUDA_R_16F",
-             torch.float64: "CUDA_R_64F"},
+    "cpu": {
+        torch.float32: "float32",
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+        torch.float64: "float64",
+    },
+    "cuda": {
+        torch.float32: "CUDA_R_32F",
+        torch.bfloat16: "CUDA_R_16BF",
+        torch.float16: "CUDA_R_16F",
+        torch.float64: "CUDA_R_64F",
+    },
 }
 
 
@@ -82,16 +91,19 @@ def test_forward_and_backward_match_nn_linear(device: str, dtype, bias: bool, sh
     within_reference(y_safe, y_ref, y64, dtype)
     g64 = g.double()
     within_reference(x_safe.grad, x_ref.grad, g64 @ w64, dtype)
-    within_reference(safe.weight.grad, ref.weight.grad,
-                     g64.reshape(-1, 11).t() @ x.double().reshape(-1, 24), dtype)
+    within_reference(
+        safe.weight.grad, ref.weight.grad, g64.reshape(-1, 11).t() @ x.double().reshape(-1, 24), dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_transposed_and_sliced_inputs(device: str, dtype) -> None:
     ref, safe = pair(13, 7, True, device, dtype)
-    for x in (torch.randn(13, 9, device=device, dtype=dtype).t(),
-              torch.randn(9, 40, device=device, dtype=dtype)[:, 3:16],
-              torch.randn(9, 40, device=device, dtype=dtype)[:, ::3][:, :13]):
+    for x in (
+        torch.randn(13, 9, device=device, dtype=dtype).t(),
+        torch.randn(9, 40, device=device, dtype=dtype)[:, 3:16],
+        torch.randn(9, 40, device=device, dtype=dtype)[:, ::3][:, :13],
+    ):
         assert_matches(safe(x), ref(x), rel=PARITY[dtype])
 
 
@@ -138,8 +150,9 @@ def test_scan_matches_isnan_isinf(device: str, dtype, n: int) -> None:
 def test_scan_extremes_are_finite(device: str, dtype) -> None:
     """The largest finite value, the smallest subnormal and -0 are finite in every format."""
     info = torch.finfo(dtype)
-    x = torch.tensor([info.max, -info.max, info.tiny, info.smallest_normal / 4, -0.0, 0.0] * 5,
-                     device=device, dtype=dtype)
+    x = torch.tensor(
+        [info.max, -info.max, info.tiny, info.smallest_normal / 4, -0.0, 0.0] * 5, device=device, dtype=dtype
+    )
     assert cg.scan(x).all_finite
 
 
@@ -191,7 +204,9 @@ def test_input_and_weight_of_different_dtypes_raise_naming_both(device: str, x_d
 def test_bias_of_another_dtype_is_refused(device: str) -> None:
     layer = cg.SafeLinear(8, 3, device=device, dtype=torch.bfloat16, name="b")
     layer.bias = nn.Parameter(layer.bias.detach().float())
-    with pytest.raises(cg.DTypeError, match=r"bias dtype is torch\.float32 but weight dtype is torch\.bfloat16"):
+    with pytest.raises(
+        cg.DTypeError, match=r"bias dtype is torch\.float32 but weight dtype is torch\.bfloat16"
+    ):
         layer(torch.randn(2, 8, device=device, dtype=torch.bfloat16))
 
 
@@ -205,7 +220,10 @@ def test_integer_bool_complex_inputs_raise(device: str, dtype) -> None:
         layer(x)
     err = info.value
     assert err.role == "input" and err.reason == "unsupported" and err.dtype == str(dtype)
-    assert f"input dtype is {dtype}, but the guarded linear takes float32, bfloat16, float16 or float64" in str(err)
+    assert (
+        f"input dtype is {dtype}, but the guarded linear takes float32, bfloat16, float16 or float64"
+        in str(err)
+    )
     with pytest.raises(cg.DTypeError):
         cg.check_features(x, 8)
     with pytest.raises(TypeError, match="float32, bfloat16, float16 or float64"):
@@ -250,13 +268,18 @@ def test_failure_reports_name_routine_and_types(device: str, dtype, inject_fault
     err = info.value
     routine = ROUTINE[device][dtype][0]
     assert err.api == routine and err.data_type == DATA_TYPE[device][dtype]
-    assert err.compute_type == ("float64" if device == "cpu" else "CUBLAS_COMPUTE_64F") \
-        if dtype == torch.float64 else err.compute_type in ("float32", "CUBLAS_COMPUTE_32F")
+    assert (
+        err.compute_type == ("float64" if device == "cpu" else "CUBLAS_COMPUTE_64F")
+        if dtype == torch.float64
+        else err.compute_type in ("float32", "CUBLAS_COMPUTE_32F")
+    )
     assert err.status_name == CUBLAS_STATUSES[13]
     assert f"from {routine}" in str(err) and f"data type: {DATA_TYPE[device][dtype]}" in str(err)
-    assert_matches(layer(torch.ones(2, 8, device=device, dtype=dtype)),
-                   F.linear(torch.ones(2, 8, device=device, dtype=dtype), layer.weight, layer.bias),
-                   rel=PARITY[dtype])  # the next call works
+    assert_matches(
+        layer(torch.ones(2, 8, device=device, dtype=dtype)),
+        F.linear(torch.ones(2, 8, device=device, dtype=dtype), layer.weight, layer.bias),
+        rel=PARITY[dtype],
+    )  # the next call works
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -313,10 +336,15 @@ def test_opcheck_per_dtype(dtype) -> None:
         (ops.check_features.default, (torch.randn(4, 5, dtype=dtype), 5, "l")),
     ]
     # gradcheck inside opcheck needs float64; lower precisions check schema, fake and autograd registration
-    tests = None if dtype == torch.float64 else (
-        "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    tests = (
+        None
+        if dtype == torch.float64
+        else ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    )
     for op, args in cases:
-        result = torch.library.opcheck(op, args, test_utils=tests) if tests else torch.library.opcheck(op, args)
+        result = (
+            torch.library.opcheck(op, args, test_utils=tests) if tests else torch.library.opcheck(op, args)
+        )
         assert all(v == "SUCCESS" for v in result.values()), (op, result)
 
 
@@ -326,13 +354,23 @@ def test_meta_kernels_propagate_dtypes() -> None:
         w = torch.empty(4, 5, device="meta", dtype=dtype)
         out = torch.ops.cublas_guard.linear(x, w, None, "m", 0, False)
         assert out.dtype == dtype and out.shape == (2, 3, 4) and out.device.type == "meta"
-        gi = torch.ops.cublas_guard.linear_grad_input(torch.empty(2, 3, 4, device="meta", dtype=dtype), w, "m")
+        gi = torch.ops.cublas_guard.linear_grad_input(
+            torch.empty(2, 3, 4, device="meta", dtype=dtype), w, "m"
+        )
         assert gi.dtype == dtype and gi.shape == (2, 3, 5)
-        gw = torch.ops.cublas_guard.linear_grad_weight(torch.empty(2, 3, 4, device="meta", dtype=dtype), x, "m")
+        gw = torch.ops.cublas_guard.linear_grad_weight(
+            torch.empty(2, 3, 4, device="meta", dtype=dtype), x, "m"
+        )
         assert gw.dtype == dtype and gw.shape == (4, 5)
     with pytest.raises(cg.DTypeError, match=r"but weight dtype is torch\.float32"):
-        torch.ops.cublas_guard.linear(torch.empty(2, 5, device="meta", dtype=torch.bfloat16),
-                                      torch.empty(4, 5, device="meta"), None, "m", 0, False)
+        torch.ops.cublas_guard.linear(
+            torch.empty(2, 5, device="meta", dtype=torch.bfloat16),
+            torch.empty(4, 5, device="meta"),
+            None,
+            "m",
+            0,
+            False,
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -430,9 +468,10 @@ def test_autocast_scan_reports_non_finite_by_layer() -> None:
     _, safe = autocast_pair("cpu")
     x = torch.randn(6, 16)
     x[1, 2] = float("inf")
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-        cg.NonFiniteInputError, match="layer '0'"
-    ) as info:
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(cg.NonFiniteInputError, match="layer '0'") as info,
+    ):
         safe(x)
     assert info.value.first_bad_coords == [1, 2] and info.value.posinf_count == 1
 

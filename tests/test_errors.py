@@ -12,6 +12,7 @@ from torch import nn
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
+
 from conftest import CUBLAS_STATUSES as STATUSES
 from conftest import HAS_CUDA, SGEMM, assert_matches
 
@@ -272,10 +273,19 @@ def test_errors_pickle_with_their_fields(device: str) -> None:
 
 
 def test_payload_round_trip() -> None:
-    err = errors.from_payload({"kind": "shape_mismatch", "layer": "a.b", "shape": [2, 3],
-                               "expected_last_dim": 4, "reason": "last_dim"})
+    err = errors.from_payload(
+        {
+            "kind": "shape_mismatch",
+            "layer": "a.b",
+            "shape": [2, 3],
+            "expected_last_dim": 4,
+            "reason": "last_dim",
+        }
+    )
     assert isinstance(err, cg.ShapeMismatchError) and err.layer == "a.b"
-    native = RuntimeError("cublas_guard_ext: x\n" + errors.PAYLOAD_MARKER + '{"kind": "cublas", "status": 13}')
+    native = RuntimeError(
+        "cublas_guard_ext: x\n" + errors.PAYLOAD_MARKER + '{"kind": "cublas", "status": 13}'
+    )
     typed = errors.from_native(native)
     assert isinstance(typed, cg.CublasError) and typed.status_name == "CUBLAS_STATUS_EXECUTION_FAILED"
     assert errors.from_native(RuntimeError("some other error")) is None

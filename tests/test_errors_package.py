@@ -15,14 +15,51 @@ from cublas_guard_ext import errors
 # Every top-level name of errors.py before the split (classes, tables, helpers other
 # modules and tests use).
 FORMER_NAMES = (
-    "PAYLOAD_MARKER", "_PAYLOAD_RE", "CUBLAS_STATUS", "_NAN_STORY", "_bytes", "_memory_line",
-    "_environment_line", "_distributed_rank", "_watch_lines", "_layer", "_DTYPES", "_dtype", "_shape",
-    "GuardError", "_ROUTINES", "_routines_on", "DTypeError", "ShapeMismatchError", "DeviceMismatchError",
-    "NonFiniteInputError", "_value_name", "SizeLimitError", "CublasError", "PendingCudaError",
-    "CudaLaunchError", "GraphCaptureError", "OutOfMemoryError", "CublasOutOfMemoryError", "_fold_inputs",
-    "_coords", "_where", "_inputs_line", "_PRODUCER_HINTS", "_WatchFinding", "_counts_text",
-    "_first_bad_line", "NonFiniteOutputError", "NonFiniteEntryError", "ExtensionBuildError", "_BY_KIND",
-    "parse_payload", "from_payload", "from_native", "_typed_from_native_message", "error_context",
+    "PAYLOAD_MARKER",
+    "_PAYLOAD_RE",
+    "CUBLAS_STATUS",
+    "_NAN_STORY",
+    "_bytes",
+    "_memory_line",
+    "_environment_line",
+    "_distributed_rank",
+    "_watch_lines",
+    "_layer",
+    "_DTYPES",
+    "_dtype",
+    "_shape",
+    "GuardError",
+    "_ROUTINES",
+    "_routines_on",
+    "DTypeError",
+    "ShapeMismatchError",
+    "DeviceMismatchError",
+    "NonFiniteInputError",
+    "_value_name",
+    "SizeLimitError",
+    "CublasError",
+    "PendingCudaError",
+    "CudaLaunchError",
+    "GraphCaptureError",
+    "OutOfMemoryError",
+    "CublasOutOfMemoryError",
+    "_fold_inputs",
+    "_coords",
+    "_where",
+    "_inputs_line",
+    "_PRODUCER_HINTS",
+    "_WatchFinding",
+    "_counts_text",
+    "_first_bad_line",
+    "NonFiniteOutputError",
+    "NonFiniteEntryError",
+    "ExtensionBuildError",
+    "_BY_KIND",
+    "parse_payload",
+    "from_payload",
+    "from_native",
+    "_typed_from_native_message",
+    "error_context",
 )
 
 
@@ -35,7 +72,9 @@ def test_every_former_name_still_imports(name: str) -> None:
 
 def test_each_module_is_under_600_lines() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in Path(errors.__file__).parent.glob("*.py")}
-    assert {"status.py", "format.py", "base.py", "inputs.py", "runtime.py", "parse.py", "schema.py"} <= set(sizes)
+    assert {"status.py", "format.py", "base.py", "inputs.py", "runtime.py", "parse.py", "schema.py"} <= set(
+        sizes
+    )
     assert max(sizes.values()) < 600, sizes
 
 

@@ -13,7 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import modes, nn as cg_nn, ops
+from cublas_guard_ext import modes, ops
+from cublas_guard_ext import nn as cg_nn
 
 pytestmark = pytest.mark.skipif(ops._fast_linear is None, reason="JIT build: no fast entry")
 
@@ -67,15 +68,21 @@ def _poisoned(n: int = 16) -> torch.Tensor:
     [
         pytest.param(lambda: (_poisoned(), torch.randn(5, 16), None, "bad", 1, False), id="nonfinite-sync"),
         pytest.param(lambda: (torch.randn(2, 15), torch.randn(5, 16), None, "bad", 1, False), id="shape"),
-        pytest.param(lambda: (torch.randn(2, 16).double(), torch.randn(5, 16), None, "bad", 1, False),
-                     id="dtype-mismatch"),
-        pytest.param(lambda: (torch.randn(2, 16), torch.randn(5, 16), torch.randn(4), "bad", 1, False),
-                     id="bias-shape"),
-        pytest.param(lambda: (torch.randn(2, 16).int(), torch.randn(5, 16).int(), None, "bad", 0, False),
-                     id="int-dtype"),
+        pytest.param(
+            lambda: (torch.randn(2, 16).double(), torch.randn(5, 16), None, "bad", 1, False),
+            id="dtype-mismatch",
+        ),
+        pytest.param(
+            lambda: (torch.randn(2, 16), torch.randn(5, 16), torch.randn(4), "bad", 1, False), id="bias-shape"
+        ),
+        pytest.param(
+            lambda: (torch.randn(2, 16).int(), torch.randn(5, 16).int(), None, "bad", 0, False),
+            id="int-dtype",
+        ),
         pytest.param(lambda: (torch.randn(2, 16), torch.randn(5, 16), None, "bad", 7, False), id="mode-code"),
-        pytest.param(lambda: (torch.randn(2, 16), torch.randn(5, 16, 1), None, "bad", 0, False),
-                     id="weight-dims"),
+        pytest.param(
+            lambda: (torch.randn(2, 16), torch.randn(5, 16, 1), None, "bad", 0, False), id="weight-dims"
+        ),
     ],
 )
 def test_fast_entry_raises_what_torch_ops_raises(args) -> None:
@@ -138,7 +145,9 @@ def test_safelinear_takes_the_fast_entry_and_falls_back(monkeypatch: pytest.Monk
     with torch.no_grad():
         out = layer(x)
     assert calls == [True]
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6
+    )
     # A torch function mode sees the call on the torch.ops path, as before.
     seen = _Seen()
     with seen, torch.no_grad():

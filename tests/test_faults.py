@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+
 from conftest import CUBLAS_STATUSES as STATUSES
 from conftest import allocated, assert_matches, memory_growth, requires_cuda
 
 NAME = "dec.1.proj"
-
 
 
 def expected_class(status: int, stage: str = "gemm") -> type[cg.CublasError]:
@@ -47,7 +47,9 @@ def assert_works(safe: cg.SafeLinear) -> None:
     y, ref = safe(x), F.linear(x_ref, *params)
     assert_matches(y, ref)
     g = torch.randn_like(y)
-    for got, want in zip(torch.autograd.grad(y, [x, *params], g), torch.autograd.grad(ref, [x_ref, *params], g)):
+    for got, want in zip(
+        torch.autograd.grad(y, [x, *params], g), torch.autograd.grad(ref, [x_ref, *params], g)
+    ):
         assert_matches(got, want)
 
 
@@ -72,7 +74,12 @@ def test_status_in_forward(device: str, inject_fault, status: int) -> None:
     assert type(err) is expected_class(status) and isinstance(err, RuntimeError)
     if status == 3:
         assert isinstance(err, torch.OutOfMemoryError), "ALLOC_FAILED is caught by OOM handlers"
-    assert (err.status, err.status_name, err.purpose, err.layer) == (status, STATUSES[status], "forward", NAME)
+    assert (err.status, err.status_name, err.purpose, err.layer) == (
+        status,
+        STATUSES[status],
+        "forward",
+        NAME,
+    )
     assert STATUSES[status] in str(err) and f"'{NAME}'" in str(err)
     assert "m=8 n=5 k=16" in str(err)
     del err, info
@@ -102,8 +109,9 @@ def test_status_in_backward(device: str, inject_fault, status: int, needs: str) 
     assert err.purpose == ("grad_input" if needs != "grad_weight" else "grad_weight")
     assert STATUSES[status] in str(err) and re.search(rf"call \({err.purpose}\b", str(err))
     del err, info
-    assert x.grad is None and safe.weight.grad is None and safe.bias.grad is None, \
+    assert x.grad is None and safe.weight.grad is None and safe.bias.grad is None, (
         "a failed backward must not leave partial gradients"
+    )
     del y
     gc.collect()
     assert allocated(device) <= base, "a failed backward kept GPU memory"
@@ -152,8 +160,9 @@ def test_fault_in_async_mode_is_raised_at_once(device: str, inject_fault) -> Non
 
 
 def test_fault_inside_a_model_names_the_layer(device: str, inject_fault) -> None:
-    model = cg.replace_linear(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(),
-                                                  torch.nn.Linear(5, 3))).to(device)
+    model = cg.replace_linear(
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    ).to(device)
     x = torch.randn(4, 6, device=device)
     inject_fault("gemm", 13, times=2)  # the 1st layer's GEMM fails
     with pytest.raises(cg.CublasError) as info:
@@ -169,11 +178,14 @@ def test_fault_inside_a_model_names_the_layer(device: str, inject_fault) -> None
 # --------------------------------------------------------------------------
 # No leaks over many injected failures
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("device", [
-    pytest.param("cpu", marks=pytest.mark.slow),
-    pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu/gpu_check.sh runs it
-    pytest.param("cuda", marks=[pytest.mark.slow, requires_cuda]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param("cuda-quick", marks=requires_cuda),  # not slow: benchmarks/gpu/gpu_check.sh runs it
+        pytest.param("cuda", marks=[pytest.mark.slow, requires_cuda]),
+    ],
+)
 def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) -> None:
     """2,000 forward and 2,000 backward failures (all statuses in turn): process RSS (CPU) and
     allocated bytes (GPU, exact: 300 of each suffice in the quick variant) stay flat after a
@@ -205,8 +217,10 @@ def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) 
         # warm-up: allocator pools, lazy imports, the exception classes
         rss0, rss1, gpu0, gpu1 = memory_growth(fail, 200, n, device)
         grown = rss1 - rss0
-        print(f"\n[faults/{device}] {n} injected {name} failures: RSS {rss0 / 2**20:.1f} -> "
-              f"{rss1 / 2**20:.1f} MiB ({grown / 2**10:+.0f} KiB); GPU allocated {gpu0} -> {gpu1} B")
+        print(
+            f"\n[faults/{device}] {n} injected {name} failures: RSS {rss0 / 2**20:.1f} -> "
+            f"{rss1 / 2**20:.1f} MiB ({grown / 2**10:+.0f} KiB); GPU allocated {gpu0} -> {gpu1} B"
+        )
         # Tolerance 1.5 MiB (observed noise: ~0.1 MiB): a leak of 800 B per failure exceeds it.
         assert grown < 1.5 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over {n} failures"
         assert gpu1 == gpu0, f"GPU memory grew by {gpu1 - gpu0} B over {n} failures"
@@ -295,4 +309,3 @@ def test_gpu_memory_flat_over_injected_launch_and_handle_failures(inject_fault) 
     gc.collect()
     assert allocated("cuda") == base
     assert_works(safe)
-

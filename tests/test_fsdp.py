@@ -59,8 +59,13 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
     import cublas_guard_ext as cg
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=LONG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=LONG_TIMEOUT_S),
+    )
     result: dict = {"rank": rank, "scenario": scenario, "steps_done": 0}
     start = time.monotonic()
 
@@ -83,8 +88,7 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
         seen: list[tuple[torch.dtype, torch.dtype]] = []
         for module in model:
             if isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(
-                    lambda m, args: seen.append((args[0].dtype, m.weight.dtype)))
+                module.register_forward_pre_hook(lambda m, args: seen.append((args[0].dtype, m.weight.dtype)))
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches
 
 NAN = float("nan")
@@ -65,7 +66,7 @@ def test_grad_matches_nn_linear(bias: bool) -> None:
     x, y = torch.randn(5, 8), torch.randn(5, 4)
     _assert_tree(grad(_loss(safe))(_params(safe), x, y), grad(_loss(ref))(_params(ref), x, y))
     # and with respect to the input
-    f = lambda m: (lambda x: m(x).sin().sum())  # noqa: E731
+    f = lambda m: lambda x: m(x).sin().sum()  # noqa: E731
     _assert_tree(grad(f(safe))(x), grad(f(ref))(x))
 
 
@@ -138,8 +139,10 @@ def test_vmap_forward_and_model_ensembles_match_nn_linear() -> None:
         # and the ensemble's parameter gradients through vmap
         loss_s = lambda p, x: functional_call(safe, p, (x,)).square().sum()  # noqa: E731
         loss_r = lambda p, x: functional_call(ref, p, (x,)).square().sum()  # noqa: E731
-        _assert_tree(vmap(grad(loss_s), in_dims=in_dims)(stacked_s, x),
-                     vmap(grad(loss_r), in_dims=in_dims)(stacked_r, x))
+        _assert_tree(
+            vmap(grad(loss_s), in_dims=in_dims)(stacked_s, x),
+            vmap(grad(loss_r), in_dims=in_dims)(stacked_r, x),
+        )
 
 
 def test_forward_ad_matches_nn_linear() -> None:
@@ -161,8 +164,10 @@ def test_forward_ad_with_parameter_tangents() -> None:
     results = []
     for model in (safe, ref):
         with fwAD.dual_level():
-            params = {"weight": fwAD.make_dual(model.weight.detach(), tw),
-                      "bias": fwAD.make_dual(model.bias.detach(), tb)}
+            params = {
+                "weight": fwAD.make_dual(model.weight.detach(), tw),
+                "bias": fwAD.make_dual(model.bias.detach(), tb),
+            }
             results.append(fwAD.unpack_dual(functional_call(model, params, (x,))).tangent.clone())
     assert_matches(results[0], results[1])
 
@@ -248,7 +253,7 @@ def _hessian_stacks():
 def test_hessian_matches_nn_linear() -> None:
     # jacfwd over jacrev: the Functions' forward replays under two vmap levels.
     safe, ref = _hessian_stacks()
-    f = lambda m: (lambda x: m(x).sin().sum())  # noqa: E731
+    f = lambda m: lambda x: m(x).sin().sum()  # noqa: E731
     x = torch.randn(3, 4)
     got, want = hessian(f(safe))(x), hessian(f(ref))(x)
     assert got.shape == (3, 4, 3, 4) and want.abs().max() > 1e-3

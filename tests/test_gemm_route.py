@@ -13,14 +13,21 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
-from conftest import HAS_CUDA, assert_matches, requires_cuda
+
+from conftest import assert_matches, requires_cuda
 
 T = torch.ops.cublas_guard_testing
 OK, NOT_SUPPORTED, EXECUTION_FAILED, INVALID_VALUE = 0, 15, 13, 7
 
 
-def route(dtype: str, path: str, has_bias: bool = True, use_64bit: bool = False,
-          lt_available: bool = True, steps: tuple[int, ...] = ()) -> list[str]:
+def route(
+    dtype: str,
+    path: str,
+    has_bias: bool = True,
+    use_64bit: bool = False,
+    lt_available: bool = True,
+    steps: tuple[int, ...] = (),
+) -> list[str]:
     return T.gemm_route(dtype, path, has_bias, use_64bit, lt_available, list(steps))
 
 
@@ -41,17 +48,34 @@ def test_float32_and_float64_keep_their_direct_routines(path: str) -> None:
 
 
 def test_cublaslt_refusing_falls_back_and_other_failures_are_reported() -> None:
-    verdicts = route("bfloat16", "lt", steps=(
-        OK, 0, 1,               # a descriptor step that worked
-        OK, 1, 1,               # the heuristic found an algorithm
-        OK, 1, 0,               # ... found none: cuBLASLt refuses the case
-        NOT_SUPPORTED, 0, 1,    # any step answering NOT_SUPPORTED
-        NOT_SUPPORTED, 1, 0,
-        EXECUTION_FAILED, 0, 1,  # the matmul failed: reported, not hidden by a fallback
-        INVALID_VALUE, 1, 0,    # the heuristic query failed
-    ))
-    assert verdicts[1:] == ["continue", "continue", "fall_back", "fall_back", "fall_back",
-                            "report", "report"]
+    verdicts = route(
+        "bfloat16",
+        "lt",
+        steps=(
+            OK,
+            0,
+            1,  # a descriptor step that worked
+            OK,
+            1,
+            1,  # the heuristic found an algorithm
+            OK,
+            1,
+            0,  # ... found none: cuBLASLt refuses the case
+            NOT_SUPPORTED,
+            0,
+            1,  # any step answering NOT_SUPPORTED
+            NOT_SUPPORTED,
+            1,
+            0,
+            EXECUTION_FAILED,
+            0,
+            1,  # the matmul failed: reported, not hidden by a fallback
+            INVALID_VALUE,
+            1,
+            0,  # the heuristic query failed
+        ),
+    )
+    assert verdicts[1:] == ["continue", "continue", "fall_back", "fall_back", "fall_back", "report", "report"]
 
 
 def test_a_bad_path_name_is_refused() -> None:
@@ -65,24 +89,36 @@ def test_the_environment_variable_chooses_the_path_once_per_process() -> None:
     code = "import torch, cublas_guard_ext; print(torch.ops.cublas_guard_testing.gemm_path())"
     env = {**os.environ, "CUBLAS_GUARD_EXT_TESTING": "1"}
     for value, expected in (("lt", "lt"), ("legacy", "legacy"), ("", "legacy")):
-        out = subprocess.run([sys.executable, "-c", code], env={**env, "CUBLAS_GUARD_GEMM_PATH": value},
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, "CUBLAS_GUARD_GEMM_PATH": value},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0 and out.stdout.split() == [expected], out.stdout + out.stderr
     env.pop("CUBLAS_GUARD_GEMM_PATH", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["legacy"], out.stdout + out.stderr  # the default
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "CUBLAS_GUARD_GEMM_PATH": "Lt"},
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "CUBLAS_GUARD_GEMM_PATH": "Lt"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode != 0
     assert "CUBLAS_GUARD_GEMM_PATH='Lt' is not a GEMM path" in bad.stderr
     assert "CUBLAS_GUARD_GEMM_PATH=lt" in bad.stderr
 
 
-@pytest.mark.parametrize("m,n,ldc", [(1, 1, 1), (7, 5, 7), (7, 5, 11), (300, 3, 300), (1, 9, 4),
-                                     (33, 17, 40)])
+@pytest.mark.parametrize(
+    "m,n,ldc", [(1, 1, 1), (7, 5, 7), (7, 5, 11), (300, 3, 300), (1, 9, 4), (33, 17, 40)]
+)
 @pytest.mark.parametrize("workers,lanes", [(1, 1), (3, 32), (8, 1024), (1000, 7)])
 def test_the_prefill_twin_writes_the_bias_into_every_column_and_nothing_else(
-        m: int, n: int, ldc: int, workers: int, lanes: int) -> None:
+    m: int, n: int, ldc: int, workers: int, lanes: int
+) -> None:
     """The loop the prefill kernels run (one worker per block, one lane per thread), on the CPU:
     column-major C[m x n] with leading dimension ldc, padding rows untouched."""
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + ldc)
@@ -91,7 +127,7 @@ def test_the_prefill_twin_writes_the_bias_into_every_column_and_nothing_else(
     T.prefill_bias_twin(storage, bias, m, n, ldc, workers, lanes)
     expected = torch.full_like(storage, 12345.0)
     for col in range(n):
-        expected[col * ldc:col * ldc + m] = bias
+        expected[col * ldc : col * ldc + m] = bias
     assert torch.equal(storage, expected)
 
 
@@ -181,8 +217,14 @@ def test_a_cublaslt_failure_names_the_call_and_its_descriptors(gemm_path, inject
     f = info.value.fields
     assert f["api"] == "cublasLtMatmul" and f["status_name"] == "CUBLAS_STATUS_EXECUTION_FAILED"
     assert f["gemm_path"] == "lt"
-    for needed in ("CUBLASLT_EPILOGUE_BIAS", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F", "MAX_WORKSPACE_BYTES",
-                   "rows 48", "ld 64"):
+    for needed in (
+        "CUBLASLT_EPILOGUE_BIAS",
+        "CUDA_R_16BF",
+        "CUBLAS_COMPUTE_32F",
+        "MAX_WORKSPACE_BYTES",
+        "rows 48",
+        "ld 64",
+    ):
         assert needed in f["descriptors"], f["descriptors"]
     assert "cublasLtMatmul" in str(info.value)
 

@@ -14,7 +14,10 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 
 def dry_run(tmp_path: Path, **env: str) -> str:
     result = subprocess.run(
-        ["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=300,
+        ["bash", str(SCRIPT), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), **env},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -24,18 +27,40 @@ def dry_run(tmp_path: Path, **env: str) -> str:
 def test_dry_run_prints_the_slots_in_the_issue_19_order_and_runs_nothing(tmp_path: Path) -> None:
     out = dry_run(tmp_path)
     slots = re.findall(r"slot (\d) (\w+):", out)
-    assert slots == [("1", "build"), ("2", "smoke"), ("3", "tests"), ("4", "bench"), ("4", "bench"),
-                     ("5", "sanitizer")]
+    assert slots == [
+        ("1", "build"),
+        ("2", "smoke"),
+        ("3", "tests"),
+        ("4", "bench"),
+        ("4", "bench"),
+        ("5", "sanitizer"),
+    ]
     assert "TORCH_CUDA_ARCH_LIST=9.0" in out
     smoke = next(line for line in out.splitlines() if "slot 2 smoke" in line)
-    for needed in ("timeout -s INT", "tests/test_libstdcxx.py", "tests/test_gpu_smoke.py", "_64bit",
-                   "tests/test_watch.py::", "--durations", f"--junitxml={tmp_path}/junit-smoke.xml"):
+    for needed in (
+        "timeout -s INT",
+        "tests/test_libstdcxx.py",
+        "tests/test_gpu_smoke.py",
+        "_64bit",
+        "tests/test_watch.py::",
+        "--durations",
+        f"--junitxml={tmp_path}/junit-smoke.xml",
+    ):
         assert needed in smoke, needed
     tests = next(line for line in out.splitlines() if "slot 3 tests" in line)
-    for needed in ("timeout -s INT", "-p select_cuda_tests", "-n ", "not slow", f"--junitxml={tmp_path}/junit-tests.xml"):
+    for needed in (
+        "timeout -s INT",
+        "-p select_cuda_tests",
+        "-n ",
+        "not slow",
+        f"--junitxml={tmp_path}/junit-tests.xml",
+    ):
         assert needed in tests, needed
     bench = [line for line in out.splitlines() if "slot 4 bench" in line]
-    assert ["CUBLAS_GUARD_GEMM_PATH=legacy" in bench[0], "CUBLAS_GUARD_GEMM_PATH=lt" in bench[1]] == [True, True]
+    assert ["CUBLAS_GUARD_GEMM_PATH=legacy" in bench[0], "CUBLAS_GUARD_GEMM_PATH=lt" in bench[1]] == [
+        True,
+        True,
+    ]
     # The benchmark plan comes from run.py --dry-run, which imports the checkout's package: only
     # where it has its native library (not in CI's installed-package run, whose source copy has
     # none and would JIT-build it).
@@ -47,13 +72,20 @@ def test_dry_run_prints_the_slots_in_the_issue_19_order_and_runs_nothing(tmp_pat
 def test_one_run_fits_in_eight_minutes_with_every_slot_funded() -> None:
     """The defaults: the slots' reserves fit inside the total, and the total inside 8 minutes."""
     text = SCRIPT.read_text()
-    default = {name: int(value) for name, value in
-               re.findall(r'^(\w+)="\$\{GPU_CHECK_\w+:-(\d+)\}"', text, re.M)}
+    default = {
+        name: int(value) for name, value in re.findall(r'^(\w+)="\$\{GPU_CHECK_\w+:-(\d+)\}"', text, re.M)
+    }
     assert default["TOTAL_S"] <= 8 * 60 - 30  # a margin inside the device call's 480 s
     bench_hard = 2 * default["BENCH_S"] + 30  # both GEMM paths
     pack = int(re.search(r"^PACK_S=(\d+)", text, re.M).group(1))
-    reserved = (default["BUILD_S"] + default["SMOKE_S"] + default["TESTS_S"] + bench_hard
-                + default["SANITIZER_S"] + pack)
+    reserved = (
+        default["BUILD_S"]
+        + default["SMOKE_S"]
+        + default["TESTS_S"]
+        + bench_hard
+        + default["SANITIZER_S"]
+        + pack
+    )
     assert reserved + 15 <= default["TOTAL_S"], (reserved, default)  # + the environment report
     assert default["SMOKE_S"] <= 30  # a 20-second smoke step
     assert "BUDGET PLAN" in text.split("set -u")[0], "the plan is written at the top"

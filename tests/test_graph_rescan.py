@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches, requires_cuda
 
 NAN = float("nan")

@@ -29,29 +29,41 @@ PACKAGE_DIR = Path(cublas_guard_ext.__file__).resolve().parent
 # Bottom first. Patterns are fnmatch patterns on the dotted module name; every
 # module of the package must match exactly one layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("native: building/loading the library, environment facts",
-     ("cublas_guard_ext._native", "cublas_guard_ext._native.*")),
-    ("capsule: the failing call written to a file, and its replay",
-     ("cublas_guard_ext.capsule", "cublas_guard_ext.capsule_replay")),
+    (
+        "native: building/loading the library, environment facts",
+        ("cublas_guard_ext._native", "cublas_guard_ext._native.*"),
+    ),
+    (
+        "capsule: the failing call written to a file, and its replay",
+        ("cublas_guard_ext.capsule", "cublas_guard_ext.capsule_replay"),
+    ),
     ("errors: every user-facing message", ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*")),
     ("ops and modes", ("cublas_guard_ext.ops", "cublas_guard_ext.modes", "cublas_guard_ext._transforms")),
     ("nn and watch", ("cublas_guard_ext.nn", "cublas_guard_ext.watch")),
     ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext._training_state")),
     ("the public API", ("cublas_guard_ext",)),
-    ("tools: doctor, demo, bench", ("cublas_guard_ext.tools", "cublas_guard_ext.tools.*",
-                                    "cublas_guard_ext.__main__")),
-    ("integrations: transformers, Lightning (imported only when used)",
-     ("cublas_guard_ext.integrations", "cublas_guard_ext.integrations.*")),
+    (
+        "tools: doctor, demo, bench",
+        ("cublas_guard_ext.tools", "cublas_guard_ext.tools.*", "cublas_guard_ext.__main__"),
+    ),
+    (
+        "integrations: transformers, Lightning (imported only when used)",
+        ("cublas_guard_ext.integrations", "cublas_guard_ext.integrations.*"),
+    ),
 ]
 
 # (importer, imported): why this late import may go up a layer.
 LATE_UPWARD: dict[tuple[str, str], str] = {
-    ("cublas_guard_ext._native.loader", "cublas_guard_ext.errors"):
-        "the loader raises ExtensionBuildError when a build cannot work; like every "
-        "user-facing message it is written in errors.py, imported only where it is raised",
-    ("cublas_guard_ext.ops", "cublas_guard_ext.watch"):
-        "check() also raises this thread's pending watch(mode='async') finding; watch "
-        "is built on ops, so ops reaches it only when check() runs",
+    (
+        "cublas_guard_ext._native.loader",
+        "cublas_guard_ext.errors",
+    ): "the loader raises ExtensionBuildError when a build cannot work; like every "
+    "user-facing message it is written in errors.py, imported only where it is raised",
+    (
+        "cublas_guard_ext.ops",
+        "cublas_guard_ext.watch",
+    ): "check() also raises this thread's pending watch(mode='async') finding; watch "
+    "is built on ops, so ops reaches it only when check() runs",
 }
 
 
@@ -121,7 +133,9 @@ def import_edges(root: Path) -> tuple[dict[str, Path], list[Edge]]:
 
 
 def layer_of(name: str) -> int:
-    found = [i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    found = [
+        i for i, (_, patterns) in enumerate(LAYERS) if any(fnmatch.fnmatchcase(name, p) for p in patterns)
+    ]
     assert len(found) == 1, f"{name} matches layers {found} of LAYERS: give it exactly one"
     return found[0]
 
@@ -138,7 +152,7 @@ def find_cycle(nodes: list[str], edges: list[Edge]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := dfs(nxt)):
                 return found
         path.pop()
@@ -193,7 +207,9 @@ def test_the_import_graph_is_read() -> None:
     assert ("cublas_guard_ext.modes", "cublas_guard_ext.ops") in late
     assert ("cublas_guard_ext._native.loader", "cublas_guard_ext.errors") in late
     assert ("cublas_guard_ext.__main__", "cublas_guard_ext.tools.doctor") in late
-    assert {"cublas_guard_ext", "cublas_guard_ext._native.loader", "cublas_guard_ext.tools.demo"} <= set(modules)
+    assert {"cublas_guard_ext", "cublas_guard_ext._native.loader", "cublas_guard_ext.tools.demo"} <= set(
+        modules
+    )
 
 
 def test_every_module_has_one_layer() -> None:
@@ -226,21 +242,27 @@ def test_a_planted_upward_top_level_import_fails(tmp_path: Path) -> None:
     assert violations(root) == []
     _plant(root / "errors" / "__init__.py", "from ..nn import SafeLinear  # errors may not use nn\n")
     problems = violations(root)
-    assert any(p.startswith("upward top-level import: cublas_guard_ext.errors") and "cublas_guard_ext.nn" in p
-               for p in problems), problems
+    assert any(
+        p.startswith("upward top-level import: cublas_guard_ext.errors") and "cublas_guard_ext.nn" in p
+        for p in problems
+    ), problems
     # ops imports the facts at top level: the facts importing ops closes a cycle.
     _plant(root / "_native" / "facts.py", "from .. import ops\n")
     problems = violations(root)
-    assert any(p.startswith("top-level import cycle:") and "cublas_guard_ext._native.facts" in p
-               for p in problems), problems
+    assert any(
+        p.startswith("top-level import cycle:") and "cublas_guard_ext._native.facts" in p for p in problems
+    ), problems
 
 
 def test_a_planted_late_upward_import_fails_unless_allow_listed(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _plant(root / "ops.py", "def _planted() -> None:\n    from .tools import doctor  # noqa: F401\n")
     problems = violations(root)
-    assert any(p.startswith("upward late import not in LATE_UPWARD: cublas_guard_ext.ops")
-               and "cublas_guard_ext.tools.doctor" in p for p in problems), problems
+    assert any(
+        p.startswith("upward late import not in LATE_UPWARD: cublas_guard_ext.ops")
+        and "cublas_guard_ext.tools.doctor" in p
+        for p in problems
+    ), problems
     assert not any("top-level" in p for p in problems), problems
 
 
@@ -260,20 +282,29 @@ def test_each_allow_listed_late_import_exists(pair: tuple[str, str]) -> None:
 # The native op namespaces (csrc/ops.cpp, csrc/testing.cpp): what a user sees under
 # torch.ops.cublas_guard is the product; test hooks and the package's private entry
 # points live in namespaces of their own.
-PUBLIC_OPS = {"scan", "linear", "linear_grad_input", "linear_grad_weight", "check_features",
-              "guard_values", "async_check", "build_info",
-              "check_in_graph"}  # (ops.py: check() inside a compiled graph)
+PUBLIC_OPS = {
+    "scan",
+    "linear",
+    "linear_grad_input",
+    "linear_grad_weight",
+    "check_features",
+    "guard_values",
+    "async_check",
+    "build_info",
+    "check_in_graph",
+}  # (ops.py: check() inside a compiled graph)
 
 
 def _ops_in(namespace: str) -> set[str]:
     import torch
 
     prefix = namespace + "::"
-    return {s.name[len(prefix):] for s in torch._C._jit_get_all_schemas() if s.name.startswith(prefix)}
+    return {s.name[len(prefix) :] for s in torch._C._jit_get_all_schemas() if s.name.startswith(prefix)}
 
 
 def test_the_public_op_namespace_holds_the_product_only() -> None:
     assert _ops_in("cublas_guard") == PUBLIC_OPS
     assert {"set_fault", "set_size_limit", "simulate_cuda_errors", "clean_cache_stats"} <= _ops_in(
-        "cublas_guard_testing")
+        "cublas_guard_testing"
+    )
     assert {"parameters_changed", "reset_layer_calls", "watch_install"} <= _ops_in("cublas_guard_internal")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import allocated, assert_matches, memory_growth, requires_cuda, rss_bytes
 
 STEPS = 10_000
@@ -36,6 +37,8 @@ def steps_for(device: str) -> tuple[str, int, int]:
     if device == "cuda-quick":
         return "cuda", QUICK_STEPS, 200
     return device, STEPS, WARMUP
+
+
 RSS_TOLERANCE = 2 * 2**20  # bytes; a leak of ~200 B per step would already exceed it (noise: ~0.1 MiB)
 
 
@@ -51,12 +54,14 @@ def one_thread():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_ten_thousand_steps_with_errors_constant_memory(device: str, mode: str, one_thread,
-                                                         inject_fault) -> None:
+def test_ten_thousand_steps_with_errors_constant_memory(
+    device: str, mode: str, one_thread, inject_fault
+) -> None:
     device, steps, warmup = steps_for(device)
     torch.manual_seed(0)
-    model = cg.replace_linear(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)),
-                              mode=mode).to(device)
+    model = cg.replace_linear(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)), mode=mode).to(
+        device
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     good = torch.randn(8, 32, device=device)
     bad = good.clone()
@@ -107,9 +112,11 @@ def test_ten_thousand_steps_with_errors_constant_memory(device: str, mode: str, 
             gc.collect()
             checkpoints.append(((rss_bytes() - rss0) // 1024, allocated(device) - gpu0))
     rss1, gpu1 = rss_bytes(), allocated(device)
-    print(f"\n[leaks/{device}/{mode}] {steps} steps after {warmup} warm-up ({counts}): "
-          f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({(rss1 - rss0) / 2**10:+.0f} KiB), "
-          f"GPU allocated {gpu0} -> {gpu1} B; growth at each quarter (KiB, B): {checkpoints}")
+    print(
+        f"\n[leaks/{device}/{mode}] {steps} steps after {warmup} warm-up ({counts}): "
+        f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({(rss1 - rss0) / 2**10:+.0f} KiB), "
+        f"GPU allocated {gpu0} -> {gpu1} B; growth at each quarter (KiB, B): {checkpoints}"
+    )
     n = warmup + steps  # each kind of failure really happened, many times
     assert counts["nan"] >= n // 11 and counts["shape"] >= n // 15 and counts["fault"] >= n // 22
     assert rss1 - rss0 < RSS_TOLERANCE, f"RSS grew {(rss1 - rss0) / 2**20:.1f} MiB"
@@ -135,8 +142,10 @@ def test_fresh_parameters_every_call_do_not_grow_the_cache(device: str, one_thre
 
     # warm-up: the cache evicts dead entries as new ones come, so its size is steady after it
     rss0, rss1, gpu0, gpu1 = memory_growth(call, 5_000, steps, device)
-    print(f"\n[leaks/{device}/fresh-params] {steps} calls: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
-          f"GPU {gpu1 - gpu0:+d} B")
+    print(
+        f"\n[leaks/{device}/fresh-params] {steps} calls: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
+        f"GPU {gpu1 - gpu0:+d} B"
+    )
     assert rss1 - rss0 < RSS_TOLERANCE
     assert gpu1 == gpu0
 
@@ -157,7 +166,9 @@ def test_scan_and_check_features_do_not_leak(device: str, one_thread) -> None:
             cg.check_features(x, 33, name="features")
 
     rss0, rss1, gpu0, gpu1 = memory_growth(call, 1_000, steps, device)
-    print(f"\n[leaks/{device}/scan] {steps} scans + checks: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
-          f"GPU {gpu1 - gpu0:+d} B")
+    print(
+        f"\n[leaks/{device}/scan] {steps} scans + checks: RSS {(rss1 - rss0) / 2**10:+.0f} KiB, "
+        f"GPU {gpu1 - gpu0:+d} B"
+    )
     assert rss1 - rss0 < RSS_TOLERANCE
     assert gpu1 == gpu0

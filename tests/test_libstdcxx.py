@@ -28,19 +28,25 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="EL
 
 SHT_DYNAMIC, SHT_DYNSYM, SHN_UNDEF, DT_NEEDED = 6, 11, 0, 1
 # Itanium-mangled prefixes of the classes whose static state must exist once per process.
-RUNTIME_STATE_PREFIXES = ("_ZNSt6locale", "_ZNKSt6locale", "_ZNSt8ios_base", "_ZNKSt8ios_base",
-                          "_ZNSt7__cxx116locale", "_ZNSt3__16locale")
+RUNTIME_STATE_PREFIXES = (
+    "_ZNSt6locale",
+    "_ZNKSt6locale",
+    "_ZNSt8ios_base",
+    "_ZNKSt8ios_base",
+    "_ZNSt7__cxx116locale",
+    "_ZNSt3__16locale",
+)
 
 
 def _sections(data: bytes) -> list[tuple]:
     assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF"
-    e_shoff, = struct.unpack_from("<Q", data, 0x28)
+    (e_shoff,) = struct.unpack_from("<Q", data, 0x28)
     e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
     return [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
 
 
 def _cstr(data: bytes, start: int) -> str:
-    return data[start:data.index(b"\0", start)].decode()
+    return data[start : data.index(b"\0", start)].decode()
 
 
 def elf_needed(path: str) -> list[str]:
@@ -100,16 +106,20 @@ def test_the_symbol_reader_sees_the_definitions_in_libstdcxx_itself() -> None:
     """The reader can fail: on libstdc++.so.6 itself it finds the definitions."""
     import torch  # noqa: F401  (torch's libraries load libstdc++.so.6)
 
-    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-              if "/libstdc++.so.6" in line}
+    mapped = {
+        line.split()[-1]
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if "/libstdc++.so.6" in line
+    }
     assert mapped, "libstdc++.so.6 is not loaded in this process"
     assert any(n.startswith("_ZNSt6locale") for n in defined_runtime_state(sorted(mapped)[0]))
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="binutils' nm not installed")
 def test_nm_agrees() -> None:
-    result = subprocess.run(["nm", "-D", "--defined-only", library_path()], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        ["nm", "-D", "--defined-only", library_path()], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     names = [line.split()[-1] for line in result.stdout.splitlines() if line.strip()]
     assert [n for n in names if n.startswith(RUNTIME_STATE_PREFIXES)] == []
@@ -142,8 +152,13 @@ FORMATS_INTEGERS = textwrap.dedent(
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_CUDA else []))
 def test_an_error_that_formats_integers_raises_in_a_fresh_process(device: str) -> None:
-    result = subprocess.run([sys.executable, "-c", FORMATS_INTEGERS, device], capture_output=True,
-                            text=True, timeout=300, env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-c", FORMATS_INTEGERS, device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert result.returncode == 0, f"rc={result.returncode}\n{result.stdout}\n{result.stderr}"
     lines = result.stdout.splitlines()
     shape = next(line for line in lines if line.startswith("SHAPE"))

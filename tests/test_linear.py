@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import SGEMM, assert_matches, gemm_spans, max_rel_error
 
 SHAPES = {
@@ -211,11 +212,11 @@ def test_split_pieces_are_reported(device: str, size_limit, inject_fault) -> Non
 # cuBLAS(Lt) releases failed once one spans >= 2^31 elements, every argument in range). The
 # first piece is the largest, so its report bounds every piece. (in, out, rows, limit, pass)
 SPAN_CASES = {
-    "batch": (2, 3, 40, 20, "forward"),            # the >2^31-row GPU test, scaled down
+    "batch": (2, 3, 40, 20, "forward"),  # the >2^31-row GPU test, scaled down
     "batch-grad_weight": (2, 3, 40, 20, "backward"),
-    "big-weight": (12, 10, 3, 40, "forward"),      # weight^T spans 120 elements: m is split
+    "big-weight": (12, 10, 3, 40, "forward"),  # weight^T spans 120 elements: m is split
     "big-weight-backward": (12, 10, 3, 40, "backward"),
-    "wide-input": (30, 2, 5, 40, "forward"),       # k = lda = 30: the batch goes 1 row a piece
+    "wide-input": (30, 2, 5, 40, "forward"),  # k = lda = 30: the batch goes 1 row a piece
 }
 
 
@@ -247,8 +248,10 @@ def test_a_broadcast_gradient_is_copied_once_for_both_gemms() -> None:
 
     class GradGemmArgs(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.cublas_guard.linear_grad_input.default,
-                        torch.ops.cublas_guard.linear_grad_weight.default):
+            if func in (
+                torch.ops.cublas_guard.linear_grad_input.default,
+                torch.ops.cublas_guard.linear_grad_weight.default,
+            ):
                 seen.append((func.__name__, tuple(args[0].stride())))
             return func(*args, **(kwargs or {}))
 

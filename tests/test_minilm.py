@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import max_rel_error
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub: the wheel has it all
@@ -67,7 +68,9 @@ def test_embeddings_under_bf16_autocast_match(reference) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,rel,cos", [(torch.bfloat16, 5e-2, 0.999), (torch.float64, 1e-10, 1.0 - 1e-12)])
+@pytest.mark.parametrize(
+    "dtype,rel,cos", [(torch.bfloat16, 5e-2, 0.999), (torch.float64, 1e-10, 1.0 - 1e-12)]
+)
 def test_embeddings_of_the_cast_model_match(reference, dtype, rel: float, cos: float) -> None:
     ref = copy.deepcopy(reference).to(dtype)
     safe = swapped(ref)
@@ -97,8 +100,9 @@ def test_bf16_autocast_training_step_matches(reference) -> None:
             emb = embed(model, features)
         loss = torch.nn.functional.mse_loss(emb.float(), target)
         loss.backward()
-        return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
+        return loss.item(), {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
     loss_ref, grads_ref = step(ref)
     loss_safe, grads_safe = step(safe)

@@ -9,6 +9,7 @@ from torch import nn
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import modes
+
 from conftest import assert_matches
 
 NAN = float("nan")
@@ -198,9 +199,7 @@ def test_scan_grad_off_by_default(device: str) -> None:
 @pytest.mark.parametrize("mode", ["async", "off"])
 def test_torch_compile_fullgraph_matches_eager(mode: str) -> None:
     torch.manual_seed(0)
-    model = cg.replace_linear(
-        nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), mode=mode
-    )
+    model = cg.replace_linear(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)), mode=mode)
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(5, 8, requires_grad=True)
     eager_out = model(x)
@@ -232,13 +231,18 @@ OPS = {
     "scan": lambda: (torch.ops.cublas_guard.scan.default, (torch.randn(7, 3),)),
     "linear_sync": lambda: (
         torch.ops.cublas_guard.linear.default,
-        (torch.randn(4, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True),
-         torch.randn(3, requires_grad=True), "l", 1, False),
+        (
+            torch.randn(4, 5, requires_grad=True),
+            torch.randn(3, 5, requires_grad=True),
+            torch.randn(3, requires_grad=True),
+            "l",
+            1,
+            False,
+        ),
     ),
     "linear_async_nobias": lambda: (
         torch.ops.cublas_guard.linear.default,
-        (torch.randn(2, 4, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True), None,
-         "l", 2, True),
+        (torch.randn(2, 4, 5, requires_grad=True), torch.randn(3, 5, requires_grad=True), None, "l", 2, True),
     ),
     "grad_input": lambda: (
         torch.ops.cublas_guard.linear_grad_input.default,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches
 
 NAN = float("nan")
@@ -339,7 +340,8 @@ def test_transformer_fast_path_is_guarded(kind: str) -> None:
         ref: nn.Module = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
     elif kind == "encoder":
         ref = nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2,
+            nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+            2,
             enable_nested_tensor=True,
         )
     else:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches
 
 NAN = float("nan")
@@ -28,16 +29,30 @@ def cache_stats() -> tuple[int, int, int]:
 # Every optimizer of torch.optim, plain, foreach and fused, writing NaN
 # ---------------------------------------------------------------------------
 OPTIMIZERS = {
-    "ASGD": {}, "Adadelta": {}, "Adafactor": {}, "Adagrad": {}, "Adam": {}, "AdamW": {},
-    "Adamax": {}, "LBFGS": {}, "Muon": {}, "NAdam": {}, "RAdam": {}, "RMSprop": {},
-    "Rprop": {}, "SGD": {"lr": 0.1}, "SparseAdam": {},
+    "ASGD": {},
+    "Adadelta": {},
+    "Adafactor": {},
+    "Adagrad": {},
+    "Adam": {},
+    "AdamW": {},
+    "Adamax": {},
+    "LBFGS": {},
+    "Muon": {},
+    "NAdam": {},
+    "RAdam": {},
+    "RMSprop": {},
+    "Rprop": {},
+    "SGD": {"lr": 0.1},
+    "SparseAdam": {},
 }
 
 
 def test_the_list_covers_every_optimizer_of_torch_optim() -> None:
     found = {
-        name for name, cls in vars(torch.optim).items()
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        name
+        for name, cls in vars(torch.optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
         and cls is not torch.optim.Optimizer
     }
     assert found == set(OPTIMIZERS), f"new or removed optimizers: {found ^ set(OPTIMIZERS)}"

@@ -124,7 +124,9 @@ def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
     text = path.read_text().replace('+ "_alignment").c_str()', '+ "_align").c_str()')
     path.write_text(text.replace('ErrorReport report("cublas")', 'ErrorReport report("cublas_v2")'))
     cuda = csrc / "cuda" / "linear.cu"
-    cuda.write_text(cuda.read_text().replace('ErrorReport report("graph_capture")', 'ErrorReport report("capture")'))
+    cuda.write_text(
+        cuda.read_text().replace('ErrorReport report("graph_capture")', 'ErrorReport report("capture")')
+    )
     problems = disagreements(csrc, py)
     assert "csrc/ builds fields ending '_align', a family the schema does not list" in problems
     assert "csrc/ raises report kind 'cublas_v2', which the other side does not have" in problems
@@ -175,10 +177,12 @@ def _cases(inject_fault, size_limit):
     }
 
 
-@pytest.mark.parametrize("case", ["shape", "dtype", "dtype mismatch", "non-finite", "non-finite async",
-                                  "cublas", "size limit"])
-def test_real_payloads_have_the_schemas_kinds(case, native_messages, inject_fault, size_limit,
-                                               monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "case", ["shape", "dtype", "dtype mismatch", "non-finite", "non-finite async", "cublas", "size limit"]
+)
+def test_real_payloads_have_the_schemas_kinds(
+    case, native_messages, inject_fault, size_limit, monkeypatch
+) -> None:
     monkeypatch.setenv("CUBLAS_GUARD_CAPSULE", "0")
     with pytest.raises(cg.GuardError):
         _cases(inject_fault, size_limit)[case]()
@@ -188,6 +192,8 @@ def test_real_payloads_have_the_schemas_kinds(case, native_messages, inject_faul
 
 def test_problems_names_a_wrong_kind_and_an_unknown_field() -> None:
     assert schema.problems({"kind": "cublas", "m": "12", "a_shape": [1, 2], "mystery": 1}) == [
-        "field 'm' = '12' is not of kind int", "field 'mystery' is not in the schema"]
+        "field 'm' = '12' is not of kind int",
+        "field 'mystery' is not in the schema",
+    ]
     assert schema.problems({"kind": "nope"}) == ["report kind 'nope' is not in schema.REPORT_KINDS"]
     assert schema.problems({"kind": "non_finite", "first_bad_value": "nan", "input3_shape": [2]}) == []

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import cublas_guard_ext as cg
+
 from conftest import DEVICES, assert_matches
 
 SETTINGS = settings(
@@ -45,9 +46,16 @@ def to_int32(pattern: int) -> int:
     return pattern - (1 << 32) if pattern >= (1 << 31) else pattern
 
 
-def draw_view(data: st.DataObject, shape: list[int], device: str, *, allow_expand: bool = True,
-              plant: bool = True, leaf: bool = False, extremes: bool = True,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_view(
+    data: st.DataObject,
+    shape: list[int],
+    device: str,
+    *,
+    allow_expand: bool = True,
+    plant: bool = True,
+    leaf: bool = False,
+    extremes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(view, raw): a view of logical ``shape`` into the random-layout storage ``raw``.
 
     ``extremes``: also plant +-FLT_MAX (finite, must not count; but they overflow a GEMM)."""
@@ -56,8 +64,10 @@ def draw_view(data: st.DataObject, shape: list[int], device: str, *, allow_expan
     steps = [data.draw(st.integers(1, 3), label=f"step{d}") for d in range(k)]
     offsets = [data.draw(st.integers(0, 2), label=f"offset{d}") for d in range(k)]
     # about a quarter of the dims are expanded from size 1 (zero strides)
-    expanded = [allow_expand and shape[d] > 0 and data.draw(st.integers(0, 3), label=f"expand{d}") == 0
-                for d in range(k)]
+    expanded = [
+        allow_expand and shape[d] > 0 and data.draw(st.integers(0, 3), label=f"expand{d}") == 0
+        for d in range(k)
+    ]
     base_shape = [1 if expanded[d] else shape[d] * steps[d] + offsets[d] for d in range(k)]
     storage_offset = data.draw(st.integers(0, 3), label="storage offset")
     numel = math.prod(base_shape)
@@ -90,8 +100,12 @@ def reference(x: torch.Tensor) -> tuple[int, int, int, int]:
     flat = x.detach().reshape(-1)
     bad = ~torch.isfinite(flat)
     first = int(bad.nonzero()[0, 0]) if bool(bad.any()) else -1
-    return (int(torch.isnan(flat).sum()), int(torch.isposinf(flat).sum()),
-            int(torch.isneginf(flat).sum()), first)
+    return (
+        int(torch.isnan(flat).sum()),
+        int(torch.isposinf(flat).sum()),
+        int(torch.isneginf(flat).sum()),
+        first,
+    )
 
 
 def unravel(index: int, shape: list[int]) -> list[int]:
@@ -115,7 +129,9 @@ def test_scan_matches_isnan_isinf(device: str, data: st.DataObject) -> None:
     shape = data.draw(shapes | long_shapes, label="shape")
     view, raw = draw_view(data, shape, device)
     before = raw.detach().clone()
-    event(f"ndim {view.dim()}, {'empty' if view.numel() == 0 else 'contiguous' if view.is_contiguous() else 'strided'}")
+    event(
+        f"ndim {view.dim()}, {'empty' if view.numel() == 0 else 'contiguous' if view.is_contiguous() else 'strided'}"
+    )
     event("has bad values" if reference(view)[3] >= 0 else "all finite")
     result = cg.scan(view)
     got = (result.nan_count, result.posinf_count, result.neginf_count, result.first_bad_index)
@@ -135,16 +151,37 @@ def test_linear_matches_f_linear_or_refuses_exactly(device: str, data: st.DataOb
     out_features = data.draw(st.integers(1, 9), label="out")
     has_bias = data.draw(st.booleans(), label="bias")
     x, x_raw = draw_view(data, batch + [in_features], device, leaf=True, extremes=False)
-    w, w_raw = draw_view(data, [out_features, in_features], device, leaf=True, extremes=False,
-                         plant=data.draw(st.integers(0, 3), label="plant weight") == 0)
-    b, b_raw = draw_view(data, [out_features], device, leaf=True, extremes=False,
-                         plant=data.draw(st.booleans(), label="plant bias"),
-                         ) if has_bias else (None, None)
+    w, w_raw = draw_view(
+        data,
+        [out_features, in_features],
+        device,
+        leaf=True,
+        extremes=False,
+        plant=data.draw(st.integers(0, 3), label="plant weight") == 0,
+    )
+    b, b_raw = (
+        draw_view(
+            data,
+            [out_features],
+            device,
+            leaf=True,
+            extremes=False,
+            plant=data.draw(st.booleans(), label="plant bias"),
+        )
+        if has_bias
+        else (None, None)
+    )
     leaves = [t for t in (x_raw, w_raw, b_raw) if t is not None]
     snapshots = [t.detach().clone() for t in leaves]
 
-    first_bad = next(((role, t) for role, t in (("input", x), ("weight", w), ("bias", b))
-                      if t is not None and reference(t)[3] >= 0), None)
+    first_bad = next(
+        (
+            (role, t)
+            for role, t in (("input", x), ("weight", w), ("bias", b))
+            if t is not None and reference(t)[3] >= 0
+        ),
+        None,
+    )
     event(f"refused: {first_bad[0]}" if first_bad else ("empty output" if x.numel() == 0 else "computed"))
     event(f"input strides {'contiguous' if x.is_contiguous() else 'strided'}")
     if first_bad is not None:
@@ -154,7 +191,12 @@ def test_linear_matches_f_linear_or_refuses_exactly(device: str, data: st.DataOb
         err = info.value
         nan, pos, neg, first = reference(t)
         assert (err.role, err.nan_count, err.posinf_count, err.neginf_count, err.first_bad_index) == (
-            role, nan, pos, neg, first)
+            role,
+            nan,
+            pos,
+            neg,
+            first,
+        )
         assert err.first_bad_coords == unravel(first, list(t.shape))
     else:
         y = cg.linear(x, w, b, layer="prop")
@@ -185,8 +227,12 @@ def test_check_features_agrees_with_scan(device: str, data: st.DataObject) -> No
     else:
         with pytest.raises(cg.NonFiniteInputError) as info:
             cg.check_features(x, shape[-1], name="prop")
-        assert (info.value.nan_count, info.value.posinf_count, info.value.neginf_count,
-                info.value.first_bad_index) == (nan, pos, neg, first)
+        assert (
+            info.value.nan_count,
+            info.value.posinf_count,
+            info.value.neginf_count,
+            info.value.first_bad_index,
+        ) == (nan, pos, neg, first)
     with pytest.raises(cg.ShapeMismatchError):
         cg.check_features(x, shape[-1] + 1, name="prop")
 

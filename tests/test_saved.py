@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches
 
 

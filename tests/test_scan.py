@@ -72,8 +72,18 @@ def test_planted_values(device: str, n: int, where: str) -> None:
 def test_nan_payloads_and_signs(device: str) -> None:
     """Every NaN bit pattern is a NaN; -0.0, denormals and FLT_MAX are finite."""
     bits = torch.tensor(
-        [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000,
-         0x80000000, 0x00000001, 0x7F7FFFFF, 0xFF7FFFFF],
+        [
+            0x7FC00000,
+            0xFFC00000,
+            0x7F800001,
+            0xFFFFFFFF,
+            0x7F800000,
+            0xFF800000,
+            0x80000000,
+            0x00000001,
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+        ],
         dtype=torch.int64,
     ).to(torch.int32)
     x = bits.view(torch.float32).to(device)
@@ -103,9 +113,21 @@ def _views(device: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "name",
-    ["transposed", "row_slice", "step_slice", "offset_1", "offset_2", "offset_3", "expanded",
-     "scalar_expanded", "permuted_4d", "channels_last", "zero_dim", "size_one_dims",
-     "eighteen_dims"],
+    [
+        "transposed",
+        "row_slice",
+        "step_slice",
+        "offset_1",
+        "offset_2",
+        "offset_3",
+        "expanded",
+        "scalar_expanded",
+        "permuted_4d",
+        "channels_last",
+        "zero_dim",
+        "size_one_dims",
+        "eighteen_dims",
+    ],
 )
 def test_non_contiguous_views(device: str, name: str) -> None:
     view = _views(device)[name]

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
+
 from conftest import assert_matches, requires_cuda
 
 THREADS = 8
@@ -56,9 +57,11 @@ def run_threads(target: Callable[[int], None], n: int = THREADS, timeout: float 
 
 
 def shared_layers(device: str, mode: str | None = None) -> list[cg.SafeLinear]:
-    return [cg.SafeLinear(24, 16, device=device, name="shared.0", mode=mode),
-            cg.SafeLinear(16, 8, device=device, name="shared.1", mode=mode),
-            cg.SafeLinear(24, 8, bias=False, device=device, name="shared.2", mode=mode)]
+    return [
+        cg.SafeLinear(24, 16, device=device, name="shared.0", mode=mode),
+        cg.SafeLinear(16, 8, device=device, name="shared.1", mode=mode),
+        cg.SafeLinear(24, 8, bias=False, device=device, name="shared.2", mode=mode),
+    ]
 
 
 def check_call(layer: cg.SafeLinear, x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +124,10 @@ def test_each_sync_error_reaches_the_thread_that_caused_it(device: str) -> None:
             assert len(seen[i]) == expected_bad[i] == ITERATIONS // 4
             name = f"shared.{bad_threads[i]}"
             assert all(layer == name and nan == 1 for layer, nan, _, _ in seen[i]), seen[i]
-            assert all(coords == [it % 4, (i + it) % (16 if name == "shared.1" else 24)]
-                       for _, _, coords, it in seen[i])
+            assert all(
+                coords == [it % 4, (i + it) % (16 if name == "shared.1" else 24)]
+                for _, _, coords, it in seen[i]
+            )
         else:
             assert seen[i] == [], f"thread {i} received another thread's error: {seen[i]}"
 
@@ -132,8 +137,7 @@ def test_async_record_is_process_wide(device: str) -> None:
     exactly ONE NonFiniteInputError is raised in the whole process -- in whichever thread
     makes the next guarded call, or by check() at the end -- and it names thread 3's layer
     and call, whoever receives it. Documented behaviour, see the module docstring."""
-    layers = [cg.SafeLinear(12, 6, device=device, name=f"thread{i}.fc", mode="async")
-              for i in range(THREADS)]
+    layers = [cg.SafeLinear(12, 6, device=device, name=f"thread{i}.fc", mode="async") for i in range(THREADS)]
     received: list[tuple[int, str, int, bool]] = []
     lock = threading.Lock()
     step = threading.Barrier(THREADS)
@@ -163,8 +167,10 @@ def test_async_record_is_process_wide(device: str) -> None:
     receiver, layer, call, deferred = received[0]
     # the per-layer call counter may include calls of earlier tests with the same name
     assert layer == "thread3.fc" and deferred is True and call >= bad_iteration + 1
-    print(f"\n[threads/{device}] thread 3's async finding was raised in "
-          f"{'the main thread (check())' if receiver < 0 else f'thread {receiver}'}")
+    print(
+        f"\n[threads/{device}] thread 3's async finding was raised in "
+        f"{'the main thread (check())' if receiver < 0 else f'thread {receiver}'}"
+    )
     cg.check()
 
 

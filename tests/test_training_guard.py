@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
+
 from conftest import requires_cuda
 
 
@@ -94,13 +95,14 @@ def closure_for(model, optimizer, batch):
         loss = F.mse_loss(model(x), y)
         loss.backward()
         return loss
+
     return closure
 
 
 def state(model, optimizer) -> dict[str, torch.Tensor]:
     """Everything a step could change: parameters, buffers, optimizer state, the RNG."""
     out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, (p, s) in enumerate(optimizer.state.items()):
+    for i, s in enumerate(optimizer.state.values()):
         for k, v in s.items():
             out[f"opt.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
     out["rng.cpu"] = torch.get_rng_state()
@@ -191,7 +193,7 @@ def test_bad_step_restores_batchnorm_statistics_that_its_forward_changed():
     before = model.bn.running_mean.clone()
     model(x)
     assert not torch.equal(before, model.bn.running_mean), "the forward must change the buffer"
-    err, before, after, model, *_ , bn_before = bad_step("log")
+    err, before, after, model, *_, bn_before = bad_step("log")
     assert torch.equal(model.bn.running_mean, bn_before)
     assert model.bn.num_batches_tracked.item() == 2
 
@@ -318,6 +320,7 @@ def count_reads(monkeypatch) -> list[str]:
         def counted(self, *a, _o=original, _n=name, **k):
             reads.append(_n)
             return _o(self, *a, **k)
+
         monkeypatch.setattr(torch.Tensor, name, counted)
     return reads
 
@@ -397,6 +400,7 @@ def test_a_step_the_scaler_skips_for_inf_is_not_a_finding():
                 loss = F.mse_loss(model(batch[0]).float(), batch[1])
             scaler.scale(loss).backward()  # 3e38 * grads overflows float32: Inf gradients
             return loss
+
         return closure
 
     before = state(model, optimizer)
@@ -423,6 +427,7 @@ def test_a_step_the_scaler_skips_for_inf_is_not_a_finding():
 
 def accumulating(model, optimizer, micro):
     """Gradient accumulation: one closure (one guard.step) per optimizer step, every micro-batch in it."""
+
     def closure():
         optimizer.zero_grad()
         total = 0.0
@@ -431,12 +436,13 @@ def accumulating(model, optimizer, micro):
             loss.backward()
             total = total + loss.detach()
         return total
+
     return closure
 
 
 def test_gradient_accumulation_one_guard_step_per_optimizer_step():
     data = batches(12)
-    groups = [data[i:i + 3] for i in range(0, 12, 3)]
+    groups = [data[i : i + 3] for i in range(0, 12, 3)]
     m1, o1 = setup()
     m2 = copy.deepcopy(m1)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
@@ -572,7 +578,9 @@ def test_bad_arguments_are_refused():
         cg.TrainingGuard(model, optimizer, on_nan="ignore")
     with pytest.raises(TypeError, match=r"^TrainingGuard: model must be an nn.Module, got function$"):
         cg.TrainingGuard(lambda x: x, optimizer)
-    with pytest.raises(TypeError, match=r"^TrainingGuard: optimizer must be a torch.optim.Optimizer, got list$"):
+    with pytest.raises(
+        TypeError, match=r"^TrainingGuard: optimizer must be a torch.optim.Optimizer, got list$"
+    ):
         cg.TrainingGuard(model, [])
     with pytest.raises(ValueError, match=r"^TrainingGuard\(deferred=True\) needs an optimizer that skips"):
         cg.TrainingGuard(model, optimizer, deferred=True)

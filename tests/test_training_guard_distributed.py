@@ -61,8 +61,13 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
     import cublas_guard_ext as cg
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=LONG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=LONG_TIMEOUT_S),
+    )
     kind, fault, on_nan = scenario.split("-")  # e.g. "ddp-log-raise"
     result: dict = {"rank": rank, "scenario": scenario, "steps_done": 0}
     try:
@@ -106,23 +111,34 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
 
             if step == BAD_STEP:
                 result["before"] = params()
-                finite = [bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                          for p in inner.parameters()]
+                finite = [
+                    bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                    for p in inner.parameters()
+                ]
                 assert all(finite)
-            def local_check(closure=closure):  # this rank's own view of its step (before the guard's)
+
+            def local_check(
+                closure=closure, step=step
+            ):  # this rank's own view of its step (before the guard's)
                 loss = closure()
-                grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                         for p in inner.parameters() if p.grad is not None]
+                grads = [
+                    p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    for p in inner.parameters()
+                    if p.grad is not None
+                ]
                 if step == BAD_STEP:
-                    result["local_bad"] = not (all(bool(torch.isfinite(g).all()) for g in grads)
-                                               and bool(torch.isfinite(loss)))
+                    result["local_bad"] = not (
+                        all(bool(torch.isfinite(g).all()) for g in grads) and bool(torch.isfinite(loss))
+                    )
                 return loss
 
             try:
                 loss = guard.step(local_check)
             except cg.NonFiniteStepError as err:
-                result["error"] = {k: err.fields.get(k) for k in
-                                   ("step", "op", "module", "phase", "classification", "rank", "world_size")}
+                result["error"] = {
+                    k: err.fields.get(k)
+                    for k in ("step", "op", "module", "phase", "classification", "rank", "world_size")
+                }
                 result["message"] = str(err)
                 result["after"] = params()
                 break
@@ -155,14 +171,22 @@ def run(scenario: str, tmp_path: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-@pytest.mark.parametrize("fault,phase,op", [("log", "forward", "aten.log.default"),
-                                            ("backward", "backward", "aten.div.Tensor")])
+@pytest.mark.parametrize(
+    "fault,phase,op", [("log", "forward", "aten.log.default"), ("backward", "backward", "aten.div.Tensor")]
+)
 def test_bad_step_on_one_rank_raises_on_every_rank_naming_it(kind, fault, phase, op, tmp_path):
     results = run(f"{kind}-{fault}-raise", tmp_path)
     for r in results:
         assert r["steps_done"] == BAD_STEP - 1
-        assert r["error"] == {"step": BAD_STEP, "op": op, "module": "2", "phase": phase,
-                              "classification": "persistent", "rank": BAD_RANK, "world_size": WORLD}
+        assert r["error"] == {
+            "step": BAD_STEP,
+            "op": op,
+            "module": "2",
+            "phase": phase,
+            "classification": "persistent",
+            "rank": BAD_RANK,
+            "world_size": WORLD,
+        }
         assert r["message"].startswith(f"[rank {BAD_RANK}/{WORLD}] training step {BAD_STEP}: ")
         assert r["after"] == r["before"], "the bad step changed the parameters"
     assert results[0]["after"] == results[1]["after"]
@@ -175,8 +199,15 @@ def test_fsdp_bad_shard_on_one_rank_only_every_rank_still_decides_alike(tmp_path
     results = run("fsdp-rows-raise", tmp_path)
     for r in results:
         assert r["steps_done"] == BAD_STEP - 1
-        assert r["error"] == {"step": BAD_STEP, "op": "aten.div.Tensor", "module": "2", "phase": "backward",
-                              "classification": "persistent", "rank": BAD_RANK, "world_size": WORLD}
+        assert r["error"] == {
+            "step": BAD_STEP,
+            "op": "aten.div.Tensor",
+            "module": "2",
+            "phase": "backward",
+            "classification": "persistent",
+            "rank": BAD_RANK,
+            "world_size": WORLD,
+        }
         assert r["after"] == r["before"]
     assert results[0]["local_bad"] is False and results[1]["local_bad"] is True
 

@@ -20,8 +20,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def test_importing_the_integrations_package_imports_neither_library():
-    code = ("import sys, cublas_guard_ext, cublas_guard_ext.integrations; "
-            "print(any(m in sys.modules for m in ('transformers', 'pytorch_lightning', 'lightning')))")
+    code = (
+        "import sys, cublas_guard_ext, cublas_guard_ext.integrations; "
+        "print(any(m in sys.modules for m in ('transformers', 'pytorch_lightning', 'lightning')))"
+    )
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -50,12 +52,24 @@ def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4, accumulate: int = 1):
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(0, 64, (steps * 2 * accumulate, 12), generator=g)]
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(0, 64, (steps * 2 * accumulate, 12), generator=g)
+    ]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
-        report_to="none", use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=0, gradient_accumulation_steps=accumulate)
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        gradient_accumulation_steps=accumulate,
+    )
     trainer = GuardedTrainer(model=model, args=args, train_dataset=data, guard_on_nan=on_nan)
     return trainer, model
 
@@ -69,6 +83,7 @@ def test_transformers_trainer_raise_names_the_module_of_a_gpt2(tmp_path):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == 2:
                 before.update({k: v.clone() for k, v in model.state_dict().items()})
+
     trainer.add_callback(Keep())
     with pytest.raises(cg.NonFiniteStepError) as info:
         trainer.train()
@@ -85,6 +100,7 @@ def test_transformers_trainer_skip_drops_the_optimizer_step_and_trains_on(tmp_pa
     def third_forward_only():  # one-shot: the replay (call 4) is clean
         calls["n"] += 1
         return calls["n"] == 3
+
     plant(model.transformer.h[0].mlp.act, third_forward_only)
     with pytest.warns(RuntimeWarning, match="training step 3: "):
         trainer.train()
@@ -104,6 +120,7 @@ def test_transformers_trainer_skip_with_accumulation_drops_the_whole_optimizer_s
     def third_forward_only():
         calls["n"] += 1
         return calls["n"] == 3
+
     plant(model.transformer.h[0].mlp.act, third_forward_only)
     with pytest.warns(RuntimeWarning, match="training step 3: "):  # (step: the 3rd micro-batch)
         trainer.train()
@@ -128,8 +145,9 @@ def loader(data):
     return torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
 
 
-def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient: bool = False,
-                  accumulate: int = 1):
+def lightning_run(
+    on_nan: str, fault_step: int | None, steps: int = 5, transient: bool = False, accumulate: int = 1
+):
     pl = lightning()
     from cublas_guard_ext.integrations.lightning import TrainingGuardCallback
 
@@ -140,8 +158,11 @@ def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient
 
         def forward(self, x):
             self.calls += 1
-            bad = self.calls == fault_step if transient else (fault_step is not None and
-                                                               module.trainer.global_step == fault_step - 1)
+            bad = (
+                self.calls == fault_step
+                if transient
+                else (fault_step is not None and module.trainer.global_step == fault_step - 1)
+            )
             return x + torch.log(-x.abs() - 1.0) if bad else x
 
     class Module(pl.LightningModule):
@@ -159,11 +180,20 @@ def lightning_run(on_nan: str, fault_step: int | None, steps: int = 5, transient
     torch.manual_seed(0)
     module = Module()
     g = torch.Generator().manual_seed(0)
-    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps * accumulate)]
+    data = [
+        (torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps * accumulate)
+    ]
     callback = TrainingGuardCallback(on_nan=on_nan)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                         accumulate_grad_batches=accumulate)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        accumulate_grad_batches=accumulate,
+    )
     return trainer, module, data, callback
 
 
@@ -192,7 +222,9 @@ def test_lightning_callback_skip_equals_a_run_without_that_batch():
 def test_lightning_callback_skip_with_accumulation_equals_a_run_without_that_optimizer_step():
     # 2 batches per optimizer step; batch 3 (the first of step 2) is bad once: the whole step
     # 2 is dropped, batch 4's gradients too
-    trainer, module, data, callback = lightning_run("skip", fault_step=3, steps=3, transient=True, accumulate=2)
+    trainer, module, data, callback = lightning_run(
+        "skip", fault_step=3, steps=3, transient=True, accumulate=2
+    )
     with pytest.warns(RuntimeWarning, match="training step 3: "):
         trainer.fit(module, loader(data))
     assert len(callback.guard.skipped) == 1

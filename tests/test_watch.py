@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import numpy as np
@@ -12,7 +13,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import cublas_guard_ext as cg
-import importlib
 
 watch_module = importlib.import_module("cublas_guard_ext.watch")
 
@@ -66,9 +66,7 @@ class Block(nn.Module):
 class Model(nn.Module):
     def __init__(self, width: int = 16, planted: str = "", planted_layer: int = 1) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            Block(width, planted if i == planted_layer else "") for i in range(3)
-        )
+        self.layers = nn.ModuleList(Block(width, planted if i == planted_layer else "") for i in range(3))
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,8 +256,15 @@ def test_backward_async_reports_at_the_end_of_the_block():
 
 @pytest.mark.parametrize(
     "allow",
-    [["aten.log"], ["aten.log.default"], [torch.ops.aten.log.default], [torch.ops.aten.log],
-     ["layers.1.ff"], ["layers.*"], ["layers.1"]],
+    [
+        ["aten.log"],
+        ["aten.log.default"],
+        [torch.ops.aten.log.default],
+        [torch.ops.aten.log],
+        ["layers.1.ff"],
+        ["layers.*"],
+        ["layers.1"],
+    ],
 )
 def test_allow_by_op_or_module_pattern(allow):
     model = Model(planted="log")
@@ -437,8 +442,10 @@ def test_each_thread_gets_its_own_findings():
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             results[name] = exc
 
-    threads = [threading.Thread(target=run, args=("bad", "log")),
-               threading.Thread(target=run, args=("good", ""))]
+    threads = [
+        threading.Thread(target=run, args=("bad", "log")),
+        threading.Thread(target=run, args=("good", "")),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -595,19 +602,19 @@ def test_foreach_inplace_propagator_is_not_blamed():
 def test_known_values_spare_rescans_but_see_every_write():
     x = torch.rand(1000) + 0.5
     with cg.watch(None, mode="sync") as w:
-        y = x * 2.0        # scanned: y known finite
-        y.mul_(3.0)        # y's values before the op are known: no pre-scan
+        y = x * 2.0  # scanned: y known finite
+        y.mul_(3.0)  # y's values before the op are known: no pre-scan
         _, scanned, saved = w.stats()
         assert saved >= 1
-        y.sub_(10.0)       # finite -> finite, negative now
+        y.sub_(10.0)  # finite -> finite, negative now
         with pytest.raises(cg.NonFiniteOutputError) as info:
-            y.log_()       # the known "finite" of y is replaced by every write
+            y.log_()  # the known "finite" of y is replaced by every write
     assert info.value.op == "aten.log_.default"
     z = torch.rand(10) + 0.5
     with cg.watch(None, mode="sync"):
         z2 = z * 1.0
         z2.data.fill_(float("nan"))  # another version counter, same storage: forgotten
-        z2.mul_(2.0)                 # NaN before the op: a propagator, not blamed
+        z2.mul_(2.0)  # NaN before the op: a propagator, not blamed
 
 
 def test_optimizer_step_inplace_chain_spares_scans():
@@ -669,7 +676,7 @@ _MOVES = {
     "copy_": lambda x: torch.zeros(4, 4).copy_(x),
     "to_float64": lambda x: x.to(torch.float64),
     "_unsafe_view": lambda x: torch.ops.aten._unsafe_view(x, [16]),
-    "expand_copy": lambda x: torch.ops.aten.expand_copy(x[_NAN_ROW:_NAN_ROW + 1], [3, 4]),
+    "expand_copy": lambda x: torch.ops.aten.expand_copy(x[_NAN_ROW : _NAN_ROW + 1], [3, 4]),
     "permute_copy": lambda x: torch.ops.aten.permute_copy(x, [1, 0]),
     "repeat": lambda x: x.repeat(2, 1),
     "roll": lambda x: x.roll(1, 0),
@@ -742,10 +749,10 @@ def test_moving_ops_are_not_scanned_and_never_blamed(name):
         # known finite from its finite input: an in-place op on it needs no pre-scan
         assert watch_module._native.known_finite(y)
         bad = _planted_nan(x)
-        y = fn(bad)            # a propagator: not blamed
+        y = fn(bad)  # a propagator: not blamed
         assert not torch.isfinite(y).all()
         assert not watch_module._native.known_finite(y)
-        y.mul_(3.0)            # NaN before the op: a propagator too (pre-scanned, not taken as known)
+        y.mul_(3.0)  # NaN before the op: a propagator too (pre-scanned, not taken as known)
         z = fn(bad) * 1.0
     assert z.shape == fn(x).shape
 
@@ -763,18 +770,32 @@ def test_moving_op_output_with_a_non_finite_input_is_not_taken_for_finite():
 _TO_COPY = ("aten._to_copy.default", "aten.copy_.default")  # .to() copies in _to_copy's kernel
 
 
-@pytest.mark.parametrize("name,fn,ops", [
-    ("fp32 -> fp16", lambda: torch.full((3,), 1e5).to(torch.float16), _TO_COPY),
-    ("fp64 -> fp32", lambda: torch.full((3,), 1e300, dtype=torch.float64).float(), _TO_COPY),
-    ("int32 -> fp16", lambda: torch.arange(65000, 70000, dtype=torch.int32).half(), _TO_COPY),
-    ("one element fp32 -> fp16", lambda: torch.full((1,), 1e5).half(), _TO_COPY),
-    ("copy_ fp32 -> bf16", lambda: torch.zeros(3, dtype=torch.bfloat16).copy_(torch.full((3,), 3.4e38)),
-     ("aten.copy_.default",)),
-    ("cat fp32 into fp16 out=", lambda: torch.cat([torch.full((2,), 1e5)], out=torch.zeros(2, dtype=torch.float16)),
-     ("aten.cat.out", "aten.copy_.default")),
-    ("where fp16 from fp32", lambda: torch.where(torch.tensor([True, False]), torch.full((2,), 1e5),
-                                                 torch.zeros(2, dtype=torch.float16)).half(), _TO_COPY),
-])
+@pytest.mark.parametrize(
+    "name,fn,ops",
+    [
+        ("fp32 -> fp16", lambda: torch.full((3,), 1e5).to(torch.float16), _TO_COPY),
+        ("fp64 -> fp32", lambda: torch.full((3,), 1e300, dtype=torch.float64).float(), _TO_COPY),
+        ("int32 -> fp16", lambda: torch.arange(65000, 70000, dtype=torch.int32).half(), _TO_COPY),
+        ("one element fp32 -> fp16", lambda: torch.full((1,), 1e5).half(), _TO_COPY),
+        (
+            "copy_ fp32 -> bf16",
+            lambda: torch.zeros(3, dtype=torch.bfloat16).copy_(torch.full((3,), 3.4e38)),
+            ("aten.copy_.default",),
+        ),
+        (
+            "cat fp32 into fp16 out=",
+            lambda: torch.cat([torch.full((2,), 1e5)], out=torch.zeros(2, dtype=torch.float16)),
+            ("aten.cat.out", "aten.copy_.default"),
+        ),
+        (
+            "where fp16 from fp32",
+            lambda: torch.where(
+                torch.tensor([True, False]), torch.full((2,), 1e5), torch.zeros(2, dtype=torch.float16)
+            ).half(),
+            _TO_COPY,
+        ),
+    ],
+)
 def test_narrowing_moves_are_scanned_and_blamed(name, fn, ops):
     # (torch itself refuses a Scalar out of a dtype's range: fill_(1e5) on float16 raises)
     with pytest.raises(cg.NonFiniteOutputError) as info:
@@ -897,19 +918,19 @@ def test_known_table_grows_and_drops_freed_storages():
 def test_known_values_carry_to_the_next_block_until_written():
     x = torch.rand(100) + 0.5
     with cg.watch(None, mode="sync", allow=["aten.log"]):
-        y = x * 3.0                      # scanned: finite
-        z = torch.log(x - 10.0)          # scanned: NaN (allowed here)
+        y = x * 3.0  # scanned: finite
+        z = torch.log(x - 10.0)  # scanned: NaN (allowed here)
     with cg.watch(None, mode="sync") as w:
-        y.mul_(3.0)                      # known from the last block: no pre-scan, only the output
+        y.mul_(3.0)  # known from the last block: no pre-scan, only the output
         _, scanned, _ = w.stats()
     assert scanned == 1
-    y.add_(1.0)                          # a write outside any block bumps the version
+    y.add_(1.0)  # a write outside any block bumps the version
     with cg.watch(None, mode="sync") as w:
-        y.mul_(3.0)                      # pre-scan and output
+        y.mul_(3.0)  # pre-scan and output
         _, scanned, _ = w.stats()
     assert scanned == 2
     with cg.watch(None, mode="sync") as w:
-        z.mul_(3.0)                      # non-finite findings are not carried: pre-scanned, a propagator
+        z.mul_(3.0)  # non-finite findings are not carried: pre-scanned, a propagator
         _, scanned, _ = w.stats()
     assert scanned == 2
 

@@ -7,12 +7,13 @@ outside the model (an optimizer's). ``report="birth"`` keeps the raise-at-birth 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn as nn
 
 import cublas_guard_ext as cg
-import importlib
 
 from conftest import requires_cuda
 
@@ -87,8 +88,8 @@ def test_log_of_zero_reaching_a_loss_outside_the_model_is_named_at_its_birth():
     x = torch.randn(16, 8)
     with pytest.raises(cg.NonFiniteOutputError) as info:
         with cg.watch(model, mode="sync"):
-            h = model(x)                 # finite: the model's output is clean
-            loss = torch.log(h).mean()   # log(0) = -inf, outside the model: reaches the loss
+            h = model(x)  # finite: the model's output is clean
+            loss = torch.log(h).mean()  # log(0) = -inf, outside the model: reaches the loss
             loss.backward()
     err = info.value
     assert err.op == "aten.log.default" and "module" not in err.fields
@@ -244,9 +245,18 @@ def test_transformer_encoder_layer_with_the_square_subsequent_mask_is_silent():
 def _tiny_t5():
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(
-        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0,
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
     return transformers.T5ForConditionalGeneration(config)
@@ -310,8 +320,11 @@ def test_per_device_attention_masks_as_arguments_are_silent(device):
 
 
 @requires_cuda
-@pytest.mark.xfail(strict=True, reason="issue 20: the device-side record is not built; each scanned "
-                   "output is still read with .item() (a host sync)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 20: the device-side record is not built; each scanned "
+    "output is still read with .item() (a host sync)",
+)
 def test_a_watched_cuda_step_makes_no_host_sync():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1)).cuda()

@@ -7,6 +7,7 @@ locked, and the session is refcounted: a thread running a node keeps it alive.""
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import pytest
@@ -14,7 +15,6 @@ import torch
 import torch.nn as nn
 
 import cublas_guard_ext as cg
-import importlib
 
 from conftest import requires_cuda
 

@@ -28,11 +28,11 @@ def test_a_write_behind_torch_is_named_with_producer_and_reader(mode):
     x = torch.rand(100) + 0.5
     with pytest.raises(NonFiniteFromNowhereError) as info:
         with cg.watch(None, mode=mode, verify_inputs=True):
-            y = x * 3.0            # scanned: finite, remembered at its version
+            y = x * 3.0  # scanned: finite, remembered at its version
             version = y._version
             _plant_behind_torch(y)
             assert y._version == version
-            torch.exp(y)           # reads a NaN that no op produced
+            torch.exp(y)  # reads a NaN that no op produced
     err = info.value
     assert isinstance(err, cg.GuardError) and isinstance(err, ValueError)
     assert err.reader == "aten.exp.default" and err.argument == "self"
@@ -56,6 +56,6 @@ def test_verify_inputs_is_silent_on_clean_and_on_ordinary_propagation():
     x = torch.rand(100) + 0.5
     with cg.watch(None, mode="sync", verify_inputs=True, allow=["aten.log"]):
         y = torch.exp(x * 3.0)
-        z = torch.log(y - 1000.0)   # NaN born in an op (allowed): not "from nowhere"
-        w = z * 2.0                 # reads z, known non-finite: a propagator, as without verify
+        z = torch.log(y - 1000.0)  # NaN born in an op (allowed): not "from nowhere"
+        w = z * 2.0  # reads z, known non-finite: a propagator, as without verify
     assert torch.isfinite(y).all() and w.isnan().any()

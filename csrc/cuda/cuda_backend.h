@@ -22,8 +22,8 @@ void scan_cuda_into_prefilling(const at::Tensor& t, at::Tensor out_slot, const A
 void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::string& layer);
 // The column-major C[m x n] (leading dimension ldc) gets bias[r] in each
 // column's row r: the fallback of a cuBLASLt call cuBLASLt refused.
-void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc,
-                          int64_t element_size, const std::string& layer);
+void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, int64_t element_size,
+                          const std::string& layer);
 
 // One cuBLASLt bias-epilogue GEMM (lt_gemm.cu), and what became of it: the
 // step that stopped it and the descriptors it was given, for a report.
@@ -57,7 +57,6 @@ void check_launch(const char* kernel, const std::string& layer);
 bool is_sticky_context_error(cudaError_t err);
 
 // Raises the PendingCudaError report for `err`, seen at `stage`.
-[[noreturn]] void raise_pending_cuda_error(cudaError_t err, const char* stage,
-                                          const std::string& layer);
+[[noreturn]] void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer);
 
 }  // namespace cublas_guard

@@ -23,14 +23,14 @@
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
-#include <torch/version.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <array>
@@ -134,8 +134,8 @@ void check_launch(const char* kernel, const std::string& layer) {
     report.add("device_name", props->name);
     report.add("compute_capability", std::to_string(props->major) + "." + std::to_string(props->minor));
   }
-  report.raise_runtime_error("layer '" + layer + "': launching " + kernel + " failed: " +
-                             cudaGetErrorName(err));
+  report.raise_runtime_error("layer '" + layer + "': launching " + kernel +
+                             " failed: " + cudaGetErrorName(err));
 }
 
 namespace {
@@ -167,13 +167,14 @@ void memory_info_cuda(ErrorReport& report, c10::Device device) {
 
 std::string describe_device(int device) {
   cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
-  return "cuda:" + std::to_string(device) + " (" + props->name + ", sm_" +
-         std::to_string(props->major) + std::to_string(props->minor) + ")";
+  return "cuda:" + std::to_string(device) + " (" + props->name + ", sm_" + std::to_string(props->major) +
+         std::to_string(props->minor) + ")";
 }
 
 std::string math_mode_name(cublasMath_t mode) {
   std::string name;
-  const int base = static_cast<int>(mode) & ~static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+  const int base =
+      static_cast<int>(mode) & ~static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
   switch (base) {
     case CUBLAS_DEFAULT_MATH: name = "CUBLAS_DEFAULT_MATH"; break;
     case CUBLAS_PEDANTIC_MATH: name = "CUBLAS_PEDANTIC_MATH"; break;
@@ -198,15 +199,12 @@ bool fp16_accumulation() {
 
 GemmNames gemm_names_cuda(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kBFloat16:
-      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"};
+    case at::kBFloat16: return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"};
     case at::kHalf:
       return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16F",
               fp16_accumulation() ? "CUBLAS_COMPUTE_16F" : "CUBLAS_COMPUTE_32F"};
-    case at::kDouble:
-      return {"cublasDgemm", "cublasDgemm_64", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"};
-    default:
-      return {"cublasSgemm", "cublasSgemm_64", "CUDA_R_32F", "CUBLAS_COMPUTE_32F"};
+    case at::kDouble: return {"cublasDgemm", "cublasDgemm_64", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"};
+    default: return {"cublasSgemm", "cublasSgemm_64", "CUDA_R_32F", "CUBLAS_COMPUTE_32F"};
   }
 }
 
@@ -219,8 +217,7 @@ cublasMath_t half_math_mode(at::ScalarType dtype) {
   // DisallowReducedPrecisionDisallowSplitK has no cublasGemmEx equivalent
   // (torch needs cuBLASLt for it): reduced precision is disallowed here too.
   if (option == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) return CUBLAS_DEFAULT_MATH;
-  return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
-                                   CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+  return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
 }
 
 // Runs the planned call with the routine for its dtype (the handle's math mode
@@ -243,8 +240,8 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
       auto* c = static_cast<double*>(call.c);
 #if CUBLAS_VER_MAJOR >= 12
       if (call.use_64bit) {
-        return cublasDgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b,
-                              call.ldb, &beta, c, call.ldc);
+        return cublasDgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b, call.ldb,
+                              &beta, c, call.ldc);
       }
 #endif
       return cublasDgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
@@ -272,13 +269,13 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
 #if CUBLAS_VER_MAJOR >= 12
       if (call.use_64bit) {
         status = cublasGemmEx_64(handle, op_a, op_b, call.m, call.n, call.k, alpha_ptr, call.a, type,
-                                 call.lda, call.b, type, call.ldb, beta_ptr, call.c, type, call.ldc,
-                                 compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+                                 call.lda, call.b, type, call.ldb, beta_ptr, call.c, type, call.ldc, compute,
+                                 CUBLAS_GEMM_DEFAULT_TENSOR_OP);
       } else
 #endif
       {
-        status = cublasGemmEx(handle, op_a, op_b, m, n, k, alpha_ptr, call.a, type, lda, call.b, type,
-                              ldb, beta_ptr, call.c, type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+        status = cublasGemmEx(handle, op_a, op_b, m, n, k, alpha_ptr, call.a, type, lda, call.b, type, ldb,
+                              beta_ptr, call.c, type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
       }
       if (wanted == previous) return status;
       // Give the handle back as torch left it (it sets TF32 per allow_tf32).
@@ -292,8 +289,8 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
       auto* c = static_cast<float*>(call.c);
 #if CUBLAS_VER_MAJOR >= 12
       if (call.use_64bit) {
-        return cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b,
-                              call.ldb, &beta, c, call.ldc);
+        return cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b, call.ldb,
+                              &beta, c, call.ldc);
       }
 #endif
       return cublasSgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
@@ -345,9 +342,10 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     // cublasCreate failed: NOT_INITIALIZED (often out of memory, or a broken context).
     ctx.device = describe_device(device);
     const std::string what = e.what_without_backtrace();
-    static const std::array<std::pair<const char*, int>, 4> known = {{
-        {"CUBLAS_STATUS_NOT_INITIALIZED", 1}, {"CUBLAS_STATUS_ALLOC_FAILED", 3},
-        {"CUBLAS_STATUS_ARCH_MISMATCH", 8}, {"CUBLAS_STATUS_INTERNAL_ERROR", 14}}};
+    static const std::array<std::pair<const char*, int>, 4> known = {{{"CUBLAS_STATUS_NOT_INITIALIZED", 1},
+                                                                      {"CUBLAS_STATUS_ALLOC_FAILED", 3},
+                                                                      {"CUBLAS_STATUS_ARCH_MISMATCH", 8},
+                                                                      {"CUBLAS_STATUS_INTERNAL_ERROR", 14}}};
     int status = 1;
     for (const auto& k : known) {
       if (what.find(k.first) != std::string::npos) status = k.second;
@@ -358,8 +356,7 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
     report.add("stage", "handle").add("device", ctx.device).add("detail", what);
     report.add("purpose", call.purpose);
     add_memory_fields(report, memory_snapshot(device));
-    report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " +
-                               what);
+    report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " + what);
   }
   const GemmRoute route = first_route(static_cast<int>(call.dtype), gemm_path(), call.bias != nullptr,
                                       call.use_64bit, lt_available());
@@ -435,8 +432,8 @@ at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
   if (err != cudaSuccess) {
     // Our scan kernels cannot fault (every access is in bounds), so a sticky
     // error surfacing at this synchronization was left by an earlier kernel.
-    const int sticky = is_sticky_context_error(err) ? static_cast<int>(err)
-                                                    : sticky_error_behind_failure(cuda_probe());
+    const int sticky =
+        is_sticky_context_error(err) ? static_cast<int>(err) : sticky_error_behind_failure(cuda_probe());
     if (sticky != cudaSuccess) {
       raise_pending_cuda_error(static_cast<cudaError_t>(sticky),
                                "while waiting for the input scan (stream synchronize)", layer);
@@ -484,12 +481,17 @@ auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()
 }
 
 const LinearBackend& cuda_backend() {
-  static const LinearBackend backend{scan_cuda_into,   fetch_cuda,
-                                     gemm_cuda,        check_pending_error_cuda,
-                                     async_slot_cuda,  memory_info_cuda,
+  static const LinearBackend backend{scan_cuda_into,
+                                     fetch_cuda,
+                                     gemm_cuda,
+                                     check_pending_error_cuda,
+                                     async_slot_cuda,
+                                     memory_info_cuda,
                                      /*has_64bit_api=*/CUBLAS_VER_MAJOR >= 12,
-                                     gemm_names_cuda, capture_replay_counter_cuda,
-                                     bias_handling_cuda, prefill_bias_cuda,
+                                     gemm_names_cuda,
+                                     capture_replay_counter_cuda,
+                                     bias_handling_cuda,
+                                     prefill_bias_cuda,
                                      scan_cuda_into_prefilling};
   return backend;
 }
@@ -511,8 +513,8 @@ std::string cuda_build_info() {
   if (cublasGetProperty(MAJOR_VERSION, &major) == CUBLAS_STATUS_SUCCESS &&
       cublasGetProperty(MINOR_VERSION, &minor) == CUBLAS_STATUS_SUCCESS &&
       cublasGetProperty(PATCH_LEVEL, &patch) == CUBLAS_STATUS_SUCCESS) {
-    out += ", \"cublas_runtime_version\": \"" + std::to_string(major) + "." +
-           std::to_string(minor) + "." + std::to_string(patch) + "\"";
+    out += ", \"cublas_runtime_version\": \"" + std::to_string(major) + "." + std::to_string(minor) + "." +
+           std::to_string(patch) + "\"";
   }
   (void)cudaGetLastError();  // a failed query (no driver) must not linger
   return out;
@@ -531,29 +533,26 @@ at::Tensor scan_op(const at::Tensor& x) {
   return scan(cuda_backend(), x);
 }
 
-at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
-                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
-                     bool /*scan_grad: autograd's business*/) {
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     c10::string_view layer, int64_t mode, bool /*scan_grad: autograd's business*/) {
   const c10::cuda::CUDAGuard guard(guard_device(weight, x));
   const std::string name(layer);
-  return attributing_cuda_errors(
-      name, [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
+  return attributing_cuda_errors(name,
+                                 [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
 }
 
-at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
-                         c10::string_view layer) {
+at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
   const c10::cuda::CUDAGuard guard(guard_device(weight, grad_output));
   const std::string name(layer);
   return attributing_cuda_errors(
       name, [&] { return linear_grad_input(cuda_backend(), grad_output, weight, name); });
 }
 
-at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x,
-                          c10::string_view layer) {
+at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   const c10::cuda::CUDAGuard guard(guard_device(x, grad_output));
   const std::string name(layer);
-  return attributing_cuda_errors(
-      name, [&] { return linear_grad_weight(cuda_backend(), grad_output, x, name); });
+  return attributing_cuda_errors(name,
+                                 [&] { return linear_grad_weight(cuda_backend(), grad_output, x, name); });
 }
 
 void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_view layer) {

@@ -100,13 +100,12 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
     alpha_ptr = &halpha;
     beta_ptr = &hbeta;
   }
-  const at::CuBLASReductionOption reduction = half ? at::globalContext().allowFP16ReductionCuBLAS()
-                                                   : at::globalContext().allowBF16ReductionCuBLAS();
+  const at::CuBLASReductionOption reduction =
+      half ? at::globalContext().allowFP16ReductionCuBLAS() : at::globalContext().allowBF16ReductionCuBLAS();
   const bool set_mask = reduction != at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK;
-  const uint32_t mask =
-      reduction == at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK
-          ? (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE)
-          : CUBLASLT_REDUCTION_SCHEME_NONE;
+  const uint32_t mask = reduction == at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK
+                            ? (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE)
+                            : CUBLASLT_REDUCTION_SCHEME_NONE;
   const cublasOperation_t trans_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t trans_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -119,20 +118,19 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   auto describe = [&] {
     auto layout = [&](const char* name, bool t, int64_t rows, int64_t cols, int64_t ld) {
       return std::string(name) + " layout(" + type_name(ab_type) + ", rows " +
-             std::to_string(t ? cols : rows) + ", cols " + std::to_string(t ? rows : cols) +
-             ", ld " + std::to_string(ld) + ")";
+             std::to_string(t ? cols : rows) + ", cols " + std::to_string(t ? rows : cols) + ", ld " +
+             std::to_string(ld) + ")";
     };
-    return std::string("matmul desc(") + compute_name(compute) + ", scale " + type_name(scale) +
-           ", TRANSA " + (call.trans_a ? "T" : "N") + ", TRANSB " + (call.trans_b ? "T" : "N") +
-           ", EPILOGUE CUBLASLT_EPILOGUE_BIAS, BIAS_POINTER alignment " + std::to_string(align_d) +
-           "); " + layout("A", call.trans_a, call.m, call.k, call.lda) + "; " +
-           layout("B", call.trans_b, call.k, call.n, call.ldb) + "; C=D layout(" +
-           type_name(ab_type) + ", rows " + std::to_string(call.m) + ", cols " +
-           std::to_string(call.n) + ", ld " + std::to_string(call.ldc) +
-           "); preference(MAX_WORKSPACE_BYTES " + std::to_string(workspace_size) +
+    return std::string("matmul desc(") + compute_name(compute) + ", scale " + type_name(scale) + ", TRANSA " +
+           (call.trans_a ? "T" : "N") + ", TRANSB " + (call.trans_b ? "T" : "N") +
+           ", EPILOGUE CUBLASLT_EPILOGUE_BIAS, BIAS_POINTER alignment " + std::to_string(align_d) + "); " +
+           layout("A", call.trans_a, call.m, call.k, call.lda) + "; " +
+           layout("B", call.trans_b, call.k, call.n, call.ldb) + "; C=D layout(" + type_name(ab_type) +
+           ", rows " + std::to_string(call.m) + ", cols " + std::to_string(call.n) + ", ld " +
+           std::to_string(call.ldc) + "); preference(MAX_WORKSPACE_BYTES " + std::to_string(workspace_size) +
            ", REDUCTION_SCHEME_MASK " + (set_mask ? mask_name(mask) : "not set") +
-           ", MIN_ALIGNMENT A/B/C/D " + std::to_string(align_a) + "/" + std::to_string(align_b) +
-           "/" + std::to_string(align_c) + "/" + std::to_string(align_d) + " bytes)";
+           ", MIN_ALIGNMENT A/B/C/D " + std::to_string(align_a) + "/" + std::to_string(align_b) + "/" +
+           std::to_string(align_c) + "/" + std::to_string(align_d) + " bytes)";
   };
   // One step: its status decides (gemm_route.h) whether to go on.
   auto step = [&](const char* name, cublasStatus_t status, bool heuristic = false, int found = 1) {
@@ -153,12 +151,15 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   const auto rows_b = static_cast<uint64_t>(call.trans_b ? call.n : call.k);
   const auto cols_b = static_cast<uint64_t>(call.trans_b ? call.k : call.n);
   if (!step("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&d.matmul, compute, scale)) ||
-      !step("cublasLtMatmulDescSetAttribute(TRANSA)",
-            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a))) ||
-      !step("cublasLtMatmulDescSetAttribute(TRANSB)",
-            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b))) ||
+      !step(
+          "cublasLtMatmulDescSetAttribute(TRANSA)",
+          cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a))) ||
+      !step(
+          "cublasLtMatmulDescSetAttribute(TRANSB)",
+          cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b))) ||
       !step("cublasLtMatmulDescSetAttribute(EPILOGUE)",
-            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue))) ||
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                           sizeof(epilogue))) ||
       !step("cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
             cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias,
                                            sizeof(call.bias))) ||
@@ -199,11 +200,11 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   const cublasStatus_t query = cublasLtMatmulAlgoGetHeuristic(handle, d.matmul, d.a, d.b, d.c, d.c,
                                                               d.preference, 1, &heuristic, &found);
   if (!step("cublasLtMatmulAlgoGetHeuristic", query, /*heuristic=*/true, found)) return result;
-  step("cublasLtMatmul",
-       injected != 0 ? static_cast<cublasStatus_t>(injected)
-                     : cublasLtMatmul(handle, d.matmul, alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr,
-                                      call.c, d.c, call.c, d.c, &heuristic.algo, workspace,
-                                      workspace_size, at::cuda::getCurrentCUDAStream()));
+  step("cublasLtMatmul", injected != 0
+                             ? static_cast<cublasStatus_t>(injected)
+                             : cublasLtMatmul(handle, d.matmul, alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr,
+                                              call.c, d.c, call.c, d.c, &heuristic.algo, workspace,
+                                              workspace_size, at::cuda::getCurrentCUDAStream()));
   return result;
 }
 

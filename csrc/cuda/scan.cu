@@ -217,8 +217,8 @@ __device__ void write_result(const Partial& p, long long* out, const AsyncTarget
 // finish does, in the same launch: each block publishes its partial, fences,
 // and takes a ticket; the block that draws the last one reads every partial
 // and resets the ticket to 0 for the stream's next scan.
-__device__ __forceinline__ void finish_block(Partial p, Partial* partials, unsigned* ticket,
-                                             long long* out, const AsyncTarget& target) {
+__device__ __forceinline__ void finish_block(Partial p, Partial* partials, unsigned* ticket, long long* out,
+                                             const AsyncTarget& target) {
   p = block_reduce(p);
   if (gridDim.x == 1) {
     if (threadIdx.x == 0) write_result(p, out, target);
@@ -249,10 +249,9 @@ __device__ __forceinline__ void finish_block(Partial p, Partial* partials, unsig
 }
 
 template <typename F>
-__global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n,
-                                       long long head, Partial* partials, unsigned* ticket,
-                                       long long* out, AsyncTarget target,
-                                       Prefill<typename F::Bits> prefill) {
+__global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n, long long head,
+                                       Partial* partials, unsigned* ticket, long long* out,
+                                       AsyncTarget target, Prefill<typename F::Bits> prefill) {
   constexpr int kPerVector = 16 / sizeof(typename F::Bits);
   run_prefill(prefill);
   Partial p = empty_partial();
@@ -285,13 +284,12 @@ __global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data
 
 template <typename F>
 __global__ void scan_strided_kernel(const typename F::Bits* __restrict__ data, long long n, Geometry g,
-                                    Partial* partials, unsigned* ticket, long long* out,
-                                    AsyncTarget target, Prefill<typename F::Bits> prefill) {
+                                    Partial* partials, unsigned* ticket, long long* out, AsyncTarget target,
+                                    Prefill<typename F::Bits> prefill) {
   run_prefill(prefill);
   Partial p = empty_partial();
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     long long rest = i, offset = 0;
     for (int d = g.ndim - 1; d >= 0; --d) {
       const long long size = g.sizes[d];
@@ -308,8 +306,7 @@ __global__ void prefill_kernel(Prefill<Bits> prefill) {
   run_prefill(prefill);
 }
 
-__global__ void scan_finish_kernel(const Partial* partials, int count, long long* out,
-                                   AsyncTarget target) {
+__global__ void scan_finish_kernel(const Partial* partials, int count, long long* out, AsyncTarget target) {
   Partial p = empty_partial();
   for (int i = threadIdx.x; i < count; i += blockDim.x) p = combine(p, partials[i]);
   p = block_reduce(p);
@@ -359,7 +356,8 @@ Partial* stream_partials(int grid, cudaStream_t stream, unsigned** ticket) {
     return last;
   }
   static std::mutex mutex;
-  static auto* buffers = new std::unordered_map<PartialsKey, at::Tensor, PartialsKeyHash>();  // kept for the process
+  static auto* buffers =
+      new std::unordered_map<PartialsKey, at::Tensor, PartialsKeyHash>();  // kept for the process
   TORCH_INTERNAL_ASSERT(grid <= capacity);
   std::lock_guard<std::mutex> lock(mutex);
   auto it = buffers->find(PartialsKey{device, stream});
@@ -386,7 +384,8 @@ bool stream_is_capturing(cudaStream_t stream) {
 
 int multi_block_grid(long long work_items, int threads) {
   const long long wanted = (work_items + threads - 1) / threads;
-  return static_cast<int>(std::max<long long>(1, std::min<long long>(wanted, 4LL * sm_count_of_current_device())));
+  return static_cast<int>(
+      std::max<long long>(1, std::min<long long>(wanted, 4LL * sm_count_of_current_device())));
 }
 
 }  // namespace
@@ -441,8 +440,8 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
     }
   }
   if (geometry.contiguous) {
-    scan_contiguous_kernel<F><<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, ticket, out,
-                                                            target, prefill);
+    scan_contiguous_kernel<F>
+        <<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, ticket, out, target, prefill);
     check_launch("cublas_guard scan_contiguous_kernel", layer);
   } else {
     Geometry g{};
@@ -451,8 +450,8 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
       g.sizes[d] = geometry.sizes[d];
       g.strides[d] = geometry.strides[d];
     }
-    scan_strided_kernel<F><<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, ticket, out, target,
-                                                         prefill);
+    scan_strided_kernel<F>
+        <<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, ticket, out, target, prefill);
     check_launch("cublas_guard scan_strided_kernel", layer);
   }
   if (grid > 1 && ticket == nullptr) {
@@ -484,11 +483,10 @@ void scan_impl(const at::Tensor& t, const at::Tensor& out_slot, const AsyncTarge
                const std::string& layer, at::Tensor* prefill_out, const at::Tensor* prefill_bias) {
   TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
   TORCH_INTERNAL_ASSERT(!out_slot.defined() || (out_slot.is_cuda() && out_slot.is_contiguous() &&
-                                                 out_slot.scalar_type() == at::kLong));
+                                                out_slot.scalar_type() == at::kLong));
   const c10::cuda::CUDAGuard device_guard(t.device());
   const AsyncTarget target = target_ptr != nullptr ? *target_ptr : AsyncTarget{};
-  auto* out = out_slot.defined() ? reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>())
-                                 : nullptr;
+  auto* out = out_slot.defined() ? reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>()) : nullptr;
   const long long n = t.numel();
 
   ScanGeometry geometry;
@@ -523,7 +521,8 @@ void scan_impl(const at::Tensor& t, const at::Tensor& out_slot, const AsyncTarge
 template <typename Bits>
 void launch_prefill(const Prefill<Bits>& pf, const std::string& layer) {
   const int grid = prefill_grid(pf.m, pf.n);
-  prefill_kernel<Bits><<<grid, grid == 1 ? kSmallThreads : kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
+  prefill_kernel<Bits>
+      <<<grid, grid == 1 ? kSmallThreads : kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
   check_launch("cublas_guard prefill_kernel", layer);
 }
 
@@ -552,14 +551,15 @@ void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::strin
   }
 }
 
-void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc,
-                          int64_t element_size, const std::string& layer) {
+void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, int64_t element_size,
+                          const std::string& layer) {
   if (m == 0 || n == 0) return;
   clear_stale_launch_error(layer);
   switch (element_size) {
     case 2:
       launch_prefill(Prefill<unsigned short>{static_cast<unsigned short*>(c),
-                                             static_cast<const unsigned short*>(bias), m, n, ldc}, layer);
+                                             static_cast<const unsigned short*>(bias), m, n, ldc},
+                     layer);
       break;
     case 8:
       launch_prefill(Prefill<unsigned long long>{static_cast<unsigned long long*>(c),
@@ -567,8 +567,9 @@ void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64
                      layer);
       break;
     default:
-      launch_prefill(Prefill<unsigned int>{static_cast<unsigned int*>(c), static_cast<const unsigned int*>(bias),
-                                           m, n, ldc}, layer);
+      launch_prefill(Prefill<unsigned int>{static_cast<unsigned int*>(c),
+                                           static_cast<const unsigned int*>(bias), m, n, ldc},
+                     layer);
       break;
   }
 }

@@ -23,15 +23,14 @@ namespace {
 
 template <c10::DeviceType device_type>
 at::Tensor linear_autocast(const at::Tensor& x, const at::Tensor& weight,
-                           const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                           int64_t mode, bool scan_grad) {
+                           const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
+                           bool scan_grad) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
   return linear_handle().call(at::autocast::cached_cast(dtype, x, device_type),
                               at::autocast::cached_cast(dtype, weight, device_type),
-                              at::autocast::cached_cast(dtype, bias, device_type), layer, mode,
-                              scan_grad);
+                              at::autocast::cached_cast(dtype, bias, device_type), layer, mode, scan_grad);
 }
 
 }  // namespace

@@ -21,9 +21,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                       int64_t mode, bool scan_grad) {
+at::Tensor call_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       c10::string_view layer, int64_t mode, bool scan_grad) {
   return linear_handle().call(x, weight, bias, layer, mode, scan_grad);
 }
 
@@ -31,13 +30,11 @@ void call_guard_values(const at::Tensor& t, c10::string_view layer, int64_t role
   guard_values_handle().call(t, layer, role, mode);
 }
 
-at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weight,
-                           c10::string_view layer) {
+at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
   return grad_input_handle().call(grad_output, weight, layer);
 }
 
-at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x,
-                            c10::string_view layer) {
+at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   return grad_weight_handle().call(grad_output, x, layer);
 }
 
@@ -62,8 +59,8 @@ at::Tensor bias_grad(const at::Tensor& grad_output) {
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias, const std::string& layer,
-                            int64_t mode, bool scan_grad) {
+                            const c10::optional<at::Tensor>& bias, const std::string& layer, int64_t mode,
+                            bool scan_grad) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Like nn.Linear, only what the needed gradients read: dW = g^T x needs x,
     // dx = g W needs W. A frozen layer then keeps no activation alive, an
@@ -85,10 +82,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // A gradient broadcast from a reduction (loss = out.sum() or .mean()) arrives
     // expanded, with zero strides: each GEMM would copy it into a layout cuBLAS
     // takes (as_column_major); copy it once for both.
-    const at::Tensor grad = broadcast_in_memory(grads[0]) && ctx->needs_input_grad(0) &&
-                                    ctx->needs_input_grad(1)
-                                ? grads[0].contiguous()
-                                : grads[0];
+    const at::Tensor grad =
+        broadcast_in_memory(grads[0]) && ctx->needs_input_grad(0) && ctx->needs_input_grad(1)
+            ? grads[0].contiguous()
+            : grads[0];
     // The gradient arriving at this layer, scanned under the layer's mode when asked.
     const int64_t grad_mode = ctx->saved_data["grad_mode"].toInt();
     if (grad_mode != static_cast<int64_t>(GuardMode::kOff)) {
@@ -104,12 +101,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 
 class GradInputFunction : public torch::autograd::Function<GradInputFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output,
-                            const at::Tensor& weight, const std::string& layer) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& weight,
+                            const std::string& layer) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // dg needs W, dW needs g (see backward).
-    ctx->save_for_backward({saved_if(weight.requires_grad(), grad_output),
-                            saved_if(grad_output.requires_grad(), weight)});
+    ctx->save_for_backward(
+        {saved_if(weight.requires_grad(), grad_output), saved_if(grad_output.requires_grad(), weight)});
     ctx->saved_data["layer"] = layer;
     return call_grad_input(grad_output, weight, layer);
   }
@@ -121,8 +118,7 @@ class GradInputFunction : public torch::autograd::Function<GradInputFunction> {
     const at::Tensor& dgi = grads[0];
     at::Tensor grad_g, grad_w;
     if (ctx->needs_input_grad(0)) {
-      grad_g = call_linear(dgi, saved[1], c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff),
-                            false);
+      grad_g = call_linear(dgi, saved[1], c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff), false);
     }
     if (ctx->needs_input_grad(1)) grad_w = call_grad_weight(saved[0], dgi, layer);
     return {grad_g, grad_w, at::Tensor()};
@@ -131,12 +127,12 @@ class GradInputFunction : public torch::autograd::Function<GradInputFunction> {
 
 class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output,
-                            const at::Tensor& x, const std::string& layer) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad_output, const at::Tensor& x,
+                            const std::string& layer) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // dg needs x, dx needs g (see backward).
-    ctx->save_for_backward({saved_if(x.requires_grad(), grad_output),
-                            saved_if(grad_output.requires_grad(), x)});
+    ctx->save_for_backward(
+        {saved_if(x.requires_grad(), grad_output), saved_if(grad_output.requires_grad(), x)});
     ctx->saved_data["layer"] = layer;
     return call_grad_weight(grad_output, x, layer);
   }
@@ -148,8 +144,7 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
     const at::Tensor& dgw = grads[0];
     at::Tensor grad_g, grad_x;
     if (ctx->needs_input_grad(0)) {
-      grad_g = call_linear(saved[1], dgw, c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff),
-                            false);
+      grad_g = call_linear(saved[1], dgw, c10::nullopt, layer, static_cast<int64_t>(GuardMode::kOff), false);
     }
     if (ctx->needs_input_grad(1)) grad_x = call_grad_input(saved[0], dgw, layer);
     return {grad_g, grad_x, at::Tensor()};
@@ -171,8 +166,8 @@ bool needs_node(std::initializer_list<const at::Tensor*> inputs) {
 }
 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
-                           const c10::optional<at::Tensor>& bias, c10::string_view layer,
-                           int64_t mode, bool scan_grad) {
+                           const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
+                           bool scan_grad) {
   if (!needs_node({&x, &weight, bias.has_value() ? &*bias : nullptr})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_linear(x, weight, bias, layer, mode, scan_grad);
@@ -182,8 +177,7 @@ at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
   // no gradient there (its bias does). The same here: such a weight counts as
   // one that needs no gradient (and, as in nn.Linear, cannot be saved for an
   // input that needs one).
-  if (C10_UNLIKELY(weight.is_inference() && weight.requires_grad() &&
-                   !c10::InferenceMode::is_enabled())) {
+  if (C10_UNLIKELY(weight.is_inference() && weight.requires_grad() && !c10::InferenceMode::is_enabled())) {
     return LinearFunction::apply(x, weight.detach(), bias, std::string(layer), mode, scan_grad);
   }
   return LinearFunction::apply(x, weight, bias, std::string(layer), mode, scan_grad);
@@ -198,8 +192,7 @@ at::Tensor grad_input_autograd(const at::Tensor& grad_output, const at::Tensor& 
   return GradInputFunction::apply(grad_output, weight, std::string(layer));
 }
 
-at::Tensor grad_weight_autograd(const at::Tensor& grad_output, const at::Tensor& x,
-                                c10::string_view layer) {
+at::Tensor grad_weight_autograd(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   if (!needs_node({&grad_output, &x})) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return call_grad_weight(grad_output, x, layer);

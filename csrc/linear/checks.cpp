@@ -12,9 +12,8 @@ namespace {
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 
-
 [[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
-                             const std::string& layer) {
+                              const std::string& layer) {
   ErrorReport report("shape_mismatch");
   report.add("layer", layer).add("role", role).add("shape", t.sym_sizes());
   report.add("expected_shape", expected).add("reason", "operand");
@@ -23,22 +22,20 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 }
 
 // `t` (playing `role`) is not on the device of `anchor` (the layer's `anchor_name`).
-[[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role,
-                                        const at::Tensor& anchor, const char* anchor_name,
-                                        const std::string& layer) {
+[[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+                                        const char* anchor_name, const std::string& layer) {
   ErrorReport report("device_mismatch");
   report.add("layer", layer).add("role", role).add("anchor", anchor_name);
   report.add("input_device", t.device().str()).add("weight_device", anchor.device().str());
   report.add("shape", t.sym_sizes());
-  report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + t.device().str() +
-                             " but " + anchor_name + " is on " + anchor.device().str());
+  report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + t.device().str() + " but " +
+                             anchor_name + " is on " + anchor.device().str());
 }
 
 }  // namespace
 
 bool is_guarded_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
-         dtype == at::kDouble;
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble;
 }
 
 void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer) {
@@ -46,8 +43,7 @@ void raise_dtype_error(const at::Tensor& t, const char* role, const std::string&
   report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));
   report.add("reason", "unsupported").add("expected", "Float, BFloat16, Half, Double");
   describe_tensor(report, "tensor", t);
-  report.raise_type_error("layer '" + layer + "': " + role + " dtype is " +
-                          dtype_name(t.scalar_type()) +
+  report.raise_type_error("layer '" + layer + "': " + role + " dtype is " + dtype_name(t.scalar_type()) +
                           ", but the guarded linear takes float32, bfloat16, float16 or float64");
 }
 
@@ -58,15 +54,15 @@ void raise_dtype_mismatch(const at::Tensor& t, const char* role, const at::Tenso
   report.add("reason", "mismatch").add("other_role", anchor_role);
   report.add("other_dtype", dtype_name(anchor.scalar_type()));
   describe_tensor(report, "tensor", t);
-  report.raise_type_error("layer '" + layer + "': " + role + " dtype " +
-                          dtype_name(t.scalar_type()) + " differs from " + anchor_role +
-                          " dtype " + dtype_name(anchor.scalar_type()));
+  report.raise_type_error("layer '" + layer + "': " + role + " dtype " + dtype_name(t.scalar_type()) +
+                          " differs from " + anchor_role + " dtype " + dtype_name(anchor.scalar_type()));
 }
 
 void check_scannable(const at::Tensor& t) {
   TORCH_CHECK_TYPE(is_guarded_dtype(t.scalar_type()),
                    "cublas_guard_ext.scan: expected a float32, bfloat16, float16 or float64 "
-                   "tensor, got ", t.scalar_type());
+                   "tensor, got ",
+                   t.scalar_type());
 }
 
 void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer) {
@@ -78,15 +74,14 @@ void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std:
     report.add("layer", layer).add("role", "input").add("shape", x.sym_sizes());
     report.add("expected_last_dim", in_features);
     report.add("reason", x.dim() == 0 ? "zero_dim" : "last_dim");
-    report.raise_value_error(
-        "layer '" + layer + "': input of shape " + c10::str(x.sym_sizes()) +
-        (x.dim() == 0 ? " is 0-d" : " has last dim " + c10::str(x.sym_size(-1))) +
-        ", expected last dim == in_features == " + c10::str(in_features));
+    report.raise_value_error("layer '" + layer + "': input of shape " + c10::str(x.sym_sizes()) +
+                             (x.dim() == 0 ? " is 0-d" : " has last dim " + c10::str(x.sym_size(-1))) +
+                             ", expected last dim == in_features == " + c10::str(in_features));
   }
 }
 
-void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias, const std::string& layer) {
+void check_linear_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const std::string& layer) {
   if (!is_guarded_dtype(weight.scalar_type())) raise_dtype_error(weight, "weight", layer);
   if (weight.dim() != 2) raise_shape(weight, "weight", "[out_features, in_features]", layer);
   if (is_guarded_dtype(x.scalar_type()) && x.scalar_type() != weight.scalar_type()) {
@@ -105,9 +100,8 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
-void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other,
-                     const c10::SymInt& expected_last, const char* other_name,
-                     const std::string& layer) {
+void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other, const c10::SymInt& expected_last,
+                     const char* other_name, const std::string& layer) {
   if (!is_guarded_dtype(grad_output.scalar_type())) raise_dtype_error(grad_output, "grad_output", layer);
   if (!is_guarded_dtype(other.scalar_type())) raise_dtype_error(other, other_name, layer);
   if (grad_output.scalar_type() != other.scalar_type()) {
@@ -145,9 +139,8 @@ void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const
   report.add("first_bad_value", value);
   report.add("shape", scanned.sizes());
   report.add("numel", scanned.numel());
-  report.raise_value_error("layer '" + layer + "': " + role + " has " +
-                           std::to_string(counts[kNanCount]) + " NaN, " +
-                           std::to_string(counts[kPosInfCount]) + " +Inf, " +
+  report.raise_value_error("layer '" + layer + "': " + role + " has " + std::to_string(counts[kNanCount]) +
+                           " NaN, " + std::to_string(counts[kPosInfCount]) + " +Inf, " +
                            std::to_string(counts[kNegInfCount]) + " -Inf; first at flat index " +
                            std::to_string(first) + " " + c10::str(c10::IntArrayRef(coords)));
 }
@@ -178,15 +171,14 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
     report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
     report.add("api", call.routine).add("data_type", call.data_type);
     report.add("compute_type", call.compute_type);
-    report.raise_runtime_error("layer '" + layer + "': " + call.routine +
-                               " arguments break the rule " + broken);
+    report.raise_runtime_error("layer '" + layer + "': " + call.routine + " arguments break the rule " +
+                               broken);
   }
   // The caller splits n and k into pieces within the limit; m and the leading
   // dimensions cannot be split (ldc >= m, and a leading dimension is a stride).
   const int64_t limit = gemm_size_limit();
-  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},
-                                                  {"k", call.k},     {"lda", call.lda},
-                                                  {"ldb", call.ldb}, {"ldc", call.ldc}};
+  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},     {"k", call.k},
+                                                  {"lda", call.lda}, {"ldb", call.ldb}, {"ldc", call.ldc}};
   for (const auto& arg : args) {
     if (arg.second <= limit) continue;
     if (has_64bit_api && gemm_64bit_allowed()) {

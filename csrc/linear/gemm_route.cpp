@@ -45,9 +45,9 @@ std::atomic<int>& path_state() {
   static std::atomic<int> state{[] {
     const char* value = std::getenv(kPathVariable);
     GemmPath parsed = GemmPath::kLegacy;
-    TORCH_CHECK_VALUE(parse_gemm_path(value, &parsed), "cublas_guard_ext: ", kPathVariable, "='",
-                      value, "' is not a GEMM path; use ", kPathVariable, "=legacy (the default) or ",
-                      kPathVariable, "=lt");
+    TORCH_CHECK_VALUE(parse_gemm_path(value, &parsed), "cublas_guard_ext: ", kPathVariable, "='", value,
+                      "' is not a GEMM path; use ", kPathVariable, "=legacy (the default) or ", kPathVariable,
+                      "=lt");
     return static_cast<int>(parsed);
   }()};
   return state;
@@ -105,16 +105,18 @@ std::vector<std::string> gemm_route_op(c10::string_view dtype, c10::string_view 
   require_testing_env("gemm_route");
   GemmPath parsed = GemmPath::kLegacy;
   const std::string path_text(path);
-  TORCH_CHECK_VALUE(parse_gemm_path(path_text.c_str(), &parsed), "cublas_guard_ext: GEMM path '",
-                    path_text, "' is neither 'legacy' nor 'lt'");
-  std::vector<std::string> out{
-      gemm_route_name(first_route(dtype_from_name(std::string(dtype)), parsed, has_bias, use_64bit,
-                                  lt_available))};
-  TORCH_CHECK_VALUE(lt_steps.size() % 3 == 0, "cublas_guard_ext: lt_steps are (status, heuristic, found) triples");
+  TORCH_CHECK_VALUE(parse_gemm_path(path_text.c_str(), &parsed), "cublas_guard_ext: GEMM path '", path_text,
+                    "' is neither 'legacy' nor 'lt'");
+  std::vector<std::string> out{gemm_route_name(
+      first_route(dtype_from_name(std::string(dtype)), parsed, has_bias, use_64bit, lt_available))};
+  TORCH_CHECK_VALUE(lt_steps.size() % 3 == 0,
+                    "cublas_guard_ext: lt_steps are (status, heuristic, found) triples");
   for (size_t i = 0; i < lt_steps.size(); i += 3) {
-    const LtVerdict v = lt_verdict(static_cast<int>(lt_steps[i]), lt_steps[i + 1] != 0,
-                                   static_cast<int>(lt_steps[i + 2]));
-    out.push_back(v == LtVerdict::kContinue ? "continue" : v == LtVerdict::kFallBack ? "fall_back" : "report");
+    const LtVerdict v =
+        lt_verdict(static_cast<int>(lt_steps[i]), lt_steps[i + 1] != 0, static_cast<int>(lt_steps[i + 2]));
+    out.push_back(v == LtVerdict::kContinue   ? "continue"
+                  : v == LtVerdict::kFallBack ? "fall_back"
+                                              : "report");
   }
   return out;
 }
@@ -153,12 +155,14 @@ std::string set_gemm_path_op(c10::string_view path) {
 }  // namespace cublas_guard
 
 TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
-  m.def("gemm_route(str dtype, str path, bool has_bias, bool use_64bit, bool lt_available, "
-        "int[] lt_steps) -> str[]",
-        &cublas_guard::gemm_route_op);
+  m.def(
+      "gemm_route(str dtype, str path, bool has_bias, bool use_64bit, bool lt_available, "
+      "int[] lt_steps) -> str[]",
+      &cublas_guard::gemm_route_op);
   m.def("prefill_bias_twin(Tensor(a!) c, Tensor bias, int m, int n, int ldc, int workers, int lanes) -> ()",
         &cublas_guard::prefill_bias_twin_op);
-  m.def("gemm_path() -> str", [] { return std::string(cublas_guard::gemm_path_name(cublas_guard::gemm_path())); });
+  m.def("gemm_path() -> str",
+        [] { return std::string(cublas_guard::gemm_path_name(cublas_guard::gemm_path())); });
   // Switches the process's path (CUBLAS_GUARD_GEMM_PATH's value) for a test; returns the previous one.
   m.def("set_gemm_path(str path) -> str", &cublas_guard::set_gemm_path_op);
 }

@@ -44,8 +44,7 @@ const char* gemm_route_name(GemmRoute route);
 // argument is beyond the 32-bit limit (cuBLASLt is not used then: the legacy
 // _64 routines have the tested limit logic); `lt_available`: this build and
 // torch have cuBLASLt's workspace.
-GemmRoute first_route(int dtype_code, GemmPath path, bool has_bias, bool use_64bit,
-                      bool lt_available);
+GemmRoute first_route(int dtype_code, GemmPath path, bool has_bias, bool use_64bit, bool lt_available);
 
 // After one cuBLASLt step (descriptor set-up, heuristic query, the matmul):
 // done, fall back to cublasGemmEx (cuBLASLt refused: no algorithm for the
@@ -70,9 +69,9 @@ constexpr int kBFloat16 = 15;
 // block size); the CPU twin (prefill_bias_twin, a test hook) with loops.
 // ---------------------------------------------------------------------------
 template <typename T>
-CUBLAS_GUARD_HOST_DEVICE inline void prefill_columns(T* c, const T* bias, int64_t m, int64_t n,
-                                                     int64_t ldc, int64_t worker, int64_t workers,
-                                                     int64_t lane, int64_t lanes) {
+CUBLAS_GUARD_HOST_DEVICE inline void prefill_columns(T* c, const T* bias, int64_t m, int64_t n, int64_t ldc,
+                                                     int64_t worker, int64_t workers, int64_t lane,
+                                                     int64_t lanes) {
   for (int64_t col = worker; col < n; col += workers) {
     T* column = c + col * ldc;
     for (int64_t row = lane; row < m; row += lanes) column[row] = bias[row];

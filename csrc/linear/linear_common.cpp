@@ -131,12 +131,10 @@ const char* role_name(int64_t role) {
   report.add("pass", rec.role == kRoleGradOutput ? "backward" : "forward");
   if (rec.replay != 0) report.add("replay", rec.replay);  // a CUDA graph replay of that call
   const std::string replay =
-      rec.replay > 0 ? ", replay " + std::to_string(rec.replay)
-                     : (rec.replay < 0 ? ", a replay" : "");
-  report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + replay + "): " +
-                           role_name(rec.role) + " had " + std::to_string(rec.nan_count) +
-                           " NaN, " + std::to_string(rec.posinf_count) + " +Inf, " +
-                           std::to_string(rec.neginf_count) +
+      rec.replay > 0 ? ", replay " + std::to_string(rec.replay) : (rec.replay < 0 ? ", a replay" : "");
+  report.raise_value_error("layer '" + layer + "' (call " + std::to_string(rec.call_id) + replay +
+                           "): " + role_name(rec.role) + " had " + std::to_string(rec.nan_count) + " NaN, " +
+                           std::to_string(rec.posinf_count) + " +Inf, " + std::to_string(rec.neginf_count) +
                            " -Inf (recorded asynchronously, reported now)");
 }
 
@@ -146,8 +144,8 @@ struct ScanJob {
   TensorRole role;
 };
 
-void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int64_t layer_id,
-                 int64_t call_id, AsyncRecord* record, int* claim) {
+void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int64_t layer_id, int64_t call_id,
+                 AsyncRecord* record, int* claim) {
   target.record = record;
   target.claim = claim;
   target.layer_id = layer_id;
@@ -202,8 +200,7 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
   if (jobs.empty()) return;
   auto scan_job = [&](int64_t i, at::Tensor slot, const AsyncTarget* target) {
     if (i == 0 && prefill_out != nullptr) {
-      be.scan_into_prefilling(*jobs[0].tensor, std::move(slot), target, layer, *prefill_out,
-                              *prefill_bias);
+      be.scan_into_prefilling(*jobs[0].tensor, std::move(slot), target, layer, *prefill_out, *prefill_bias);
     } else {
       be.scan_into(*jobs[i].tensor, std::move(slot), target, layer);
     }
@@ -216,8 +213,7 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
     at::Tensor host = be.fetch(results, layer);
     const int64_t* counts = host.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
-      raise_if_non_finite(*jobs[i].tensor, counts + i * kScanFields, role_name(jobs[i].role),
-                          layer);
+      raise_if_non_finite(*jobs[i].tensor, counts + i * kScanFields, role_name(jobs[i].role), layer);
     }
   } else {
     AsyncRecord* record = nullptr;
@@ -249,9 +245,8 @@ void* advance(void* p, int64_t elements, int64_t element_size) {
 }
 
 std::string chunk_text(int64_t n0, int64_t n_len, int64_t n, int64_t k0, int64_t k_len, int64_t k) {
-  return "n " + std::to_string(n0) + ".." + std::to_string(n0 + n_len) + " of " +
-         std::to_string(n) + ", k " + std::to_string(k0) + ".." + std::to_string(k0 + k_len) +
-         " of " + std::to_string(k);
+  return "n " + std::to_string(n0) + ".." + std::to_string(n0 + n_len) + " of " + std::to_string(n) + ", k " +
+         std::to_string(k0) + ".." + std::to_string(k0 + k_len) + " of " + std::to_string(k);
 }
 
 // Piece sizes for a GEMM beyond the 32-bit limit L. Every argument must be <= L,
@@ -273,9 +268,11 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
     outer = std::max<int64_t>(1, std::min(outer, (limit - inner) / ld + 1));
   };
   // op(A) is m x k: stored [m x k] (lda), or [k x m] when transposed.
-  if (whole.trans_a) cap(s.m, s.k, whole.lda); else cap(s.k, s.m, whole.lda);
+  if (whole.trans_a) cap(s.m, s.k, whole.lda);
+  else cap(s.k, s.m, whole.lda);
   // op(B) is k x n: stored [k x n] (ldb), or [n x k] when transposed.
-  if (whole.trans_b) cap(s.k, s.n, whole.ldb); else cap(s.n, s.k, whole.ldb);
+  if (whole.trans_b) cap(s.k, s.n, whole.ldb);
+  else cap(s.n, s.k, whole.ldb);
   cap(s.n, s.m, whole.ldc);  // C is stored [m x n]
   return s;
 }
@@ -293,10 +290,9 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
 //
 // `bias` (forward, BiasHandling::kBiasInGemm): Q elements the GEMM adds to every
 // output row; each piece with k0 = 0 gets its m range of them.
-void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left,
-                 const at::Tensor& right, double beta, const char* purpose,
-                 const std::array<const char*, 3>& roles, const std::string& layer,
-                 const void* bias = nullptr) {
+void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left, const at::Tensor& right,
+                 double beta, const char* purpose, const std::array<const char*, 3>& roles,
+                 const std::string& layer, const void* bias = nullptr) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
   if (R == 0) {  // an empty sum: nothing for cuBLAS to do
@@ -350,17 +346,20 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
         piece.m = std::min(steps.m, whole.m - m0);
         piece.n = std::min(steps.n, whole.n - n0);
         piece.k = std::min(steps.k, whole.k - k0);
-        piece.a = advance(whole.a, whole.trans_a ? k0 + m0 * whole.lda    // op(A): rows m0..,
-                                                 : m0 + k0 * whole.lda, es);  //   columns k0..
-        piece.b = advance(whole.b, whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
-                                                 : k0 + n0 * whole.ldb, es);  //   columns n0..
+        piece.a = advance(whole.a,
+                          whole.trans_a ? k0 + m0 * whole.lda    // op(A): rows m0..,
+                                        : m0 + k0 * whole.lda,
+                          es);  //   columns k0..
+        piece.b = advance(whole.b,
+                          whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
+                                        : k0 + n0 * whole.ldb,
+                          es);  //   columns n0..
         piece.c = advance(whole.c, m0 + n0 * whole.ldc, es);
         piece.beta = k0 == 0 ? whole.beta : 1.0;  // later k pieces accumulate
         piece.bias = bias != nullptr && k0 == 0 ? advance(bias, m0, es) : nullptr;  // added once
         if (split) {
-          piece.chunk = (steps.m < whole.m ? "m " + std::to_string(m0) + ".." +
-                                                 std::to_string(m0 + piece.m) + " of " +
-                                                 std::to_string(whole.m) + ", "
+          piece.chunk = (steps.m < whole.m ? "m " + std::to_string(m0) + ".." + std::to_string(m0 + piece.m) +
+                                                 " of " + std::to_string(whole.m) + ", "
                                            : std::string()) +
                         chunk_text(n0, piece.n, whole.n, k0, piece.k, whole.k);
         }
@@ -376,8 +375,8 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
 // Allocations in a guarded call that run out of memory are reported with the
 // device's numbers and the request (torch raises its own OOM otherwise).
 template <typename Fn>
-auto reporting_oom(const LinearBackend& be, c10::Device device, const std::string& layer,
-                   const char* stage, int64_t bytes, Fn&& fn) -> decltype(fn()) {
+auto reporting_oom(const LinearBackend& be, c10::Device device, const std::string& layer, const char* stage,
+                   int64_t bytes, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const c10::OutOfMemoryError& e) {
@@ -408,8 +407,7 @@ std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
 
 }  // namespace
 
-void register_async_record(c10::Device device, AsyncRecord* record, int* claim,
-                           RecordHooks hooks) {
+void register_async_record(c10::Device device, AsyncRecord* record, int* claim, RecordHooks hooks) {
   std::lock_guard<std::mutex> lock(records_mutex());
   records().push_back(RegisteredRecord{device, record, claim, hooks});
   const size_t n = fast_record_count.load(std::memory_order_relaxed);
@@ -459,9 +457,8 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
   const int64_t in_features = weight.size(1), out_features = weight.size(0);
   const at::Tensor x2d = flatten_rows(x, in_features);
   const int64_t bytes = x2d.size(0) * out_features * weight.element_size();
-  at::Tensor out = reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
-    return at::empty({x2d.size(0), out_features}, weight.options());
-  });
+  at::Tensor out = reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes,
+                                 [&] { return at::empty({x2d.size(0), out_features}, weight.options()); });
   // How the bias enters (BiasHandling): a broadcast copy and beta = 1 (torch's
   // addmm fallback), the GEMM's epilogue (beta = 0), or the backend's prefill
   // (beta = 1), fused into the input's scan when one runs: at most one launch
@@ -469,7 +466,8 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
   BiasHandling handling = BiasHandling::kBiasByCopy;
   if (has_bias && out.numel() > 0) {
     handling = be.bias_handling != nullptr ? be.bias_handling(out.scalar_type()) : BiasHandling::kBiasByCopy;
-    if (handling == BiasHandling::kBiasInGemm && bias->stride(0) != 1) handling = BiasHandling::kBiasByBackend;
+    if (handling == BiasHandling::kBiasInGemm && bias->stride(0) != 1)
+      handling = BiasHandling::kBiasByBackend;
   }
   const bool prefill_in_scan = handling == BiasHandling::kBiasByBackend && mode != GuardMode::kOff;
   if (mode != GuardMode::kOff) {
@@ -492,55 +490,53 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
     gemm_bias = bias->data_ptr();
   }
   reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
-    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer,
-                gemm_bias);
+    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer, gemm_bias);
     return 0;
   });
   if (x.dim() == 2) return out;  // already the output's shape
   return out.view(with_last(x.sizes(), out_features));
 }
 
-at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
-                             const at::Tensor& weight, const std::string& layer) {
+at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output, const at::Tensor& weight,
+                             const std::string& layer) {
   const GuardedCallScope scope("grad_input", "grad_output", &grad_output, "weight", &weight);
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
   const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
   const int64_t bytes = g2d.size(0) * weight.size(1) * weight.element_size();
   return reporting_oom(be, weight.device(), layer, "the input gradient", bytes, [&] {
     at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
-    matmul_into(be, grad_input, g2d, weight, 0.0, "grad_input",
-                {"grad_output", "weight", "grad_input"}, layer);
+    matmul_into(be, grad_input, g2d, weight, 0.0, "grad_input", {"grad_output", "weight", "grad_input"},
+                layer);
     return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
   });
 }
 
-at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output,
-                              const at::Tensor& x, const std::string& layer) {
+at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output, const at::Tensor& x,
+                              const std::string& layer) {
   const GuardedCallScope scope("grad_weight", "grad_output", &grad_output, "input", &x);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '",
-                    layer, "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
+  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '", layer,
+                    "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
                     " must have the same number of dims");
   const int64_t out_features = grad_output.size(-1), in_features = x.size(-1);
   check_grad_args(grad_output, x, out_features, "input", layer);
   const at::Tensor g2d = flatten_rows(grad_output, out_features);
   const at::Tensor x2d = flatten_rows(x, in_features);
-  TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer,
-                    "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
-                    " disagree on the batch size");
+  TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer, "': grad_output ",
+                    grad_output.sizes(), " and input ", x.sizes(), " disagree on the batch size");
   const int64_t bytes = out_features * in_features * x.element_size();
   return reporting_oom(be, x.device(), layer, "the weight gradient", bytes, [&] {
     at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
-    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0, "grad_weight",
-                {"grad_output^T", "input", "grad_weight"}, layer);
+    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0, "grad_weight", {"grad_output^T", "input", "grad_weight"},
+                layer);
     return grad_weight;
   });
 }
 
-void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::string& layer,
-                  int64_t role, int64_t mode_value) {
+void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::string& layer, int64_t role,
+                  int64_t mode_value) {
   const GuardMode mode = parse_mode(mode_value);
-  TORCH_CHECK_VALUE(role >= kRoleInput && role <= kRoleGradOutput,
-                    "cublas_guard_ext: unknown tensor role ", role);
+  TORCH_CHECK_VALUE(role >= kRoleInput && role <= kRoleGradOutput, "cublas_guard_ext: unknown tensor role ",
+                    role);
   if (mode == GuardMode::kOff) return;
   raise_if_async_recorded(/*synchronize=*/false);
   if (!is_guarded_dtype(t.scalar_type())) raise_dtype_error(t, role_name(role), layer);

@@ -16,10 +16,8 @@ namespace cublas_guard {
 namespace {
 
 // A column-major [rows x cols] matrix with leading dimension ld, as a tensor view.
-at::Tensor column_major(const void* data, int64_t rows, int64_t cols, int64_t ld,
-                        at::ScalarType dtype) {
-  return at::from_blob(const_cast<void*>(data), {rows, cols}, {1, ld},
-                       at::TensorOptions().dtype(dtype));
+at::Tensor column_major(const void* data, int64_t rows, int64_t cols, int64_t ld, at::ScalarType dtype) {
+  return at::from_blob(const_cast<void*>(data), {rows, cols}, {1, ld}, at::TensorOptions().dtype(dtype));
 }
 
 // What the CPU runs: torch's own CPU GEMM (addmm: MKL/OpenBLAS sgemm/dgemm for
@@ -27,14 +25,10 @@ at::Tensor column_major(const void* data, int64_t rows, int64_t cols, int64_t ld
 // accumulate in float32). There is no 32-bit limit, so no second routine.
 GemmNames gemm_names_cpu(at::ScalarType dtype) {
   switch (dtype) {
-    case at::kBFloat16:
-      return {"torch CPU addmm", "torch CPU addmm", "bfloat16", "float32"};
-    case at::kHalf:
-      return {"torch CPU addmm", "torch CPU addmm", "float16", "float32"};
-    case at::kDouble:
-      return {"torch CPU addmm", "torch CPU addmm", "float64", "float64"};
-    default:
-      return {"torch CPU addmm", "torch CPU addmm", "float32", "float32"};
+    case at::kBFloat16: return {"torch CPU addmm", "torch CPU addmm", "bfloat16", "float32"};
+    case at::kHalf: return {"torch CPU addmm", "torch CPU addmm", "float16", "float32"};
+    case at::kDouble: return {"torch CPU addmm", "torch CPU addmm", "float64", "float64"};
+    default: return {"torch CPU addmm", "torch CPU addmm", "float32", "float32"};
   }
 }
 
@@ -74,27 +68,24 @@ void async_slot_cpu(c10::Device /*device*/, AsyncRecord** record, int** claim) {
 
 const LinearBackend& cpu_backend() {
   // torch's CPU addmm has no 32-bit limit: the "64-bit API" is the same call.
-  static const LinearBackend backend{scan_cpu_into,  fetch_cpu,      gemm_cpu, no_pending_error,
-                                     async_slot_cpu, /*memory_info=*/nullptr,
-                                     /*has_64bit_api=*/true,   gemm_names_cpu};
+  static const LinearBackend backend{scan_cpu_into,          fetch_cpu,      gemm_cpu,
+                                     no_pending_error,       async_slot_cpu, /*memory_info=*/nullptr,
+                                     /*has_64bit_api=*/true, gemm_names_cpu};
   return backend;
 }
 
 at::Tensor scan_op(const at::Tensor& x) { return scan(cpu_backend(), x); }
 
-at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight,
-                     const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,
-                     bool /*scan_grad: autograd's business*/) {
+at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     c10::string_view layer, int64_t mode, bool /*scan_grad: autograd's business*/) {
   return linear_forward(cpu_backend(), x, weight, bias, std::string(layer), mode);
 }
 
-at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
-                         c10::string_view layer) {
+at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
   return linear_grad_input(cpu_backend(), grad_output, weight, std::string(layer));
 }
 
-at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x,
-                          c10::string_view layer) {
+at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   return linear_grad_weight(cpu_backend(), grad_output, x, std::string(layer));
 }
 
@@ -127,8 +118,9 @@ const LinearBackend& cpu_backend_as_captured() {
 at::Tensor linear_as_captured_op(const at::Tensor& x, const at::Tensor& weight,
                                  const c10::optional<at::Tensor>& bias, c10::string_view layer) {
   const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  TORCH_CHECK(flag != nullptr && std::string(flag) == "1",
-              "cublas_guard_ext: linear_as_captured is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+  TORCH_CHECK(
+      flag != nullptr && std::string(flag) == "1",
+      "cublas_guard_ext: linear_as_captured is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
   TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(),
                     "cublas_guard_ext: linear_as_captured runs the CPU backend only");
   return linear_forward(cpu_backend_as_captured(), x, weight, bias, std::string(layer),

@@ -49,15 +49,21 @@ class CleanParameterCache {
     if (it == index_.end()) return false;
     const Entry& e = slots_[it->second];
     return e.generation == generation_ && counter_identity(e.counter) == counter_of(t) &&
-           e.version == t._version() && e.data == t.data_ptr() &&
-           e.dtype == t.scalar_type() && t.sizes().equals(e.sizes) && t.strides().equals(e.strides);
+           e.version == t._version() && e.data == t.data_ptr() && e.dtype == t.scalar_type() &&
+           t.sizes().equals(e.sizes) && t.strides().equals(e.strides);
   }
 
   void mark_clean(const at::Tensor& t) {
     if (!cacheable(t)) return;
     const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    Entry entry{impl, impl->version_counter(), t._version(), t.data_ptr(), t.scalar_type(),
-                t.sizes().vec(), t.strides().vec(), 0};
+    Entry entry{impl,
+                impl->version_counter(),
+                t._version(),
+                t.data_ptr(),
+                t.scalar_type(),
+                t.sizes().vec(),
+                t.strides().vec(),
+                0};
     std::lock_guard<std::mutex> lock(mutex_);
     entry.generation = generation_;
     sweep(2);

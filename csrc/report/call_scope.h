@@ -39,8 +39,7 @@ class GuardedCallScope {
   // Up to three operands (name, tensor; a null tensor pointer or an undefined
   // tensor is left out). The tensors must outlive the scope.
   GuardedCallScope(const char* phase, const char* name0, const at::Tensor* t0, const char* name1,
-                   const at::Tensor* t1, const char* name2 = nullptr,
-                   const at::Tensor* t2 = nullptr);
+                   const at::Tensor* t1, const char* name2 = nullptr, const at::Tensor* t2 = nullptr);
   ~GuardedCallScope();
   GuardedCallScope(const GuardedCallScope&) = delete;
   GuardedCallScope& operator=(const GuardedCallScope&) = delete;

@@ -46,8 +46,8 @@ GuardMode parse_mode(int64_t mode) {
   constexpr auto off = static_cast<int64_t>(GuardMode::kOff);
   constexpr auto sync = static_cast<int64_t>(GuardMode::kSync);
   constexpr auto async = static_cast<int64_t>(GuardMode::kAsync);
-  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ",
-                    off, " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
+  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ", off,
+                    " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
   return static_cast<GuardMode>(mode);
 }
 
@@ -141,10 +141,11 @@ void ErrorReport::raise_out_of_memory(const std::string& summary) const {
 }
 
 void add_memory_fields(ErrorReport& report, const MemoryFacts& m) {
-  const std::pair<const char*, int64_t> fields[] = {
-      {"free_bytes", m.free_bytes}, {"total_bytes", m.total_bytes},
-      {"torch_allocated_bytes", m.torch_allocated}, {"torch_reserved_bytes", m.torch_reserved},
-      {"workspace_bytes", m.workspace_bytes}};
+  const std::pair<const char*, int64_t> fields[] = {{"free_bytes", m.free_bytes},
+                                                    {"total_bytes", m.total_bytes},
+                                                    {"torch_allocated_bytes", m.torch_allocated},
+                                                    {"torch_reserved_bytes", m.torch_reserved},
+                                                    {"workspace_bytes", m.workspace_bytes}};
   for (const auto& f : fields) {
     if (f.second >= 0) report.add(f.first, f.second);
   }

@@ -22,8 +22,7 @@ int64_t span(int64_t inner, int64_t outer, int64_t ld) {
   return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
 }
 
-at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* like,
-                       at::ScalarType dtype) {
+at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* like, at::ScalarType dtype) {
   at::TensorOptions options = at::TensorOptions().dtype(dtype);
   if (like != nullptr) options = options.device(like->device());
   return at::from_blob(const_cast<void*>(data), {elements}, options);
@@ -72,8 +71,8 @@ at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* lik
   report.attach("c", buffer_view(call.c, c_span, ctx.operand_c, call.dtype));
   report.raise_runtime_error("layer '" + ctx.layer + "': " + api + " (" + call.purpose +
                              ") failed with status " + std::to_string(status) +
-                             (ctx.status_name.empty() ? "" : " " + ctx.status_name) + " (m=" +
-                             std::to_string(call.m) + ", n=" + std::to_string(call.n) +
+                             (ctx.status_name.empty() ? "" : " " + ctx.status_name) +
+                             " (m=" + std::to_string(call.m) + ", n=" + std::to_string(call.n) +
                              ", k=" + std::to_string(call.k) + ")");
 }
 

@@ -21,10 +21,8 @@ bool is_sticky_cuda_error(int code) {
     case cuda_code::kInvalidAddressSpace:
     case cuda_code::kInvalidPc:
     case cuda_code::kLaunchTimeout:
-    case cuda_code::kECCUncorrectable:
-      return true;
-    default:
-      return false;
+    case cuda_code::kECCUncorrectable: return true;
+    default: return false;
   }
 }
 

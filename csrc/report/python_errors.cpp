@@ -91,10 +91,9 @@ void throw_python_error_if_possible(const std::string& message, const ErrorRepor
   const c10::impl::ExcludeDispatchKeyGuard no_watch(c10::DispatchKey::TESTING_ONLY_GenericMode);
   PyObject* module = PyImport_ImportModule("cublas_guard_ext.errors");
   PyObject* context = module != nullptr ? native_context(report) : nullptr;
-  PyObject* exc = context != nullptr
-                      ? PyObject_CallMethod(module, "_typed_from_native_message", "sO",
-                                            message.c_str(), context)
-                      : nullptr;
+  PyObject* exc = context != nullptr ? PyObject_CallMethod(module, "_typed_from_native_message", "sO",
+                                                           message.c_str(), context)
+                                     : nullptr;
   Py_XDECREF(context);
   Py_XDECREF(module);
   if (exc == nullptr || !PyExceptionInstance_Check(exc)) {

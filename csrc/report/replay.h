@@ -19,7 +19,6 @@ struct ReplayCall {
 // TORCH_CHECKs that a, b, c are 1-D dense buffers of one guarded dtype on one
 // device, that the call's sizes are valid and that every operand's span fits
 // its buffer (the rules of plan_gemm_call, without the 32-bit limit).
-void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& c);
+void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
 
 }  // namespace cublas_guard

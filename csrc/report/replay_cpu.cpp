@@ -22,21 +22,21 @@ int64_t span(int64_t inner, int64_t outer, int64_t ld) {
 }
 
 void check_operand(const char* name, const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld) {
-  TORCH_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ",
-                    ld, " < max(1, ", rows, ")");
+  TORCH_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ", ld,
+                    " < max(1, ", rows, ")");
   TORCH_CHECK_VALUE(ld <= (int64_t{1} << 40) && rows <= (int64_t{1} << 40) && cols <= (int64_t{1} << 40),
                     "cublas_guard_ext: replay: operand ", name, " sizes out of range");
   const int64_t needed = span(rows, cols, ld);
-  TORCH_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ",
-                    needed, " elements but its buffer holds ", t.numel());
+  TORCH_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ", needed,
+                    " elements but its buffer holds ", t.numel());
 }
 
 at::Tensor column_major(const at::Tensor& buffer, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(buffer.data_ptr(), {rows, cols}, {1, ld}, buffer.options());
 }
 
-ReplayCall make_call(bool transa, bool transb, int64_t m, int64_t n, int64_t k, int64_t lda,
-                     int64_t ldb, int64_t ldc, double alpha, double beta) {
+ReplayCall make_call(bool transa, bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                     int64_t ldc, double alpha, double beta) {
   ReplayCall call;
   call.trans_a = transa;
   call.trans_b = transb;
@@ -52,13 +52,15 @@ ReplayCall make_call(bool transa, bool transb, int64_t m, int64_t n, int64_t k, 
 }
 
 int64_t replay_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
-                        bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                        int64_t ldc, double alpha, double beta, c10::string_view routine,
-                        c10::string_view /*math_mode*/, bool /*workspace*/) {
+                        bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                        double alpha, double beta, c10::string_view routine, c10::string_view /*math_mode*/,
+                        bool /*workspace*/) {
   const ReplayCall call = make_call(transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
   check_replay_call(call, a, b, c);
-  TORCH_CHECK_VALUE(routine == "torch CPU addmm", "cublas_guard_ext: replay: the CPU runs only "
-                    "'torch CPU addmm', not '", std::string(routine), "'");
+  TORCH_CHECK_VALUE(routine == "torch CPU addmm",
+                    "cublas_guard_ext: replay: the CPU runs only "
+                    "'torch CPU addmm', not '",
+                    std::string(routine), "'");
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
   if (m == 0 || n == 0) return 0;
   at::Tensor out = column_major(c, m, n, ldc);
@@ -82,8 +84,8 @@ void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Te
     TORCH_CHECK_VALUE(t->scalar_type() == c.scalar_type() && t->device() == c.device(),
                       "cublas_guard_ext: replay: operands must share one dtype and device");
   }
-  TORCH_CHECK_VALUE(is_guarded_dtype(c.scalar_type()), "cublas_guard_ext: replay: dtype ",
-                    c.scalar_type(), " is not one the guard runs");
+  TORCH_CHECK_VALUE(is_guarded_dtype(c.scalar_type()), "cublas_guard_ext: replay: dtype ", c.scalar_type(),
+                    " is not one the guard runs");
   TORCH_CHECK_VALUE(call.m >= 0 && call.n >= 0 && call.k >= 0,
                     "cublas_guard_ext: replay: m, n, k must be >= 0");
   if (call.trans_a) {
@@ -109,6 +111,4 @@ TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
       "bool workspace) -> int");
 }
 
-TORCH_LIBRARY_IMPL(cublas_guard_internal, CPU, m) {
-  m.impl("replay_gemm", &cublas_guard::replay_gemm_cpu);
-}
+TORCH_LIBRARY_IMPL(cublas_guard_internal, CPU, m) { m.impl("replay_gemm", &cublas_guard::replay_gemm_cpu); }

@@ -65,13 +65,13 @@ struct ReplayHandle {
   }
 };
 
-cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b,
-                      const at::Tensor& c, bool tf32, bool workspace) {
+cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
+                      bool tf32, bool workspace) {
   const cudaDataType_t type = data_type(c.scalar_type());
   const bool dbl = c.scalar_type() == at::kDouble;
   const cublasComputeType_t compute =
-      dbl ? CUBLAS_COMPUTE_64F : (tf32 && type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                             : CUBLAS_COMPUTE_32F);
+      dbl ? CUBLAS_COMPUTE_64F
+          : (tf32 && type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
   const cudaDataType_t scale = dbl ? CUDA_R_64F : CUDA_R_32F;
   cublasLtHandle_t lt = nullptr;
   cublasLtMatmulDesc_t desc = nullptr;
@@ -107,8 +107,8 @@ cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Ten
     const void* alpha = dbl ? static_cast<const void*>(&alpha_d) : static_cast<const void*>(&alpha_f);
     const void* beta = dbl ? static_cast<const void*>(&beta_d) : static_cast<const void*>(&beta_f);
     // algo = nullptr: cuBLASLt runs its own heuristic query, as a plain call would.
-    status = cublasLtMatmul(lt, desc, alpha, a.data_ptr(), la, b.data_ptr(), lb, beta, c.data_ptr(),
-                            lc, c.data_ptr(), lc, nullptr, workspace ? space.data_ptr() : nullptr,
+    status = cublasLtMatmul(lt, desc, alpha, a.data_ptr(), la, b.data_ptr(), lb, beta, c.data_ptr(), lc,
+                            c.data_ptr(), lc, nullptr, workspace ? space.data_ptr() : nullptr,
                             workspace ? kLtWorkspace : 0, at::cuda::getCurrentCUDAStream());
   }
   if (lc != nullptr) cublasLtMatrixLayoutDestroy(lc);
@@ -128,9 +128,10 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
   const bool wide = routine.size() > 3 && routine.compare(routine.size() - 3, 3, "_64") == 0;
   const std::string base = wide ? routine.substr(0, routine.size() - 3) : routine;
   const int64_t limit = 2147483647;
-  TORCH_CHECK_VALUE(wide || (call.m <= limit && call.n <= limit && call.k <= limit &&
-                             call.lda <= limit && call.ldb <= limit && call.ldc <= limit),
-                    "cublas_guard_ext: replay: ", routine, " takes 32-bit arguments; this call "
+  TORCH_CHECK_VALUE(wide || (call.m <= limit && call.n <= limit && call.k <= limit && call.lda <= limit &&
+                             call.ldb <= limit && call.ldc <= limit),
+                    "cublas_guard_ext: replay: ", routine,
+                    " takes 32-bit arguments; this call "
                     "needs the _64 API");
 #if CUBLAS_VER_MAJOR < 12
   TORCH_CHECK_VALUE(!wide, "cublas_guard_ext: replay: this cuBLAS has no _64 API");
@@ -147,8 +148,8 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     auto* pc = static_cast<float*>(c.data_ptr());
 #if CUBLAS_VER_MAJOR >= 12
     if (wide) {
-      return cublasSgemm_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_f, pa, call.lda, pb,
-                            call.ldb, &beta_f, pc, call.ldc);
+      return cublasSgemm_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_f, pa, call.lda, pb, call.ldb,
+                            &beta_f, pc, call.ldc);
     }
 #endif
     return cublasSgemm(h, op_a, op_b, m, n, k, &alpha_f, pa, lda, pb, ldb, &beta_f, pc, ldc);
@@ -160,8 +161,8 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     auto* pc = static_cast<double*>(c.data_ptr());
 #if CUBLAS_VER_MAJOR >= 12
     if (wide) {
-      return cublasDgemm_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_d, pa, call.lda, pb,
-                            call.ldb, &beta_d, pc, call.ldc);
+      return cublasDgemm_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_d, pa, call.lda, pb, call.ldb,
+                            &beta_d, pc, call.ldc);
     }
 #endif
     return cublasDgemm(h, op_a, op_b, m, n, k, &alpha_d, pa, lda, pb, ldb, &beta_d, pc, ldc);
@@ -170,35 +171,32 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     TORCH_CHECK_VALUE(dtype != at::kDouble, "cublas_guard_ext: replay: cublasSgemmEx has no float64");
 #if CUBLAS_VER_MAJOR >= 12
     if (wide) {
-      return cublasSgemmEx_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_f, a.data_ptr(), type,
-                              call.lda, b.data_ptr(), type, call.ldb, &beta_f, c.data_ptr(), type,
-                              call.ldc);
+      return cublasSgemmEx_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_f, a.data_ptr(), type, call.lda,
+                              b.data_ptr(), type, call.ldb, &beta_f, c.data_ptr(), type, call.ldc);
     }
 #endif
-    return cublasSgemmEx(h, op_a, op_b, m, n, k, &alpha_f, a.data_ptr(), type, lda, b.data_ptr(),
-                         type, ldb, &beta_f, c.data_ptr(), type, ldc);
+    return cublasSgemmEx(h, op_a, op_b, m, n, k, &alpha_f, a.data_ptr(), type, lda, b.data_ptr(), type, ldb,
+                         &beta_f, c.data_ptr(), type, ldc);
   }
-  TORCH_CHECK_VALUE(base == "cublasGemmEx", "cublas_guard_ext: replay: unknown routine '", routine,
-                    "'");
+  TORCH_CHECK_VALUE(base == "cublasGemmEx", "cublas_guard_ext: replay: unknown routine '", routine, "'");
   const bool dbl = dtype == at::kDouble;
   const cublasComputeType_t compute = dbl ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
   const void* alpha = dbl ? static_cast<const void*>(&alpha_d) : static_cast<const void*>(&alpha_f);
   const void* beta = dbl ? static_cast<const void*>(&beta_d) : static_cast<const void*>(&beta_f);
 #if CUBLAS_VER_MAJOR >= 12
   if (wide) {
-    return cublasGemmEx_64(h, op_a, op_b, call.m, call.n, call.k, alpha, a.data_ptr(), type,
-                           call.lda, b.data_ptr(), type, call.ldb, beta, c.data_ptr(), type,
-                           call.ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+    return cublasGemmEx_64(h, op_a, op_b, call.m, call.n, call.k, alpha, a.data_ptr(), type, call.lda,
+                           b.data_ptr(), type, call.ldb, beta, c.data_ptr(), type, call.ldc, compute,
+                           CUBLAS_GEMM_DEFAULT_TENSOR_OP);
   }
 #endif
-  return cublasGemmEx(h, op_a, op_b, m, n, k, alpha, a.data_ptr(), type, lda, b.data_ptr(), type,
-                      ldb, beta, c.data_ptr(), type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
+  return cublasGemmEx(h, op_a, op_b, m, n, k, alpha, a.data_ptr(), type, lda, b.data_ptr(), type, ldb, beta,
+                      c.data_ptr(), type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
 }
 
-int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                         bool transa, bool transb, int64_t m, int64_t n, int64_t k, int64_t lda,
-                         int64_t ldb, int64_t ldc, double alpha, double beta,
-                         c10::string_view routine_view, c10::string_view math_view,
+int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
+                         bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                         double alpha, double beta, c10::string_view routine_view, c10::string_view math_view,
                          bool workspace) {
   ReplayCall call;
   call.trans_a = transa;
@@ -241,8 +239,8 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    TORCH_CHECK(false, "cublas_guard_ext: replay: CUDA error after the call: ",
-                cudaGetErrorName(err), " (", static_cast<int>(err), "): ", cudaGetErrorString(err));
+    TORCH_CHECK(false, "cublas_guard_ext: replay: CUDA error after the call: ", cudaGetErrorName(err), " (",
+                static_cast<int>(err), "): ", cudaGetErrorString(err));
   }
   return static_cast<int64_t>(status);
 }
@@ -250,6 +248,4 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_IMPL(cublas_guard_internal, CUDA, m) {
-  m.impl("replay_gemm", &cublas_guard::replay_gemm_cuda);
-}
+TORCH_LIBRARY_IMPL(cublas_guard_internal, CUDA, m) { m.impl("replay_gemm", &cublas_guard::replay_gemm_cuda); }

@@ -95,8 +95,7 @@ struct VectorOf {
 };
 
 template <typename F, int Bytes>
-__attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::Bits* data,
-                                                              int64_t n) {
+__attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::Bits* data, int64_t n) {
   using Bits = typename F::Bits;
   using V = typename VectorOf<Bits, Bytes>::type;
   constexpr int kLanes = Bytes / sizeof(Bits);

@@ -78,7 +78,6 @@
 namespace cublas_guard {
 namespace watch {
 
-
 constexpr c10::DispatchKey kWatchKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 constexpr int kModeSync = 1;
 constexpr int kModeAsync = 2;
@@ -138,8 +137,8 @@ struct Counts {
 
 // What is known about a storage's values: a range scanned at a version.
 struct Known {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::weak_intrusive_ptr<c10::StorageImpl>(
-      c10::intrusive_ptr<c10::StorageImpl>())};
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{
+      c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>())};
   int64_t begin = 0, end = 0;
   uint32_t version = 0;
   bool finite = false;
@@ -387,8 +386,8 @@ struct Where {
   std::string node_name;
 };
 Where where_now(const Session& s);
-void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema,
-                     const std::vector<c10::IValue>& args, const OpInfo& info);
+void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const OpInfo& info);
 void add_where(ErrorReport& r, const Session& s, const Where& w);
 [[noreturn]] void raise_message(const std::string& message);
 // The pending async finding, raised after the lock is released.
@@ -396,8 +395,8 @@ void raise_pending(Session& s);
 // The bad path: output t of op is not all finite. Returns its origin tag;
 // in birth mode raises (sync) or keeps (async) the finding of a producer.
 uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-               const std::vector<c10::IValue>& args, bool inplace_bad_before,
-               uint32_t inplace_origin, const at::Tensor& t, int64_t index, const Counts& c);
+               const std::vector<c10::IValue>& args, bool inplace_bad_before, uint32_t inplace_origin,
+               const at::Tensor& t, int64_t index, const Counts& c);
 // A tagged value reached a sink (`where`, in words): the finding of its origin
 // is raised (sync) or kept (async). Nothing for untagged and quiet values, or
 // in birth mode.
@@ -409,9 +408,9 @@ std::string python_stack();
 
 // watch_reraise.cpp: cuBLAS/CUDA errors of an op re-raised typed.
 bool mentions_cuda_failure(const std::string& m);
-[[noreturn]] void reraise_typed(Session& s, const c10::OperatorHandle& op,
-                                const OpInfo& info, const std::vector<c10::IValue>& args,
-                                PyObject* original, const std::string& original_message);
+[[noreturn]] void reraise_typed(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                                const std::vector<c10::IValue>& args, PyObject* original,
+                                const std::string& original_message);
 bool is_guard_error(PyObject* value);
 std::string py_str(PyObject* value);
 

@@ -45,9 +45,7 @@ bool inputs_tagged(Session& s, const OpInfo& info, const std::vector<c10::IValue
   bool tagged = false;
   for (size_t i = 0; i < args.size() && i < info.num_args && !tagged; ++i) {
     if (info.is_out_arg[i]) continue;
-    for_each_tensor(args[i], [&](const at::Tensor& in) {
-      tagged = tagged || origin_of(s, in) != kNoOrigin;
-    });
+    for_each_tensor(args[i], [&](const at::Tensor& in) { tagged = tagged || origin_of(s, in) != kNoOrigin; });
   }
   return tagged;
 }
@@ -74,8 +72,9 @@ void written_sink(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   if (state != s.state.end()) {
     reached(s, origin, "the model's parameter or buffer '" + state->second + "', written by " + name);
   } else if (s.has_model && s.module_stack.empty() && !torch::autograd::get_current_node()) {
-    reached(s, origin, "a tensor written by " + name +
-                           " outside the model's forward and backward (state such as an optimizer's)");
+    reached(s, origin,
+            "a tensor written by " + name +
+                " outside the model's forward and backward (state such as an optimizer's)");
   }
 }
 
@@ -129,7 +128,8 @@ void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     uint32_t origin = kNoOrigin;
     for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
       if (info.is_out_arg[i]) continue;
-      for_each_tensor(args[i], [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
+      for_each_tensor(args[i],
+                      [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
     }
     if (origin < kFirstOrigin) return;
     const bool was_pending = s.pending;
@@ -142,10 +142,8 @@ void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 
 }  // namespace
 
-void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                    torch::jit::Stack* stack) {
-  const c10::DispatchKeySet after =
-      ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kWatchKey);
+void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  const c10::DispatchKeySet after = ks & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kWatchKey);
   SessionRef hold;  // a device thread's reference to the forward thread's session
   Session* sp = current_session(hold);
   if (sp == nullptr) {
@@ -249,8 +247,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
       if (c.bad()) {
         // a known-bad result's counts were not kept: count them for the report
         const Counts full = c.nan + c.posinf + c.neginf > 0 ? c : scan_values(s, t);
-        const uint32_t origin =
-            judge(s, op, info, saved, inplace_bad_before, inplace_origin, t, index, full);
+        const uint32_t origin = judge(s, op, info, saved, inplace_bad_before, inplace_origin, t, index, full);
         if (consequence && origin != kNoOrigin) {
           out_origin = better_origin(out_origin, origin);
           tag(s, t, origin);
@@ -274,7 +271,8 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
     }
     // The forward op's output tag, under its node's sequence number (seq_origin).
     if (seq_index >= 0 && out_origin != kNoOrigin) {
-      if (static_cast<size_t>(seq_index) >= s.seq_origin.size()) s.seq_origin.resize(seq_index + 1, kNoOrigin);
+      if (static_cast<size_t>(seq_index) >= s.seq_origin.size())
+        s.seq_origin.resize(seq_index + 1, kNoOrigin);
       s.seq_origin[seq_index] = out_origin;
     }
   }

@@ -17,9 +17,7 @@ namespace {
 thread_local std::unordered_map<const void*, OpInfo> tls_op_info;
 }  // namespace
 
-bool starts_with(const std::string& s, const char* prefix) {
-  return s.rfind(prefix, 0) == 0;
-}
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
 // The explicit lists behind Values (aten ops only; tests/test_watch.py plants
 // a non-finite input through each kMoves/kZeroOne op and overflows through
@@ -30,25 +28,80 @@ Values value_class(const std::string& base, const std::string& overload) {
     std::unordered_map<std::string, Values> m;
     for (const char* n : {
              // copies and layout changes
-             "clone", "copy_", "_to_copy", "_unsafe_view",
-             "lift_fresh_copy", "contiguous", "expand_copy", "permute_copy", "transpose_copy",
-             "t_copy", "squeeze_copy", "unsqueeze_copy", "slice_copy", "select_copy",
-             "diagonal_copy", "as_strided_copy", "alias_copy", "detach_copy", "view_copy",
-             "_reshape_copy", "narrow_copy", "unfold_copy", "repeat", "roll", "flip",
+             "clone",
+             "copy_",
+             "_to_copy",
+             "_unsafe_view",
+             "lift_fresh_copy",
+             "contiguous",
+             "expand_copy",
+             "permute_copy",
+             "transpose_copy",
+             "t_copy",
+             "squeeze_copy",
+             "unsqueeze_copy",
+             "slice_copy",
+             "select_copy",
+             "diagonal_copy",
+             "as_strided_copy",
+             "alias_copy",
+             "detach_copy",
+             "view_copy",
+             "_reshape_copy",
+             "narrow_copy",
+             "unfold_copy",
+             "repeat",
+             "roll",
+             "flip",
              // gathering and joining
-             "cat", "stack", "index_select", "gather", "take", "embedding",
-             "masked_select", "masked_scatter", "masked_scatter_",
+             "cat",
+             "stack",
+             "index_select",
+             "gather",
+             "take",
+             "embedding",
+             "masked_select",
+             "masked_scatter",
+             "masked_scatter_",
              // scattering into zeros, zeroing parts
-             "slice_backward", "select_backward", "diagonal_backward", "tril", "triu", "tril_",
-             "triu_", "constant_pad_nd",
+             "slice_backward",
+             "select_backward",
+             "diagonal_backward",
+             "tril",
+             "triu",
+             "tril_",
+             "triu_",
+             "constant_pad_nd",
              // choosing between inputs and scalars
-             "where", "masked_fill", "masked_fill_", "relu", "relu_", "clamp", "clamp_",
-             "clamp_min", "clamp_min_", "clamp_max", "clamp_max_",
+             "where",
+             "masked_fill",
+             "masked_fill_",
+             "relu",
+             "relu_",
+             "clamp",
+             "clamp_",
+             "clamp_min",
+             "clamp_min_",
+             "clamp_max",
+             "clamp_max_",
              // sign changes
-             "neg", "neg_", "abs", "abs_",
+             "neg",
+             "neg_",
+             "abs",
+             "abs_",
              // filling with a scalar
-             "fill_", "zero_", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like",
-             "new_zeros", "new_ones", "new_full", "scalar_tensor",
+             "fill_",
+             "zero_",
+             "zeros",
+             "zeros_like",
+             "ones",
+             "ones_like",
+             "full",
+             "full_like",
+             "new_zeros",
+             "new_ones",
+             "new_full",
+             "scalar_tensor",
          }) {
       m.emplace(n, Values::kMoves);
     }
@@ -77,16 +130,16 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
   const std::string& name = schema.name();
   const auto sep = name.find("::");
   const std::string base = sep == std::string::npos ? name : name.substr(sep + 2);
-  info.skip = starts_with(base, "empty") || starts_with(base, "new_empty") ||
-              starts_with(base, "_empty") || starts_with(base, "resize") ||
-              starts_with(base, "_resize") || base == "set_" || base == "_local_scalar_dense";
+  info.skip = starts_with(base, "empty") || starts_with(base, "new_empty") || starts_with(base, "_empty") ||
+              starts_with(base, "resize") || starts_with(base, "_resize") || base == "set_" ||
+              base == "_local_scalar_dense";
   info.num_args = schema.arguments().size();
   info.is_out_arg.resize(info.num_args, 0);
   // In-place ops whose result does not depend on the old values: the written
   // argument is an output only (like out=), never pre-scanned.
-  const bool overwrites = base == "fill_" || base == "zero_" || base == "copy_" ||
-                          base == "normal_" || base == "uniform_" || base == "random_" ||
-                          base == "bernoulli_" || base == "exponential_";
+  const bool overwrites = base == "fill_" || base == "zero_" || base == "copy_" || base == "normal_" ||
+                          base == "uniform_" || base == "random_" || base == "bernoulli_" ||
+                          base == "exponential_";
   for (size_t i = 0; i < info.num_args; ++i) {
     const auto& arg = schema.arguments()[i];
     const c10::AliasInfo* alias = arg.alias_info();
@@ -114,13 +167,13 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
   // composite kernel; another namespace's Autograd kernel may compute.
   using K = c10::DispatchKey;
   const bool aten = starts_with(name, "aten::");
-  info.composite = op.hasKernelForDispatchKey(K::CompositeImplicitAutograd) &&
-                   !op.hasKernelForDispatchKey(K::CPU) && !op.hasKernelForDispatchKey(K::CUDA) &&
-                   (aten || (!op.hasKernelForDispatchKey(K::Autograd) &&
-                             !op.hasKernelForDispatchKey(K::AutogradCPU) &&
-                             !op.hasKernelForDispatchKey(K::AutogradCUDA))) &&
-                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd) &&
-                   !op.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
+  info.composite =
+      op.hasKernelForDispatchKey(K::CompositeImplicitAutograd) && !op.hasKernelForDispatchKey(K::CPU) &&
+      !op.hasKernelForDispatchKey(K::CUDA) &&
+      (aten || (!op.hasKernelForDispatchKey(K::Autograd) && !op.hasKernelForDispatchKey(K::AutogradCPU) &&
+                !op.hasKernelForDispatchKey(K::AutogradCUDA))) &&
+      !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd) &&
+      !op.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
   if (aten) info.values = value_class(base, schema.overload_name());
   info.divides = starts_with(base, "div");
   return tls_op_info.emplace(key, std::move(info)).first->second;

@@ -36,8 +36,8 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   int mode = kModeSync, report = kReportBirth, has_model = 0;
   PyObject *names = nullptr, *allowed = nullptr, *ops = nullptr, *clean = nullptr;
   PyObject *state = nullptr, *state_names = nullptr;
-  if (!PyArg_ParseTuple(args, "iOOOOiiOO", &mode, &names, &allowed, &ops, &clean, &report,
-                        &has_model, &state, &state_names)) {
+  if (!PyArg_ParseTuple(args, "iOOOOiiOO", &mode, &names, &allowed, &ops, &clean, &report, &has_model, &state,
+                        &state_names)) {
     return nullptr;
   }
   install_fallback();
@@ -143,9 +143,7 @@ PyObject* py_pop(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* py_active(PyObject*, PyObject*) {
-  return PyBool_FromLong(tls_session != nullptr);
-}
+PyObject* py_active(PyObject*, PyObject*) { return PyBool_FromLong(tls_session != nullptr); }
 
 // (nan, +inf, -inf, first_bad_index) of any floating tensor; None if not readable.
 PyObject* py_scan(PyObject*, PyObject* arg) {
@@ -301,8 +299,7 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cublas_guard_ext._watch_native", nullptr, -1,
-                          methods};
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cublas_guard_ext._watch_native", nullptr, -1, methods};
 
 // Puts the module above into sys.modules (works for the prebuilt and the JIT
 // library alike: the JIT one is not a Python module).
@@ -320,7 +317,6 @@ void install_python_module() {
   PyErr_Clear();
   PyGILState_Release(gil);
 }
-
 
 }  // namespace
 

@@ -11,16 +11,15 @@ namespace cublas_guard {
 namespace watch {
 
 bool mentions_cuda_failure(const std::string& m) {
-  return m.find("CUBLAS_STATUS_") != std::string::npos ||
-         m.find("CUDA error") != std::string::npos ||
+  return m.find("CUBLAS_STATUS_") != std::string::npos || m.find("CUDA error") != std::string::npos ||
          m.find("cudaError") != std::string::npos;
 }
 
 // An op failed with a cuBLAS/CUDA error: re-raise it typed, naming the module
 // and op, the original as __cause__ (cublas_guard_ext.watch._op_failure builds it).
-[[noreturn]] void reraise_typed(Session& s, const c10::OperatorHandle& op,
-                                const OpInfo& info, const std::vector<c10::IValue>& args,
-                                PyObject* original, const std::string& original_message) {
+[[noreturn]] void reraise_typed(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                                const std::vector<c10::IValue>& args, PyObject* original,
+                                const std::string& original_message) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   ErrorReport r("watch_op_failure");
   r.add("op", op_display_name(op.schema()));

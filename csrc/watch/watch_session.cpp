@@ -27,7 +27,6 @@ thread_local int tls_kernel_depth = std::numeric_limits<int>::max();
 // Per nesting depth; a deque, so growing it keeps the outer frames' references valid.
 thread_local std::deque<std::vector<c10::IValue>> tls_saved_args;
 
-
 // Sessions by the id of their thread: backward ops running on another thread
 // (a device thread of the autograd engine) find the session of the thread
 // whose forward created the node.
@@ -39,7 +38,6 @@ std::unordered_map<uint64_t, SessionRef>& registry() {
   static std::unordered_map<uint64_t, SessionRef> r;
   return r;
 }
-
 
 // Refcounted: py_end drops the registry's and the owner's references; a device
 // thread running a node of the block's backward keeps its own until its op is
@@ -64,7 +62,8 @@ void run_deferred(Session& s) {
     if (!stack.empty()) {
       SessionLock lock(s.mu);
       OriginStore& store = *s.origins;
-      if (id - kFirstOrigin < store.origins.size()) store.origins[id - kFirstOrigin].report.add("birth_stack", stack);
+      if (id - kFirstOrigin < store.origins.size())
+        store.origins[id - kFirstOrigin].report.add("birth_stack", stack);
     }
   }
   if (!tls_deferred.raise.empty()) {
@@ -92,8 +91,8 @@ Where where_now(const Session& s) {
   return w;
 }
 
-void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema,
-                     const std::vector<c10::IValue>& args, const OpInfo& info) {
+void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const OpInfo& info) {
   int64_t n = 0;
   for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
     if (info.is_out_arg[i]) continue;
@@ -131,8 +130,7 @@ void add_where(ErrorReport& r, const Session& s, const Where& w) {
   if (Py_IsInitialized()) {
     pybind11::gil_scoped_acquire gil;
     PyObject* module = PyImport_ImportModule("cublas_guard_ext.watch");
-    PyObject* exc =
-        module != nullptr ? PyObject_CallMethod(module, "_typed", "s", message.c_str()) : nullptr;
+    PyObject* exc = module != nullptr ? PyObject_CallMethod(module, "_typed", "s", message.c_str()) : nullptr;
     Py_XDECREF(module);
     if (exc != nullptr && PyExceptionInstance_Check(exc)) {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
@@ -163,8 +161,8 @@ void raise_pending(Session& s) {
 namespace {
 
 bool skipped_frame(const std::string& file) {
-  return file.find("/torch/") != std::string::npos ||
-         file.find("/cublas_guard_ext/") != std::string::npos || file.rfind("<frozen", 0) == 0;
+  return file.find("/torch/") != std::string::npos || file.find("/cublas_guard_ext/") != std::string::npos ||
+         file.rfind("<frozen", 0) == 0;
 }
 
 // A finding of a producer: once per op, module, phase and output index.
@@ -200,8 +198,7 @@ std::string python_stack() {
     const std::string f = file != nullptr ? file : "?";
     if (!skipped_frame(f)) {
       if (!out.empty()) out += "\n";
-      out += f + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " +
-             (func != nullptr ? func : "?");
+      out += f + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " + (func != nullptr ? func : "?");
       ++kept;
     }
     Py_DECREF(code);
@@ -215,8 +212,8 @@ std::string python_stack() {
 }
 
 uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-               const std::vector<c10::IValue>& args, bool inplace_bad_before,
-               uint32_t inplace_origin, const at::Tensor& t, int64_t index, const Counts& c) {
+               const std::vector<c10::IValue>& args, bool inplace_bad_before, uint32_t inplace_origin,
+               const at::Tensor& t, int64_t index, const Counts& c) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   const c10::FunctionSchema& schema = op.schema();
   const bool birth = s.report == kReportBirth;
@@ -225,9 +222,8 @@ uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   if (!birth) {
     for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
       if (info.is_out_arg[i] || is_inplace_arg(info, static_cast<int>(i))) continue;
-      for_each_tensor(args[i], [&](const at::Tensor& in) {
-        inherited = better_origin(inherited, origin_of(s, in));
-      });
+      for_each_tensor(args[i],
+                      [&](const at::Tensor& in) { inherited = better_origin(inherited, origin_of(s, in)); });
     }
   }
   // Propagator: a non-finite scalar argument or tensor input.
@@ -322,8 +318,8 @@ uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, 
   r.add("first_bad_index", c.first);
   r.add("shape", t.sizes()).add("dtype", std::string(c10::toString(t.scalar_type())));
   r.add("mode", s.mode == kModeAsync ? "async" : "sync");
-  const uint32_t id = record_origin(s, r, "entry|" + name, "watch: the model's argument '" + name +
-                                                                 "' is non-finite on entry",
+  const uint32_t id = record_origin(s, r, "entry|" + name,
+                                    "watch: the model's argument '" + name + "' is non-finite on entry",
                                     /*with_stack=*/false);
   tag(s, t, id);
   return id;

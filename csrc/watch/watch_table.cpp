@@ -28,9 +28,13 @@ bool readable(const at::Tensor& t) {
   }
   if (t.is_meta() || !t.has_storage()) return false;
   static const c10::DispatchKeySet wrappers = c10::DispatchKeySet({
-      c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::Fake,
-      c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
-      c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::BatchedNestedTensor,
+      c10::DispatchKey::Python,
+      c10::DispatchKey::PythonTLSSnapshot,
+      c10::DispatchKey::Fake,
+      c10::DispatchKey::Functionalize,
+      c10::DispatchKey::FuncTorchBatched,
+      c10::DispatchKey::FuncTorchGradWrapper,
+      c10::DispatchKey::BatchedNestedTensor,
       c10::DispatchKey::Batched,
   });
   return (t.key_set() & wrappers).empty();
@@ -86,8 +90,7 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
   int64_t begin = 0, end = 0;
   const bool ranged = t.is_non_overlapping_and_dense() && storage_range(t, begin, end);
   Known* old = s.known.find(key);
-  const bool tagged = old != nullptr && !old->finite && old->origin != kNoOrigin &&
-                      !old->storage.expired();
+  const bool tagged = old != nullptr && !old->finite && old->origin != kNoOrigin && !old->storage.expired();
   if (!ranged) {
     if (!tagged) s.known.erase(key);
     else old->begin = old->end = 0;  // never matches a lookup; the tag stays

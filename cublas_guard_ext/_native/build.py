@@ -42,7 +42,10 @@ def _sibling(name: str):
 _toolkit = _sibling("toolkit")
 # Used by setup.py and the loader under these names (defined in toolkit.py).
 decide_cuda, cuda_fallback_note, record_cuda_failure = (
-    _toolkit.decide_cuda, _toolkit.cuda_fallback_note, _toolkit.record_cuda_failure)
+    _toolkit.decide_cuda,
+    _toolkit.cuda_fallback_note,
+    _toolkit.record_cuda_failure,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
@@ -74,7 +77,13 @@ CPU_SOURCES = (
     "watch/watch_reraise.cpp",
     "watch/watch_python.cpp",
 )
-CUDA_SOURCES = ("cuda/scan.cu", "cuda/linear.cu", "cuda/lt_gemm.cu", "cuda/async_slot.cu", "report/replay_cuda.cu")
+CUDA_SOURCES = (
+    "cuda/scan.cu",
+    "cuda/linear.cu",
+    "cuda/lt_gemm.cu",
+    "cuda/async_slot.cu",
+    "report/replay_cuda.cu",
+)
 
 
 @dataclass
@@ -204,14 +213,14 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         cuda_home = _toolkit.find_cuda_home()
         if cuda_home:
             env["CUDA_HOME"] = cuda_home
-            note = _toolkit.cuda_version_note(_toolkit.nvcc_version(cuda_home), torch.version.cuda,
-                                              cuda_home)
+            note = _toolkit.cuda_version_note(_toolkit.nvcc_version(cuda_home), torch.version.cuda, cuda_home)
             if note:
                 notes.append(note)
             # Only the wheel headers the toolkit lacks (cuBLAS & co.), searched after the
             # toolkit's: the wheel's own cuda_runtime.h must never shadow the toolkit's.
-            private = _toolkit.cuda_wheel_include_dir(_toolkit.cublas_include_dirs(),
-                                                      str(Path(cuda_home) / "include"))
+            private = _toolkit.cuda_wheel_include_dir(
+                _toolkit.cublas_include_dirs(), str(Path(cuda_home) / "include")
+            )
             if private:
                 include_after.append(private)
         if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -269,8 +278,9 @@ def apply_env(build: BuildPlan) -> None:
 def cuda_failed_before(build: BuildPlan, build_directory: str) -> str | None:
     """The failure marker's path if ``build`` failed in ``build_directory`` since the last
     edit of a source or header (toolkit.record_cuda_failure), else None."""
-    return _toolkit.cuda_failed_before(build.sources + [str(p) for p in CSRC_DIR.rglob("*.h")],
-                                       build_directory)
+    return _toolkit.cuda_failed_before(
+        build.sources + [str(p) for p in CSRC_DIR.rglob("*.h")], build_directory
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -297,9 +307,9 @@ def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, obje
         "compiler": os.environ.get("CXX", "c++"),
         "with_cuda": build.with_cuda,
         # The list torch will build for: the same before and after apply_env ran.
-        "arch_list": effective_env(build).get("TORCH_CUDA_ARCH_LIST",
-                                             os.environ.get("TORCH_CUDA_ARCH_LIST"))
-        if build.with_cuda else None,
+        "arch_list": effective_env(build).get("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST"))
+        if build.with_cuda
+        else None,
         "cxx_flags": build.cxx_flags,
         "nvcc_flags": build.nvcc_flags if build.with_cuda else [],
         "ldflags": build.ldflags,
@@ -349,18 +359,31 @@ _RULE_LABELS = {
     "link": "LINK $out",
     "pch": "PCH $in",
 }
-_VERBS = {"CXX": "compiled", "NVCC": "compiled (nvcc)", "SYCL": "compiled (sycl)",
-          "DLINK": "device-linked", "LINK": "linked", "PCH": "precompiled header"}
+_VERBS = {
+    "CXX": "compiled",
+    "NVCC": "compiled (nvcc)",
+    "SYCL": "compiled (sycl)",
+    "DLINK": "device-linked",
+    "LINK": "linked",
+    "PCH": "precompiled header",
+}
 
 
 # Compile cost of the heavier sources, in CPU seconds (measured 2026-11-30, with the PCH
 # where it is used: watch.cpp, autograd.cpp and python_module.cpp parse torch/csrc/autograd on top
 # of it, python_errors.cpp pybind11; an nvcc compile for two archs); the rest count 7. Only the
 # start order depends on it.
-SLOW_SOURCES = {".cu": 100.0, "watch/watch_fallback.cpp": 12.0,
-                "watch/watch_python.cpp": 10.0, "watch/watch_session.cpp": 10.0, "linear/autograd.cpp": 25.0,
-                "report/python_errors.cpp": 19.0, "python_module.cpp": 19.0,
-                "linear/linear_common.cpp": 10.0, "linear/checks.cpp": 9.0}
+SLOW_SOURCES = {
+    ".cu": 100.0,
+    "watch/watch_fallback.cpp": 12.0,
+    "watch/watch_python.cpp": 10.0,
+    "watch/watch_session.cpp": 10.0,
+    "linear/autograd.cpp": 25.0,
+    "report/python_errors.cpp": 19.0,
+    "python_module.cpp": 19.0,
+    "linear/linear_common.cpp": 10.0,
+    "linear/checks.cpp": 9.0,
+}
 
 
 def _source_name(source: str) -> str:
@@ -447,8 +470,11 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
         return line.split(": ", 1)[1].split()[1]
 
     def uses_pch(line: str) -> bool:
-        return pch and line.split(": ", 1)[1].startswith("compile ") and \
-            _source_name(source(line)) not in NO_PCH_SOURCES
+        return (
+            pch
+            and line.split(": ", 1)[1].startswith("compile ")
+            and _source_name(source(line)) not in NO_PCH_SOURCES
+        )
 
     # ninja starts ready edges in file order. The PCH edge comes first (above the rules);
     # then the files that wait for it, longest first (once it is built they are all ready,
@@ -456,7 +482,7 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
     # not wait for it, longest first, which fill the second core meanwhile.
     edges = [i for i, line in enumerate(out) if re.match(r"build \S.*: (?:compile|cuda_compile) ", line)]
     if edges and edges == list(range(edges[0], edges[0] + len(edges))):
-        out[edges[0]:edges[-1] + 1] = sorted(
+        out[edges[0] : edges[-1] + 1] = sorted(
             (out[i] for i in edges),
             key=lambda line: (not uses_pch(line), -_compile_weight(source(line))),
         )
@@ -488,9 +514,15 @@ def _ninja_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = None,
-              verbose: bool | None = None, heartbeat_s: float = HEARTBEAT_S,
-              title: str | None = None, notes: list[str] | None = None) -> bool:
+def run_ninja(
+    build_directory: str,
+    error_prefix: str,
+    stream: TextIO | None = None,
+    verbose: bool | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+    title: str | None = None,
+    notes: list[str] | None = None,
+) -> bool:
     """Run ninja in ``build_directory`` and show readable progress on ``stream`` (stderr).
 
     One line per finished step (which file, n of N, seconds since the start),
@@ -516,8 +548,16 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
     except OSError:
         steps = 0
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=build_directory, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+    proc = subprocess.Popen(
+        command,
+        cwd=build_directory,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -537,8 +577,10 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
             announced = True
             for note in notes or ():
                 say(f"NOTE: {note}")
-            say(f"{title or 'building'}: {steps} compile steps in {build_directory}, ninja -j{jobs} "
-                "(a cold CPU build takes 35-85 s on 2 idle cores, by the machine)")
+            say(
+                f"{title or 'building'}: {steps} compile steps in {build_directory}, ninja -j{jobs} "
+                "(a cold CPU build takes 35-85 s on 2 idle cores, by the machine)"
+            )
 
     while True:
         try:
@@ -557,8 +599,10 @@ def run_ninja(build_directory: str, error_prefix: str, stream: TextIO | None = N
             announce()
             done, total = int(match.group(1)), int(match.group(2))
             width = len(str(total))
-            say(f"[{done:>{width}}/{total}] {time.monotonic() - started:6.1f} s  "
-                f"{_VERBS[match.group(3)]} {os.path.basename(match.group(4))}")
+            say(
+                f"[{done:>{width}}/{total}] {time.monotonic() - started:6.1f} s  "
+                f"{_VERBS[match.group(3)]} {os.path.basename(match.group(4))}"
+            )
         elif verbose:
             print(line, end="", file=stream, flush=True)
     returncode = proc.wait()
@@ -594,8 +638,7 @@ def torch_build_hooks(stream: TextIO | None = None, title: str | None = None) ->
             print(f"{PROGRESS_PREFIX} could not annotate {path}: {exc}", file=stream or sys.stderr)
 
     def run(build_directory, verbose, error_prefix):
-        run_ninja(build_directory, error_prefix, stream=stream, title=title,
-                  notes=list(_pending_notes))
+        run_ninja(build_directory, error_prefix, stream=stream, title=title, notes=list(_pending_notes))
 
     if original_write is not None:
         cpp_extension._write_ninja_file = write

@@ -198,9 +198,8 @@ def first_cuda_use(device: torch.device) -> None:
     if problems:
         warnings.warn(
             f"cublas_guard_ext: cuda:{index} ({props.name}, sm_{cc[0]}{cc[1]}) cannot run: "
-            + "; ".join(problems) + ". Run `python -m cublas_guard_ext doctor`.",
+            + "; ".join(problems)
+            + ". Run `python -m cublas_guard_ext doctor`.",
             RuntimeWarning,
             stacklevel=3,
         )
-
-

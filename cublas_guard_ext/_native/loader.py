@@ -104,7 +104,8 @@ def _preflight(plan: _build.BuildPlan) -> None:
         )
     if plan.with_cuda and not any(
         (Path(d) / "cublas_v2.h").exists()
-        for d in plan.include_dirs + plan.include_dirs_after
+        for d in plan.include_dirs
+        + plan.include_dirs_after
         + [os.path.join(os.environ.get("CUDA_HOME", ""), "include")]
     ):
         raise ExtensionBuildError(
@@ -128,8 +129,11 @@ def _jit_build() -> NativeInfo:
     if plan.with_cuda and os.environ.get("FORCE_CUDA") != "1":
         marker = _build.cuda_failed_before(plan, jit_build_directory(plan))
         if marker:
-            print(f"{_build.PROGRESS_PREFIX} the CUDA build failed before ({marker}); using the "
-                  "CPU-only build (delete that file or edit a source to retry)", file=sys.stderr)
+            print(
+                f"{_build.PROGRESS_PREFIX} the CUDA build failed before ({marker}); using the "
+                "CPU-only build (delete that file or edit a source to retry)",
+                file=sys.stderr,
+            )
             return _jit_build_plan(_build.plan(with_cuda=False))
     try:
         return _jit_build_plan(plan)
@@ -165,7 +169,8 @@ def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
                 extra_cuda_cflags=plan.nvcc_flags,
                 # -l<library> before torch's own -l flags, which cpp_extension appends.
                 extra_ldflags=[f"-L{d}" for d in plan.library_dirs]
-                + [f"-l{lib}" for lib in plan.libraries] + plan.ldflags,
+                + [f"-l{lib}" for lib in plan.libraries]
+                + plan.ldflags,
                 extra_include_paths=plan.include_dirs,
                 build_directory=build_directory,
                 with_cuda=plan.with_cuda,
@@ -176,8 +181,7 @@ def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
         text = str(exc)
         raise ExtensionBuildError(
             missing="a successful compile",
-            detail=f"JIT build ({flavour}, {plan.reason}) failed:\n"
-            + "\n".join(text.splitlines()[-25:]),
+            detail=f"JIT build ({flavour}, {plan.reason}) failed:\n" + "\n".join(text.splitlines()[-25:]),
             fix="rerun with CUBLAS_GUARD_EXT_VERBOSE_BUILD=1 for the full log; "
             "`python -m cublas_guard_ext doctor` checks the toolchain",
         ) from exc

@@ -41,9 +41,11 @@ def find_cuda_home() -> str | None:
     if nvcc:
         candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     for root in candidates:
-        if root and (Path(root) / "bin" / "nvcc").exists() and (
-            Path(root) / "include" / "cuda_runtime.h"
-        ).exists():
+        if (
+            root
+            and (Path(root) / "bin" / "nvcc").exists()
+            and (Path(root) / "include" / "cuda_runtime.h").exists()
+        ):
             return root
     return None
 
@@ -69,8 +71,9 @@ def nvcc_version(cuda_home: str) -> str | None:
     """The CUDA release of ``cuda_home``'s nvcc ("13.0"), or None if it cannot be read
     (asked once per process: the decision and the plan both need it)."""
     try:
-        out = subprocess.run([str(Path(cuda_home) / "bin" / "nvcc"), "--version"],
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"release (\d+)\.(\d+)", out)
@@ -85,8 +88,9 @@ def cuda_version_note(nvcc: str | None, torch_cuda: str | None, cuda_home: str) 
     what = (
         "the extension is compiled with the toolkit's own CUDA headers (only the cuBLAS "
         "headers the toolkit lacks come from torch's nvidia wheels) and runs with torch's "
-        "CUDA libraries" if same_major else
-        "CUDA code compiled by this nvcc cannot run with this torch: building CPU-only"
+        "CUDA libraries"
+        if same_major
+        else "CUDA code compiled by this nvcc cannot run with this torch: building CPU-only"
     )
     return (
         f"nvcc at {cuda_home} is CUDA {nvcc}, torch {_torch_version()} was built with CUDA "
@@ -108,8 +112,9 @@ def _header_names(include_dir: str) -> list[str]:
         return []
 
 
-def cuda_wheel_include_dir(wheel_dirs: list[str], toolkit_include: str,
-                           root: str | None = None) -> str | None:
+def cuda_wheel_include_dir(
+    wheel_dirs: list[str], toolkit_include: str, root: str | None = None
+) -> str | None:
     """A private include dir with the wheel headers the toolkit lacks, or None if none.
 
     torch's CUDA wheels put cuBLAS (and cuSPARSE, cuSOLVER, which ATen's CUDA headers
@@ -153,9 +158,12 @@ def _build_root() -> str:
 
 def _make_link_dir(target: str, links: dict[str, str]) -> None:
     """``target`` holding exactly ``links`` (name -> path) as symlinks; safe under races."""
+
     def complete() -> bool:
-        return all(os.path.islink(os.path.join(target, n)) and
-                   os.readlink(os.path.join(target, n)) == p for n, p in links.items())
+        return all(
+            os.path.islink(os.path.join(target, n)) and os.readlink(os.path.join(target, n)) == p
+            for n, p in links.items()
+        )
 
     if os.path.isdir(target) and complete():
         return
@@ -209,8 +217,7 @@ def decide_cuda() -> tuple[bool, str]:
         if force:
             raise RuntimeError(f"FORCE_CUDA=1 but {note}")
         return False, f"WARNING: {note}"
-    if not force and not (Path(cuda_home) / "include" / "cublas_v2.h").exists() \
-            and not cublas_include_dirs():
+    if not force and not (Path(cuda_home) / "include" / "cublas_v2.h").exists() and not cublas_include_dirs():
         return False, (
             f"WARNING: no cuBLAS headers (cublas_v2.h) in the toolkit at {cuda_home} nor in "
             "site-packages/nvidia/*/include: building CPU-only. Fix: pip install the "
@@ -239,7 +246,6 @@ def default_arch_list() -> str:
         return "8.0;9.0+PTX"
     archs[-1] += "+PTX"  # PTX of the newest arch lets future GPUs JIT-compile it
     return ";".join(archs)
-
 
 
 def cuda_fallback_note(build, error: BaseException) -> str | None:

@@ -26,63 +26,63 @@ from __future__ import annotations
 
 # Importable from errors.py before the split: kept so.
 from .._native.facts import error_context  # noqa: F401
-from .status import (  # noqa: F401
-    CUBLAS_STATUS,
-    _NAN_STORY,
-)
-from .format import (  # noqa: F401
-    _bytes,
-    _memory_line,
-    _environment_line,
-    _distributed_rank,
-    _watch_lines,
-    _layer,
-    _DTYPES,
-    _dtype,
-    _shape,
-    _ROUTINES,
-    _routines_on,
-    _value_name,
-    _fold_inputs,
-    _coords,
-    _where,
-    _inputs_line,
-    _PRODUCER_HINTS,
-    _counts_text,
-    _first_bad_line,
-)
 from .base import (  # noqa: F401
     GuardError,
 )
+from .format import (  # noqa: F401
+    _DTYPES,
+    _PRODUCER_HINTS,
+    _ROUTINES,
+    _bytes,
+    _coords,
+    _counts_text,
+    _distributed_rank,
+    _dtype,
+    _environment_line,
+    _first_bad_line,
+    _fold_inputs,
+    _inputs_line,
+    _layer,
+    _memory_line,
+    _routines_on,
+    _shape,
+    _value_name,
+    _watch_lines,
+    _where,
+)
 from .inputs import (  # noqa: F401
-    DTypeError,
-    ShapeMismatchError,
     DeviceMismatchError,
+    DTypeError,
+    ExtensionBuildError,
+    NonFiniteEntryError,
     NonFiniteInputError,
+    NonFiniteOutputError,
+    ShapeMismatchError,
     SizeLimitError,
     _WatchFinding,
-    NonFiniteOutputError,
-    NonFiniteEntryError,
-    ExtensionBuildError,
+)
+from .parse import (  # noqa: F401
+    _BY_KIND,
+    _CAPTURED,
+    _PAYLOAD_RE,
+    PAYLOAD_MARKER,
+    _typed_from_native_message,
+    attach_capsule,
+    from_native,
+    from_payload,
+    parse_payload,
 )
 from .runtime import (  # noqa: F401
     CublasError,
-    PendingCudaError,
+    CublasOutOfMemoryError,
     CudaLaunchError,
     GraphCaptureError,
     OutOfMemoryError,
-    CublasOutOfMemoryError,
+    PendingCudaError,
 )
-from .parse import (  # noqa: F401
-    PAYLOAD_MARKER,
-    _PAYLOAD_RE,
-    _BY_KIND,
-    parse_payload,
-    from_payload,
-    from_native,
-    _CAPTURED,
-    attach_capsule,
-    _typed_from_native_message,
+from .status import (  # noqa: F401
+    _NAN_STORY,
+    CUBLAS_STATUS,
 )
 
 __all__ = [

@@ -58,8 +58,10 @@ class GuardError(Exception):
         if self.fields.get("environment"):
             lines.append(f"  environment: {_environment_line(self.fields['environment'])}")
         if self.capsule:
-            lines.append(f"  capsule: {self.capsule} (replay the call alone: python -m cublas_guard_ext "
-                         f"replay {self.capsule})")
+            lines.append(
+                f"  capsule: {self.capsule} (replay the call alone: python -m cublas_guard_ext "
+                f"replay {self.capsule})"
+            )
         elif self.capsule_note:
             lines.append(f"  capsule: not written ({self.capsule_note})")
         steps = self._next_steps()

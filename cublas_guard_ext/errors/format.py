@@ -83,11 +83,20 @@ def _layer(name: Any) -> str:
 
 # c10's names (what the native side reports) -> how torch users write them.
 _DTYPES = {
-    "Float": "torch.float32", "Double": "torch.float64", "Half": "torch.float16",
-    "BFloat16": "torch.bfloat16", "Long": "torch.int64", "Int": "torch.int32",
-    "Short": "torch.int16", "Char": "torch.int8", "Byte": "torch.uint8", "Bool": "torch.bool",
-    "ComplexFloat": "torch.complex64", "ComplexDouble": "torch.complex128",
-    "Float8_e4m3fn": "torch.float8_e4m3fn", "Float8_e5m2": "torch.float8_e5m2",
+    "Float": "torch.float32",
+    "Double": "torch.float64",
+    "Half": "torch.float16",
+    "BFloat16": "torch.bfloat16",
+    "Long": "torch.int64",
+    "Int": "torch.int32",
+    "Short": "torch.int16",
+    "Char": "torch.int8",
+    "Byte": "torch.uint8",
+    "Bool": "torch.bool",
+    "ComplexFloat": "torch.complex64",
+    "ComplexDouble": "torch.complex128",
+    "Float8_e4m3fn": "torch.float8_e4m3fn",
+    "Float8_e5m2": "torch.float8_e5m2",
 }
 
 

@@ -265,12 +265,17 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         first = _first_bad_line(f, "output")
         if f.get("first_bad_value") is not None:
             first += f" ({_value_name(f.get('first_bad_value'))})"
-        lines = [first, f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}"]
+        lines = [
+            first,
+            f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}",
+        ]
         inputs = _inputs_line(f)
         if inputs:
             lines.append(inputs)
         if f.get("backward_node"):
-            lines.append(f"in backward, computing {f['backward_node']} (the gradient of that module's forward)")
+            lines.append(
+                f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
+            )
         if f.get("deferred"):
             lines.append(
                 "recorded at that op (mode='async') and reported now: outputs computed since then "
@@ -305,7 +310,10 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
 
     def _details(self) -> list[str]:
         f = self.fields
-        return [_first_bad_line(f, str(f.get("name"))), f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}"]
+        return [
+            _first_bad_line(f, str(f.get("name"))),
+            f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
+        ]
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("role") in ("parameter", "buffer"):

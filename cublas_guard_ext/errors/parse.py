@@ -28,7 +28,6 @@ from .runtime import (
     PendingCudaError,
 )
 
-
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
 _PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)
 

@@ -127,9 +127,7 @@ class PendingCudaError(GuardError, RuntimeError):
             "assert",
         ]
         if f.get("sticky", True):
-            lines.append(
-                "the CUDA context is now unusable: every later CUDA call fails; restart the process"
-            )
+            lines.append("the CUDA context is now unusable: every later CUDA call fails; restart the process")
         return lines + _watch_lines(f)
 
     def _next_steps(self) -> list[str]:
@@ -161,24 +159,15 @@ class CudaLaunchError(GuardError, RuntimeError):
         f = self.fields
         lines = []
         if f.get("built_archs"):
-            lines.append(
-                f"this extension was built for compute capabilities {f.get('built_archs')} "
-                "(x100)"
-            )
+            lines.append(f"this extension was built for compute capabilities {f.get('built_archs')} (x100)")
         if f.get("device_name"):
-            lines.append(
-                f"the GPU: {f.get('device_name')}, compute capability "
-                f"{f.get('compute_capability')}"
-            )
+            lines.append(f"the GPU: {f.get('device_name')}, compute capability {f.get('compute_capability')}")
         return lines
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("cuda_error") == "cudaErrorNoKernelImageForDevice":
             cc = str(self.fields.get("compute_capability", "X.Y"))
-            return [
-                f"rebuild for this GPU: TORCH_CUDA_ARCH_LIST={cc} pip install "
-                "--no-build-isolation -e ."
-            ]
+            return [f"rebuild for this GPU: TORCH_CUDA_ARCH_LIST={cc} pip install --no-build-isolation -e ."]
         return ["run `python -m cublas_guard_ext doctor`"]
 
 
@@ -197,10 +186,7 @@ class GraphCaptureError(GuardError, RuntimeError):
         return []
 
     def _next_steps(self) -> list[str]:
-        return [
-            "capture with mode='async' (errors are reported at cublas_guard_ext.check()) or "
-            "mode='off'"
-        ]
+        return ["capture with mode='async' (errors are reported at cublas_guard_ext.check()) or mode='off'"]
 
 
 class OutOfMemoryError(GuardError, torch.OutOfMemoryError):
@@ -229,8 +215,7 @@ class OutOfMemoryError(GuardError, torch.OutOfMemoryError):
     def _next_steps(self) -> list[str]:
         return [
             "lower the batch size",
-            "call torch.cuda.empty_cache() before the failing step (cuBLAS allocates outside "
-            "torch's cache)",
+            "call torch.cuda.empty_cache() before the failing step (cuBLAS allocates outside torch's cache)",
             "give cuBLAS a smaller workspace: CUBLAS_WORKSPACE_CONFIG=:4096:8",
             "look for other processes on the GPU: nvidia-smi",
         ]

@@ -19,40 +19,112 @@ KINDS = ("int", "float", "bool", "str", "ints")
 
 # The payload's "kind": which exception class a report becomes (parse._BY_KIND; the native
 # side's ErrorReport("...") names).
-REPORT_KINDS = ("cublas", "cuda_launch", "device_mismatch", "dtype", "graph_capture", "non_finite",
-                "non_finite_entry", "non_finite_output", "out_of_memory", "pending_cuda", "shape_mismatch",
-                "size_limit", "watch_from_nowhere", "watch_op_failure")
+REPORT_KINDS = (
+    "cublas",
+    "cuda_launch",
+    "device_mismatch",
+    "dtype",
+    "graph_capture",
+    "non_finite",
+    "non_finite_entry",
+    "non_finite_output",
+    "out_of_memory",
+    "pending_cuda",
+    "shape_mismatch",
+    "size_limit",
+    "watch_from_nowhere",
+    "watch_op_failure",
+)
 
 # Fields the native side writes, by name.
 NATIVE_FIELDS: dict[str, str] = {
     # where
-    "layer": "str", "role": "str", "reason": "str", "stage": "str", "purpose": "str", "device": "str",
-    "detail": "str", "mode": "str", "pass": "str", "phase": "str", "module": "str", "op": "str",
-    "backward_node": "str", "output_index": "int", "anchor": "str",
+    "layer": "str",
+    "role": "str",
+    "reason": "str",
+    "stage": "str",
+    "purpose": "str",
+    "device": "str",
+    "detail": "str",
+    "mode": "str",
+    "pass": "str",
+    "phase": "str",
+    "module": "str",
+    "op": "str",
+    "backward_node": "str",
+    "output_index": "int",
+    "anchor": "str",
     # watch's consequence rule: where a non-finite value was born and what it reached;
     # verify_inputs: the op that produced a value finite and the op that read it non-finite
-    "birth_stack": "str", "reached": "str", "name": "str", "producer": "str", "reader": "str",
+    "birth_stack": "str",
+    "reached": "str",
+    "name": "str",
+    "producer": "str",
+    "reader": "str",
     # tensors
-    "shape": "ints", "strides": "ints", "dtype": "str", "ndim": "int", "numel": "int",
-    "expected": "str", "expected_last_dim": "int", "expected_shape": "str",
-    "input_device": "str", "weight_device": "str", "other_dtype": "str", "other_role": "str",
+    "shape": "ints",
+    "strides": "ints",
+    "dtype": "str",
+    "ndim": "int",
+    "numel": "int",
+    "expected": "str",
+    "expected_last_dim": "int",
+    "expected_shape": "str",
+    "input_device": "str",
+    "weight_device": "str",
+    "other_dtype": "str",
+    "other_role": "str",
     # non-finite findings
-    "nan_count": "int", "posinf_count": "int", "neginf_count": "int", "first_bad_index": "int",
-    "first_bad_coords": "ints", "first_bad_value": "float", "deferred": "bool", "call": "int",
+    "nan_count": "int",
+    "posinf_count": "int",
+    "neginf_count": "int",
+    "first_bad_index": "int",
+    "first_bad_coords": "ints",
+    "first_bad_value": "float",
+    "deferred": "bool",
+    "call": "int",
     "replay": "int",
     # the GEMM
-    "status": "int", "status_name": "str", "api": "str", "transa": "str", "transb": "str",
-    "m": "int", "n": "int", "k": "int", "lda": "int", "ldb": "int", "ldc": "int",
-    "alpha": "float", "beta": "float", "data_type": "str", "compute_type": "str",
-    "math_mode": "str", "chunk": "str", "precheck": "bool", "rule": "str",
-    "descriptors": "str", "gemm_path": "str",  # the cuBLASLt path (cuda/lt_gemm.cu)
-    "argument": "str", "value": "int", "limit": "int",
+    "status": "int",
+    "status_name": "str",
+    "api": "str",
+    "transa": "str",
+    "transb": "str",
+    "m": "int",
+    "n": "int",
+    "k": "int",
+    "lda": "int",
+    "ldb": "int",
+    "ldc": "int",
+    "alpha": "float",
+    "beta": "float",
+    "data_type": "str",
+    "compute_type": "str",
+    "math_mode": "str",
+    "chunk": "str",
+    "precheck": "bool",
+    "rule": "str",
+    "descriptors": "str",
+    "gemm_path": "str",  # the cuBLASLt path (cuda/lt_gemm.cu)
+    "argument": "str",
+    "value": "int",
+    "limit": "int",
     # memory (add_memory_fields)
-    "free_bytes": "int", "total_bytes": "int", "torch_allocated_bytes": "int",
-    "torch_reserved_bytes": "int", "workspace_bytes": "int", "bytes_requested": "int",
+    "free_bytes": "int",
+    "total_bytes": "int",
+    "torch_allocated_bytes": "int",
+    "torch_reserved_bytes": "int",
+    "workspace_bytes": "int",
+    "bytes_requested": "int",
     # CUDA errors and launches
-    "cuda_error": "str", "cuda_error_code": "int", "cuda_error_string": "str", "sticky": "bool",
-    "launch_blocking": "bool", "kernel": "str", "built_archs": "str", "device_name": "str",
+    "cuda_error": "str",
+    "cuda_error_code": "int",
+    "cuda_error_string": "str",
+    "sticky": "bool",
+    "launch_blocking": "bool",
+    "kernel": "str",
+    "built_archs": "str",
+    "device_name": "str",
     "compute_capability": "str",
     # watch's op inputs (folded by format._fold_inputs into input_names, input_shapes, ...)
     "num_inputs": "int",
@@ -73,17 +145,31 @@ NATIVE_FAMILIES: tuple[tuple[str, str], ...] = (
 # The prefixes and suffixes the native side builds family names from, as written in csrc/
 # (`describe_tensor(report, "tensor", t)`, `p + "_shape"`): the schema test finds them.
 FAMILY_PREFIXES = ("a", "b", "c", "tensor", "input", "scalar_")
-FAMILY_SUFFIXES = ("_shape", "_strides", "_dtype", "_device", "_role", "_alignment", "_storage_offset", "_name")
+FAMILY_SUFFIXES = (
+    "_shape",
+    "_strides",
+    "_dtype",
+    "_device",
+    "_role",
+    "_alignment",
+    "_storage_offset",
+    "_name",
+)
 
 # Fields the Python side adds to a report's fields (never in a payload).
 PYTHON_FIELDS: dict[str, str] = {
-    "rank": "int", "world_size": "int",      # base.GuardError under torchrun
-    "environment": "dict",                    # base.GuardError: facts.error_context()
-    "original_error": "str",                  # watch._op_failure: the op's own message
-    "input_names": "list", "input_shapes": "list", "input_strides": "list",  # format._fold_inputs
-    "input_dtypes": "list", "input_devices": "list",
-    "missing": "str", "fix": "str",           # ExtensionBuildError, raised by _native/loader.py
-    "name": "str",                            # NonFiniteEntryError, raised by watch.py
+    "rank": "int",
+    "world_size": "int",  # base.GuardError under torchrun
+    "environment": "dict",  # base.GuardError: facts.error_context()
+    "original_error": "str",  # watch._op_failure: the op's own message
+    "input_names": "list",
+    "input_shapes": "list",
+    "input_strides": "list",  # format._fold_inputs
+    "input_dtypes": "list",
+    "input_devices": "list",
+    "missing": "str",
+    "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
+    "name": "str",  # NonFiniteEntryError, raised by watch.py
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)
@@ -105,7 +191,11 @@ def _is(kind: str, value: Any) -> bool:
     if kind == "int":
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == "float":
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or value in ("nan", "inf", "-inf")
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or value in (
+            "nan",
+            "inf",
+            "-inf",
+        )
     if kind == "str":
         return isinstance(value, str)
     if kind == "ints":

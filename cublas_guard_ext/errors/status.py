@@ -103,9 +103,7 @@ CUBLAS_STATUS: dict[int, tuple[str, str, tuple[str, ...], tuple[str, ...]]] = {
     15: (
         "CUBLAS_STATUS_NOT_SUPPORTED",
         "this combination of parameters is not supported by cuBLAS on this GPU",
-        (
-            "a math mode (TF32) or data type the GPU does not offer",
-        ),
+        ("a math mode (TF32) or data type the GPU does not offer",),
         (
             "disable TF32: torch.backends.cuda.matmul.allow_tf32 = False",
             "run `python -m cublas_guard_ext doctor`",

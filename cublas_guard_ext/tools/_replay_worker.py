@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..capsule import load
-from ..errors import CUBLAS_STATUS
-from ..capsule_replay import VARIANTS
 from .._native import loader
+from ..capsule import load
+from ..capsule_replay import VARIANTS
+from ..errors import CUBLAS_STATUS
 
 CONTEXT_BROKEN = 3
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
@@ -44,7 +44,7 @@ def _aligned(numel: int, dtype: torch.dtype, device: torch.device, alignment: in
         while got < 256 and address % (got * 2) == 0:
             got *= 2
         if got == min(int(alignment or 256), 256):
-            return base[offset:offset + numel]
+            return base[offset : offset + numel]
     return base[:numel]
 
 
@@ -71,18 +71,25 @@ class Replay:
         if not tight:
             out = {}
             for name, values in self.source.items():
-                buf = _aligned(values.numel(), self.dtype, self.device, (self.ops.get(name) or {}).get("alignment", 256))
+                buf = _aligned(
+                    values.numel(), self.dtype, self.device, (self.ops.get(name) or {}).get("alignment", 256)
+                )
                 buf.copy_(values)
                 out[name] = buf
             return out, lds
         # Contiguous copies: each stored matrix with the tightest leading dimension, 256-aligned.
-        shapes = {"a": (c["k"], c["m"]) if c["transa"] == "T" else (c["m"], c["k"]),
-                  "b": (c["n"], c["k"]) if c["transb"] == "T" else (c["k"], c["n"]),
-                  "c": (c["m"], c["n"])}
+        shapes = {
+            "a": (c["k"], c["m"]) if c["transa"] == "T" else (c["m"], c["k"]),
+            "b": (c["n"], c["k"]) if c["transb"] == "T" else (c["k"], c["n"]),
+            "c": (c["m"], c["n"]),
+        }
         out, new_lds = {}, {}
         for name, (rows, cols) in shapes.items():
-            matrix = self.source[name].as_strided((rows, cols), (1, lds[name])) if rows and cols else \
-                self.source[name][:0].reshape(rows, cols)
+            matrix = (
+                self.source[name].as_strided((rows, cols), (1, lds[name]))
+                if rows and cols
+                else self.source[name][:0].reshape(rows, cols)
+            )
             flat = matrix.t().contiguous().reshape(-1)  # column-major with ld = rows
             buf = _aligned(flat.numel(), self.dtype, self.device, 256)
             buf.copy_(flat)
@@ -107,9 +114,23 @@ class Replay:
         ref = self.reference(bufs, lds) if small and c["m"] and c["n"] else None
         try:
             status = torch.ops.cublas_guard_internal.replay_gemm(
-                bufs["a"], bufs["b"], bufs["c"], c["transa"] == "T", c["transb"] == "T", c["m"], c["n"],
-                c["k"], lds["a"], lds["b"], lds["c"], float(c["alpha"]), float(c["beta"]), routine,
-                math_mode, workspace)
+                bufs["a"],
+                bufs["b"],
+                bufs["c"],
+                c["transa"] == "T",
+                c["transb"] == "T",
+                c["m"],
+                c["n"],
+                c["k"],
+                lds["a"],
+                lds["b"],
+                lds["c"],
+                float(c["alpha"]),
+                float(c["beta"]),
+                routine,
+                math_mode,
+                workspace,
+            )
         except RuntimeError as err:
             text = str(err).splitlines()[0]
             broken = "CUDA error" in text
@@ -207,7 +228,10 @@ def main(argv: list[str]) -> int:
         try:
             result = variant(name, replay)
         except Exception as err:  # one variant's trouble is its own line, not the end
-            result = {"status": "error", "detail": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"}
+            result = {
+                "status": "error",
+                "detail": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}",
+            }
         result["name"] = name
         broken = result.pop("context_broken", False)
         print(json.dumps(result), flush=True)

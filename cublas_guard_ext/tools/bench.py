@@ -182,7 +182,9 @@ def rotating(tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], object]) 
     return call
 
 
-def rotation_pool(numel: int, device: torch.device, min_total_bytes: int, max_buffers: int = 256) -> list[torch.Tensor]:
+def rotation_pool(
+    numel: int, device: torch.device, min_total_bytes: int, max_buffers: int = 256
+) -> list[torch.Tensor]:
     """Views of one allocation: enough n-element float32 buffers to cover ``min_total_bytes``."""
     count = max(1, min(max_buffers, math.ceil(min_total_bytes / max(1, 4 * numel))))
     base = torch.randn(count * numel, device=device)
@@ -237,7 +239,9 @@ def linear_forward(
     return rows
 
 
-def scan_vs_isfinite(sizes: list[int], device: torch.device, rounds: int = 3, min_run_time: float = 0.2) -> list[Row]:
+def scan_vs_isfinite(
+    sizes: list[int], device: torch.device, rounds: int = 3, min_run_time: float = 0.2
+) -> list[Row]:
     """The scan with its decision (a host read) vs torch.isfinite(x).all() with its decision."""
     rows = []
     for n in sizes:
@@ -248,12 +252,15 @@ def scan_vs_isfinite(sizes: list[int], device: torch.device, rounds: int = 3, mi
             rounds,
             min_run_time,
         )
-        rows.append(_row(f"scan n={n:,} vs isfinite().all(), with decisions", times["isfinite"], times["scan"]))
+        rows.append(
+            _row(f"scan n={n:,} vs isfinite().all(), with decisions", times["isfinite"], times["scan"])
+        )
     return rows
 
 
-def scan_bandwidth_rounds(n: int, device: torch.device, rounds: int = 3,
-                          min_run_time: float = 0.2) -> tuple[list[float], list[float]]:
+def scan_bandwidth_rounds(
+    n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2
+) -> tuple[list[float], list[float]]:
     """Per round: (scan GB/s with its decision, reference GB/s), measured side by side.
 
     The reference is ``x.sum()`` (reads x once) on CPU and a device-to-device
@@ -272,14 +279,17 @@ def scan_bandwidth_rounds(n: int, device: torch.device, rounds: int = 3,
     return [4 * n / t / 1e9 for t in times["scan"]], [ref_bytes / t / 1e9 for t in times["ref"]]
 
 
-def scan_bandwidth(n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2) -> tuple[float, float]:
+def scan_bandwidth(
+    n: int, device: torch.device, rounds: int = 3, min_run_time: float = 0.2
+) -> tuple[float, float]:
     """(scan GB/s with its decision, reference GB/s): medians of :func:`scan_bandwidth_rounds`."""
     scan, ref = scan_bandwidth_rounds(n, device, rounds, min_run_time)
     return statistics.median(scan), statistics.median(ref)
 
 
-def format_table(rows: list[Row], baseline_name: str = "baseline", guarded_name: str = "guarded",
-                 speedup: bool = False) -> str:
+def format_table(
+    rows: list[Row], baseline_name: str = "baseline", guarded_name: str = "guarded", speedup: bool = False
+) -> str:
     """One line per row; ``speedup`` shows baseline/guarded ("x faster") instead of guarded/baseline.
 
     A row whose rounds disagree by more than its effect (``Row.within_noise``)
@@ -322,7 +332,10 @@ def quick(device: torch.device) -> str:
     rows = linear_forward(shapes, ["sync", "async", "off"], device, rounds=rounds, min_run_time=run_time)
     text = format_table(rows, "nn.Linear", "SafeLinear")
     text += "\n\n" + format_table(
-        scan_vs_isfinite(sizes, device, rounds=rounds, min_run_time=run_time), "isfinite", "scan", speedup=True
+        scan_vs_isfinite(sizes, device, rounds=rounds, min_run_time=run_time),
+        "isfinite",
+        "scan",
+        speedup=True,
     )
     scan_rounds, ref_rounds = scan_bandwidth_rounds(bw_size, device, rounds=rounds, min_run_time=run_time)
     scan_gbs, ref_gbs = statistics.median(scan_rounds), statistics.median(ref_rounds)

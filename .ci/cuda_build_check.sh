@@ -5,7 +5,8 @@
 # the CUDA build of torch and of the extension).
 #
 # It never touches the project's .venv or the source tree's _C*.so:
-#   * torch with CUDA goes into its own venv, .ci-cache/venv-cu (kept between runs);
+#   * torch with CUDA goes into its own venv, .ci-cache/venv-cu, deleted at the end
+#     (~5.5 GB; .ci/disk.sh says why) unless CI_KEEP_VENVS=1;
 #   * the build runs in a temporary copy of the tree (tracked + untracked-but-not-
 #     ignored files, i.e. what a commit of the working tree would hold), installed
 #     NON-editable into that venv;
@@ -19,6 +20,7 @@
 #   TORCH_CUDA_ARCH_LIST  archs to build (default: "8.0;9.0"; with no GPU visible
 #                      the build needs a list, and two archs keep it short)
 #   CI_CACHE           cache directory (default: .ci-cache)
+#   CI_KEEP_VENVS      1: keep the venv between runs (default: delete it at the end)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -33,6 +35,8 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
 
 die() { echo "cuda_build_check: $*" >&2; exit 1; }
+# shellcheck source=disk.sh
+source "$ROOT/.ci/disk.sh"
 
 # ---- stage timing ------------------------------------------------------------------
 STAGES=()
@@ -55,6 +59,7 @@ summary() {
   printf '%s\n' "${STAGES[@]}"
   ((rc == 0)) && echo "cuda_build_check: OK" || echo "cuda_build_check: FAILED (exit $rc)"
   [[ -n ${WORK:-} ]] && rm -rf "$WORK"
+  drop_venv "$VENV"
   return "$rc"
 }
 trap summary EXIT
@@ -69,7 +74,7 @@ if [[ -x $VPY && -f $VENV/.spec && $(cat "$VENV/.spec") == "$spec" ]]; then
   echo "reusing $VENV"
 else
   rm -rf "$VENV"
-  mkdir -p "$CACHE"
+  disk_check "$CACHE" 9 "the CUDA torch venv"
   "$BASE_PYTHON" -m venv "$VENV"
   "$VPY" -m pip install --quiet "${VENV_PACKAGES[@]}"
   echo "$spec" >"$VENV/.spec"

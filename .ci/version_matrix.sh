@@ -5,8 +5,9 @@
 # oldest and the newest torch we support.
 #
 # For each version V of MATRIX_TORCH_VERSIONS (default "2.11.0 2.15.0"):
-#   * a venv .ci-cache/venv-torchV-pyX.Y (kept between runs, rebuilt when its package
-#     list changes). torch 2.15 is above this machine's pip constraint (torch<=2.14.1),
+#   * a venv .ci-cache/venv-torchV-pyX.Y, deleted when that version is done (a CUDA build
+#     of torch is ~5 GB; .ci/disk.sh says why); CI_KEEP_VENVS=1 keeps it for reruns, and a
+#     kept venv is rebuilt when its package list changes. torch 2.15 is above this machine's pip constraint (torch<=2.14.1),
 #     so the venv's installs run with PIP_CONSTRAINT=/dev/null; every torch is pinned.
 #   * a temporary copy of the tree (tracked + untracked-but-not-ignored files), installed
 #     editable into that venv with CUBLAS_GUARD_EXT_FORCE_CPU=1 (the PyPI wheels of these
@@ -21,6 +22,7 @@
 #                          PATH or pyenv; if none is found, python3, with a warning)
 #   MATRIX_IGNORE          test files left out (default: see IGNORE below)
 #   CI_CACHE               cache directory (default: .ci-cache)
+#   CI_KEEP_VENVS          1: keep the venvs between runs (default: delete each when done)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -36,6 +38,8 @@ IGNORE=${MATRIX_IGNORE-tests/test_minilm.py tests/test_watch_minilm.py tests/tes
 PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
 
 die() { echo "version_matrix: $*" >&2; exit 1; }
+# shellcheck source=disk.sh
+source "$ROOT/.ci/disk.sh"
 
 # ---- several versions: one child run each (every version is checked, also after a failure) ----
 if [[ ${1:-} != --one ]] && (($(wc -w <<<"$VERSIONS") > 1)); then
@@ -104,6 +108,7 @@ summary() {
   ((rc == 0)) && echo "version_matrix: OK (torch ${VERSIONS// /, }; Python $PY_TAG)" \
     || echo "version_matrix: FAILED (exit $rc)"
   rm -rf "$WORK"
+  [[ -n ${venv:-} ]] && drop_venv "$venv"  # also after a failure: the next version needs the space
   return "$rc"
 }
 trap summary EXIT
@@ -135,7 +140,7 @@ for version in $VERSIONS; do
     echo "reusing $venv"
   else
     rm -rf "$venv"
-    mkdir -p "$CACHE"
+    disk_check "$CACHE" 9 "the torch $version venv"
     "$BASE_PYTHON" -m venv "$venv"
     # Pinned, and the machine's constraint (torch<=2.14.1) lifted for this venv only.
     PIP_CONSTRAINT=/dev/null "$vpy" -m pip install -qq "torch==$version" "${PACKAGES[@]}"
@@ -192,4 +197,6 @@ PY
   # --durations: the slowest tests, to keep the stage within its budget.
   (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
     "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
+  rm -rf "$src" "$WORK/ext-$version"
+  drop_venv "$venv"
 done

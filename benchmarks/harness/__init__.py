@@ -9,4 +9,6 @@ tables.py          Markdown tables of the rows and targets
 plot.py            overhead.png (or .svg without matplotlib)
 report.py          summary.md, the RESULTS.md section, results.json
 report_selftest.py renders a preset's report from made-up timings (no GPU needed)
+training_step.py   the training-step benchmarks' models, options and interleaved timing
+                   (watch_bench.py, training_guard_bench.py)
 """

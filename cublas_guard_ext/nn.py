@@ -122,14 +122,18 @@ class SafeLinear(nn.Linear):
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         # The fast entry (see cublas_guard_ext.ops.fast_linear): the same op, the
         # same checks; None sends the call down ops.linear, which decides as before.
+        # The parameters are read once: a parametrized weight (spectral_norm, weight_norm)
+        # is computed at each read, and spectral_norm's power iteration moves its buffers
+        # at each one in training, so a second read would make a different layer.
+        weight, bias = self.weight, self.bias
         if self.dtype_policy == "strict":
-            out = _fast_linear(input, self.weight, self.bias, self.guard_label, self.mode, self.scan_grad)
+            out = _fast_linear(input, weight, bias, self.guard_label, self.mode, self.scan_grad)
             if out is not None:
                 return out
         return _guarded_linear(
             input,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             layer=self.guard_label,
             mode=self.mode,
             scan_grad=self.scan_grad,

@@ -265,6 +265,55 @@ def test_reparametrized_linears_are_swapped_and_stay_reparametrized(kind: str) -
         model(x)
 
 
+class _CountingScale(nn.Module):
+    """A parametrization that counts how often the weight is computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return weight * 0.5
+
+
+@pytest.mark.parametrize("entry", ["fast", "torch.ops"])
+def test_a_parametrized_weight_is_computed_once_per_forward(entry: str, monkeypatch) -> None:
+    """Both entries (the fast one, and the torch.ops path a JIT build or a torch function mode
+    takes) read the weight once: spectral_norm's power iteration moves its buffers at each read."""
+    import cublas_guard_ext.ops as ops
+
+    if entry == "torch.ops":
+        monkeypatch.setattr(ops, "_fast_linear", None)  # what a JIT build has
+    torch.manual_seed(3)
+    layer = cg.SafeLinear(6, 4)
+    nn.utils.parametrize.register_parametrization(layer, "weight", _CountingScale())
+    counter = layer.parametrizations.weight[0]
+    counter.calls = 0  # registering it computed the weight once, to check its shape
+    x = torch.randn(5, 6)
+    out = layer(x)
+    assert counter.calls == 1
+    assert_matches(
+        out, torch.nn.functional.linear(x, layer.parametrizations.weight.original * 0.5, layer.bias)
+    )
+
+    # spectral_norm trained through the torch.ops entry stays bitwise nn.Linear's
+    def build() -> nn.Module:
+        torch.manual_seed(5)
+        return nn.utils.parametrizations.spectral_norm(nn.Linear(8, 5))
+
+    ref, model = build(), cg.replace_linear(build())
+    x = torch.randn(3, 8)
+    for net in (ref, model):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        for _ in range(3):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    assert torch.equal(model.parametrizations.weight.original, ref.parametrizations.weight.original)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers()))
+
+
 def test_an_unswappable_linear_is_skipped_with_a_warning_and_nothing_is_half_swapped() -> None:
     wrapped = nn.Linear(4, 4)
     wrapped.forward = lambda x, _old=wrapped.forward: _old(x) * 2  # accelerate-style wrapper

@@ -94,3 +94,24 @@ def test_one_run_fits_in_eight_minutes_with_every_slot_funded() -> None:
 def test_help_prints_the_header(tmp_path: Path) -> None:
     result = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "BUDGET PLAN" in result.stdout and "set -u" not in result.stdout
+
+
+def test_the_model_bench_dry_run_plans_the_issue_targets_and_runs_nothing(tmp_path: Path) -> None:
+    """gpu_model_bench.sh: the second call's plan (watch and TrainingGuard on bf16 GPT-2 small)."""
+    script = ROOT / "benchmarks" / "gpu" / "gpu_model_bench.sh"
+    result = subprocess.run(
+        ["bash", str(script), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = re.findall(r"^  (\S+)\s+(?:timeout|\(if)", result.stdout, re.M)
+    assert steps == ["build", "watch-sync", "watch", "guard"]
+    assert "watch_bench.py --device cuda --model gpt2 --bf16" in result.stdout
+    assert "training_guard_bench.py --device cuda --model gpt2 --bf16 --fused" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing written, nothing run
+    # every test file the plan names exists
+    for name in re.findall(r"tests/\S+\.py", result.stdout):
+        assert (ROOT / name).is_file(), name

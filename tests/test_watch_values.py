@@ -298,3 +298,43 @@ def test_known_values_carry_to_the_next_block_until_written():
         z.mul_(3.0)  # non-finite findings are not carried: pre-scanned, a propagator
         _, scanned, _ = w.stats()
     assert scanned == 2
+
+
+def test_a_square_root_scaled_by_a_scalar_is_not_scanned_unless_it_can_overflow():
+    # |sqrt(y)| <= 2**64 for any finite float32 y: AdamW's exp_avg_sq.sqrt() / bias_correction2_sqrt
+    # (a divisor below 1) cannot overflow, so the division's output needs no scan
+    with cg.watch(None, mode="sync") as w:
+        v = torch.rand(100) * 3.0e38  # scanned: known finite
+        r = v.sqrt()  # scanned: known finite, a square root
+        _, scanned, _ = w.stats()
+        d = r / 0.001
+        e = r * 1000.0
+        f = 1000.0 * r
+        d.add_(1e-8)
+        _, scanned_after, _ = w.stats()
+        assert scanned_after == scanned
+        assert all(watch_module._native.known_finite(t) for t in (d, e, f))
+        x = torch.rand(100) * 2.0  # finite, but not a square root: scaling it up is scanned
+        _, scanned, _ = w.stats()
+        x / 0.001
+        _, scanned_after, _ = w.stats()
+        assert scanned_after == scanned + 1
+    assert torch.isfinite(d).all() and torch.isfinite(e).all()
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.full((4,), 3.0e38).sqrt() / 1e-30  # 1.7e19 / 1e-30 overflows: scanned, blamed
+    assert info.value.op == "aten.div.Tensor" and info.value.posinf_count == 4
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.full((4,), 3.0e38).sqrt() * 1e30
+    assert info.value.op == "aten.mul.Tensor"
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            r = torch.full((4,), 3.0e38).sqrt()
+            r.mul_(2.0)  # written since the square root: no longer its values
+            r.mul_(1e30)
+    assert info.value.op == "aten.mul_.Tensor"
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(None, mode="sync"):
+            torch.full((4,), 60000.0, dtype=torch.float16).sqrt() / 0.001  # fp16: |sqrt| <= 256
+    assert info.value.op == "aten.div.Tensor" and info.value.dtype == "torch.float16"

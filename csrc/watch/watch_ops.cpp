@@ -290,6 +290,28 @@ bool single_value(const at::Tensor& t, double& out) {
   }
 }
 
+// |sqrt(y)| for every finite y of the dtype is at most this (a power of two at
+// or above the square root of the largest finite value; 0: not handled).
+double root_bound(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+    case at::kBFloat16: return std::ldexp(1.0, 64);
+    case at::kDouble: return std::ldexp(1.0, 512);
+    case at::kHalf: return 256.0;
+    default: return 0.0;
+  }
+}
+
+// Whether t's values are known finite and are a square root's output, unchanged
+// since (the table's entry: same storage range and version, recorded when
+// aten::sqrt's or aten::sqrt_'s output was scanned).
+bool from_root(Session& s, const at::Tensor& t) {
+  const Known* k = lookup(s, t);
+  if (k == nullptr || !k->finite || k->producer == nullptr) return false;
+  const std::string& name = k->producer->name();
+  return name == "aten::sqrt" || name == "aten::sqrt_";
+}
+
 bool is_inplace_arg(const OpInfo& info, int a) {
   for (int i : info.inplace_args) {
     if (i == a) return true;
@@ -358,12 +380,22 @@ bool finite_by_construction(Session& s, const OpInfo& info, const std::vector<c1
   if (!readable(t) || t.unsafeGetTensorImpl()->is_wrapped_number() || t.scalar_type() != dtype) {
     return false;
   }
-  const bool x_finite = is_inplace_arg(info, x) ? !inplace_bad_before : known_finite(s, t);
+  const bool inplace_x = is_inplace_arg(info, x);
+  const bool x_finite = inplace_x ? !inplace_bad_before : known_finite(s, t);
   if (!x_finite) return false;
   bool safe = false;
   if (info.values == Values::kScaleDown) {
     // mul: |v| <= 1; div (the divisor is args[1]): |v| >= 1
     safe = info.divides ? (x == 0 && std::fabs(v) >= 1.0) : std::fabs(v) <= 1.0;
+    // A square root's values, unchanged since (AdamW's exp_avg_sq.sqrt() / bias_correction2_sqrt):
+    // |x| <= root_bound, so |x * v| and |x / v| stay below a quarter of the largest finite value
+    // (the margin covers the scalar's cast to the op's dtype and the final rounding).
+    if (!safe && !inplace_x && (x == 0 || !info.divides) && std::fabs(v) > 0.0 && root_bound(dtype) > 0.0 &&
+        from_root(s, t)) {
+      const double scaled =
+          info.divides ? root_bound(dtype) / std::fabs(v) : root_bound(dtype) * std::fabs(v);
+      safe = scaled <= limit / 4.0;
+    }
   } else {
     double alpha = 1.0;
     if (args.size() > 2 && !args[2].isNone() && !real_value(args[2], alpha)) return false;

@@ -269,6 +269,8 @@ struct OriginStore {
   std::unordered_map<std::string, uint32_t> by_key;
 };
 
+struct DeviceWatch;  // the deferred protocol's state (watch_device.h)
+
 struct Session {
   int mode = kModeSync;
   int report = kReportBirth;
@@ -303,6 +305,8 @@ struct Session {
   std::shared_ptr<ThreadTable> shared = thread_table();
   KnownTable& known = shared->table;
   std::recursive_mutex& mu = shared->mu;
+  // Set: this block runs the deferred protocol (watch_device.h); null: the direct path.
+  std::shared_ptr<DeviceWatch> device;
 };
 using SessionRef = std::shared_ptr<Session>;
 using SessionLock = std::unique_lock<std::recursive_mutex>;
@@ -401,6 +405,9 @@ uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 // is raised (sync) or kept (async). Nothing for untagged and quiet values, or
 // in birth mode.
 void reached(Session& s, uint32_t origin, const std::string& where);
+// Keeps a birth's report under `key` (once per op, module, phase and output); its OriginStore id.
+uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const std::string& summary,
+                       bool with_stack);
 // Records a non-finite argument of the watched model as an origin (entry finding).
 uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, const Counts& c);
 // The innermost Python frames outside torch and this package, one per line.

@@ -221,6 +221,21 @@ def scalar_minus_inf_and_composite() -> None:
     del y
 
 
+def two_origins_meet() -> None:
+    """Two births meet in one op: the output inherits the earlier origin (log, not exp)."""
+
+    class TwoBirths(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = torch.log(torch.relu(x))  # -inf where x <= 0: born first
+            b = torch.exp(x * 1000.0)  # +inf where x > 0.09: born second
+            return a + b
+
+    torch.manual_seed(0)
+    model = TwoBirths()
+    with cg.watch(model, mode="sync"):
+        model(torch.randn(4, 4))
+
+
 def async_check() -> None:
     torch.manual_seed(0)
     with cg.watch(None, mode="async"):
@@ -279,6 +294,7 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str | None]] = {
     "planted_backward_sqrt_async_birth": (planted("sqrt", "async", "birth"), "NonFiniteOutputError"),
     "scalar_minus_inf_and_composite": (scalar_minus_inf_and_composite, "NonFiniteOutputError"),
     "async_check": (async_check, "NonFiniteOutputError"),
+    "two_origins_meet": (two_origins_meet, "NonFiniteOutputError"),
     "allowed_op": (allowed(["aten.log"]), None),
     "allowed_module": (allowed(["layers.1.*"]), None),
     "allow_not_matching": (allowed(["aten.exp"]), "NonFiniteOutputError"),

@@ -46,14 +46,16 @@
 // Modes. sync: the op raises the typed error (built by cublas_guard_ext.errors)
 // before its output is returned. async: the first finding is kept and raised
 // by the next watched op, at cublas_guard_ext.check() or at the end of the
-// block. CPU-verified; CUDA tensors are scanned through ATen with a host sync
+// block. CPU-verified; on CUDA the deferred protocol (watch_device.h) runs instead.
 //
 // The files (by concern): watch_ops.cpp (op traits: what an op writes, which
 // outputs are finite by construction), watch_table.cpp (the known-values
 // table and the scans), watch_session.cpp (the session registry, module
 // attribution, judging a bad output), watch_fallback.cpp (the hot path),
 // watch_reraise.cpp (cuBLAS/CUDA errors re-raised typed), watch_python.cpp
-// (the hand-written CPython module cublas_guard_ext._watch_native).
+// (the hand-written CPython module cublas_guard_ext._watch_native), and the
+// deferred protocol, the same rule decided on the device with no host sync
+// (watch_device.h; Session::device set: the fallback hands each op to it).
 #pragma once
 
 #include <Python.h>

@@ -377,14 +377,13 @@ void deferred_after(Session& s, const c10::OperatorHandle& op, const OpInfo& inf
 }
 
 void deferred_poll(Session& s) {
+  SessionLock lock(s.mu);  // a device thread may be adding a device's arrays
   DeviceWatch& w = *s.device;
   bool flagged = false;
   for (const DeviceTags& d : w.devices) {
     flagged = flagged || reinterpret_cast<volatile const int64_t*>(&d.record->flag)[0] != 0;
   }
-  if (!flagged) return;
-  SessionLock lock(s.mu);
-  deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/true);
+  if (flagged) deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/true);
 }
 
 void deferred_reached(Session& s, const at::Tensor& t, const std::string& where) {

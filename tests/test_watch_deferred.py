@@ -340,6 +340,31 @@ def test_deferred_births_come_from_the_record_not_the_host_table():
             HOOK(False)
 
 
+def test_the_hook_needs_the_testing_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_GUARD_EXT_TESTING")
+    with pytest.raises(
+        RuntimeError,
+        match="watch_deferred_protocol is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it",
+    ):
+        HOOK(True)
+    monkeypatch.setenv("CUBLAS_GUARD_EXT_TESTING", "1")
+    with cg.watch(nn.Linear(2, 2), mode="sync"):
+        assert native.protocol() == "direct"  # the refused call changed nothing
+
+
+def test_the_environment_selects_the_protocol_and_the_hook_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    for env, hook in (("1", False), ("0", False), ("0", True)):
+        monkeypatch.setenv("CUBLAS_GUARD_WATCH_DEFERRED", env)
+        HOOK(hook)
+        try:
+            with cg.watch(nn.Linear(2, 2), mode="sync"):
+                seen.append(native.protocol())
+        finally:
+            HOOK(False)
+    assert seen == ["deferred", "direct", "deferred"]
+
+
 def test_verify_inputs_runs_the_direct_path():
     HOOK(True)
     try:

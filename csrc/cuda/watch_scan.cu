@@ -228,7 +228,10 @@ void scan_cuda(const at::Tensor& input, const TagArgs& a, int32_t* tags, int32_t
       launch_typed<c10::BFloat16>(t, a, tags, seq_tags, rec, counters);
       break;
     default:
-      break;  // float8 and other formats: not scanned by the deferred protocol (see docs/watch-design.md)
+      // float8 and other formats: scanned as float32 (a converted copy: rare formats, not the
+      // hot path), so the output's slot is written like any other's
+      launch_typed<float>(t.to(at::kFloat), a, tags, seq_tags, rec, counters);
+      break;
   }
 }
 

@@ -12,18 +12,18 @@ import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+import test_watch as tw
+import test_watch_consequence as tc
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
-
-import test_watch as tw
-import test_watch_consequence as tc
 
 native = importlib.import_module("cublas_guard_ext._watch_native")
 HOOK = torch.ops.cublas_guard_testing.watch_deferred_protocol

@@ -66,8 +66,8 @@ __device__ __forceinline__ long long offset_of(const WatchGeometry& g, long long
   return off;
 }
 
-__device__ void claim_birth(WatchRecord* rec, int32_t* counters, const TagArgs& a, long long nan, long long pos,
-                            long long neg, long long first, double value) {
+__device__ void claim_birth(WatchRecord* rec, int32_t* counters, const TagArgs& a, long long nan,
+                            long long pos, long long neg, long long first, double value) {
   const int i = atomicAdd(&counters[0], 1);
   if (i >= kMaxBirths) {
     *reinterpret_cast<volatile int64_t*>(&rec->lost_births) = 1;
@@ -205,8 +205,8 @@ void launch_typed(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t*
   if (blocks < 1) blocks = 1;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   const T* data = static_cast<const T*>(t.const_data_ptr());
-  watch_scan_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(data, n, g, a, tags, seq_tags,
-                                                                                   rec, counters, scratch);
+  watch_scan_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+      data, n, g, a, tags, seq_tags, rec, counters, scratch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -215,18 +215,10 @@ void scan_cuda(const at::Tensor& input, const TagArgs& a, int32_t* tags, int32_t
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor t = input.dim() > kDims ? input.contiguous() : input;
   switch (t.scalar_type()) {
-    case at::kFloat:
-      launch_typed<float>(t, a, tags, seq_tags, rec, counters);
-      break;
-    case at::kDouble:
-      launch_typed<double>(t, a, tags, seq_tags, rec, counters);
-      break;
-    case at::kHalf:
-      launch_typed<c10::Half>(t, a, tags, seq_tags, rec, counters);
-      break;
-    case at::kBFloat16:
-      launch_typed<c10::BFloat16>(t, a, tags, seq_tags, rec, counters);
-      break;
+    case at::kFloat: launch_typed<float>(t, a, tags, seq_tags, rec, counters); break;
+    case at::kDouble: launch_typed<double>(t, a, tags, seq_tags, rec, counters); break;
+    case at::kHalf: launch_typed<c10::Half>(t, a, tags, seq_tags, rec, counters); break;
+    case at::kBFloat16: launch_typed<c10::BFloat16>(t, a, tags, seq_tags, rec, counters); break;
     default:
       // float8 and other formats: scanned as float32 (a converted copy: rare formats, not the
       // hot path), so the output's slot is written like any other's
@@ -238,8 +230,8 @@ void scan_cuda(const at::Tensor& input, const TagArgs& a, int32_t* tags, int32_t
 WatchRecord* record_cuda(c10::Device device) {
   static std::array<WatchRecord*, 64> records{};
   static std::mutex m;
-  TORCH_CHECK(device.index() >= 0 && device.index() < 64, "cublas_guard_ext.watch: unsupported CUDA device index ",
-              static_cast<int>(device.index()));
+  TORCH_CHECK(device.index() >= 0 && device.index() < 64,
+              "cublas_guard_ext.watch: unsupported CUDA device index ", static_cast<int>(device.index()));
   std::lock_guard<std::mutex> lock(m);
   WatchRecord*& r = records[device.index()];
   if (r == nullptr) {
@@ -249,7 +241,8 @@ WatchRecord* record_cuda(c10::Device device) {
     std::memset(host, 0, sizeof(WatchRecord));
     void* device_view = nullptr;
     C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
-    TORCH_CHECK(device_view == host, "cublas_guard_ext.watch: the device record needs unified virtual addressing");
+    TORCH_CHECK(device_view == host,
+                "cublas_guard_ext.watch: the device record needs unified virtual addressing");
     r = static_cast<WatchRecord*>(host);
   }
   return r;

@@ -21,7 +21,8 @@ namespace watch {
 
 namespace {
 
-std::array<DeviceKernels, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>& kernel_table() {
+std::array<DeviceKernels, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
+kernel_table() {
   static std::array<DeviceKernels, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)> t;
   return t;
 }
@@ -71,7 +72,8 @@ int32_t SlotMap::find(const c10::StorageImpl* key) const {
   }
 }
 
-void SlotMap::insert(const c10::StorageImpl* key, int32_t slot, c10::weak_intrusive_ptr<c10::StorageImpl> weak) {
+void SlotMap::insert(const c10::StorageImpl* key, int32_t slot,
+                     c10::weak_intrusive_ptr<c10::StorageImpl> weak) {
   if (2 * (size_ + 1) > entries_.size()) grow();
   size_t i = home(key);
   for (; entries_[i].key != nullptr && entries_[i].key != key; i = (i + 1) & mask()) {
@@ -161,7 +163,7 @@ DeviceTags* tags_for(DeviceWatch& w, c10::Device device) {
 }
 
 // Grows every device's array to `capacity` (stream-ordered copies, no sync).
-void grow(at::Tensor DeviceTags::*which, DeviceWatch& w, int64_t capacity) {
+void grow(at::Tensor DeviceTags::* which, DeviceWatch& w, int64_t capacity) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   for (DeviceTags& t : w.devices) {
     at::Tensor& old = t.*which;

@@ -25,6 +25,9 @@
 #include <vector>
 
 namespace cublas_guard {
+namespace watch {
+void set_deferred_protocol(bool on);  // watch/watch_device.cpp
+}  // namespace watch
 
 // ---------------------------------------------------------------------------
 // Fault injection and the lowered size limit: the state production code reads
@@ -240,6 +243,12 @@ int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
   return set_size_limit_for_testing(limit, allow_64bit);
 }
 
+// watch blocks that begin from now on run the deferred protocol (watch_device.h) on the CPU too.
+void watch_deferred_protocol_op(bool on) {
+  require_testing_env("watch_deferred_protocol");
+  watch::set_deferred_protocol(on);
+}
+
 }  // namespace
 }  // namespace cublas_guard
 
@@ -247,6 +256,7 @@ TORCH_LIBRARY(cublas_guard_testing, m) {
   using namespace cublas_guard;
   m.def("set_fault(str site, int code, int times) -> ()", &set_fault_op);
   m.def("set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
+  m.def("watch_deferred_protocol(bool on) -> ()", &watch_deferred_protocol_op);
   m.def(
       "simulate_cuda_errors(str stage, int last_error, int context_error, bool stream_busy, "
       "bool capturing) -> int[]",

@@ -320,11 +320,6 @@ def test_per_device_attention_masks_as_arguments_are_silent(device):
 
 
 @requires_cuda
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 20: the device-side record is not built; each scanned "
-    "output is still read with .item() (a host sync)",
-)
 def test_a_watched_cuda_step_makes_no_host_sync():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1)).cuda()

@@ -46,14 +46,16 @@
 // Modes. sync: the op raises the typed error (built by cublas_guard_ext.errors)
 // before its output is returned. async: the first finding is kept and raised
 // by the next watched op, at cublas_guard_ext.check() or at the end of the
-// block. CPU-verified; CUDA tensors are scanned through ATen with a host sync
+// block. CPU-verified; on CUDA the deferred protocol (watch_device.h) runs instead.
 //
 // The files (by concern): watch_ops.cpp (op traits: what an op writes, which
 // outputs are finite by construction), watch_table.cpp (the known-values
 // table and the scans), watch_session.cpp (the session registry, module
 // attribution, judging a bad output), watch_fallback.cpp (the hot path),
 // watch_reraise.cpp (cuBLAS/CUDA errors re-raised typed), watch_python.cpp
-// (the hand-written CPython module cublas_guard_ext._watch_native).
+// (the hand-written CPython module cublas_guard_ext._watch_native), and the
+// deferred protocol, the same rule decided on the device with no host sync
+// (watch_device.h; Session::device set: the fallback hands each op to it).
 #pragma once
 
 #include <Python.h>
@@ -269,6 +271,8 @@ struct OriginStore {
   std::unordered_map<std::string, uint32_t> by_key;
 };
 
+struct DeviceWatch;  // the deferred protocol's state (watch_device.h)
+
 struct Session {
   int mode = kModeSync;
   int report = kReportBirth;
@@ -303,6 +307,8 @@ struct Session {
   std::shared_ptr<ThreadTable> shared = thread_table();
   KnownTable& known = shared->table;
   std::recursive_mutex& mu = shared->mu;
+  // Set: this block runs the deferred protocol (watch_device.h); null: the direct path.
+  std::shared_ptr<DeviceWatch> device;
 };
 using SessionRef = std::shared_ptr<Session>;
 using SessionLock = std::unique_lock<std::recursive_mutex>;
@@ -401,6 +407,9 @@ uint32_t judge(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 // is raised (sync) or kept (async). Nothing for untagged and quiet values, or
 // in birth mode.
 void reached(Session& s, uint32_t origin, const std::string& where);
+// Keeps a birth's report under `key` (once per op, module, phase and output); its OriginStore id.
+uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const std::string& summary,
+                       bool with_stack);
 // Records a non-finite argument of the watched model as an origin (entry finding).
 uint32_t entry_origin(Session& s, const at::Tensor& t, const std::string& name, const Counts& c);
 // The innermost Python frames outside torch and this package, one per line.

@@ -5,6 +5,7 @@
 // the outputs that may hold new values; only a non-finite output takes the
 // bad path (judge). See watch.h for the whole design.
 #include "watch/watch.h"
+#include "watch/watch_device.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/core/GradMode.h>
@@ -131,6 +132,7 @@ void refused(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
       for_each_tensor(args[i],
                       [&](const at::Tensor& in) { origin = better_origin(origin, origin_of(s, in)); });
     }
+    if (s.device) origin = deferred_input_origin(s, info, args);  // the deferred protocol's tags
     if (origin < kFirstOrigin) return;
     const bool was_pending = s.pending;
     reached(s, origin, "the input of " + op_display_name(op.schema()) + ", which refused it");
@@ -153,6 +155,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   Session& s = *sp;
   const bool consequence = s.report == kReportConsequence;
   ++s.ops_seen;
+  if (s.device) deferred_poll(s);  // a plain load of the record's flag
   if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   const OpInfo& info = op_info(op);
   if (info.skip) {
@@ -181,10 +184,12 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
         s.seq_module[i] = s.module_stack.empty() ? -1 : s.module_stack.back();
       }
     }
+    if (s.device) deferred_before(s, info, saved);  // first-sight scans; tags stay on the device
     if (s.verify) verify_inputs(s, op, info, saved);
     // In-place arguments (tensors or lists): were their values finite before
     // the op? Known (the last scan of the same storage and version) or scanned.
     for (int a : info.inplace_args) {
+      if (s.device) break;  // the scan kernel reads their old tags
       for_each_tensor(saved[a], [&](const at::Tensor& t) {
         if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
         if (consequence) inplace_origin = better_origin(inplace_origin, origin_of(s, t));
@@ -217,6 +222,14 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     reraise_typed(s, op, info, saved, nullptr, message);
   }
 
+  if (s.device) {  // one scan launch per output, decided on the device (watch_device.cpp)
+    {
+      SessionLock lock(s.mu);
+      deferred_after(s, op, info, saved, *stack, seq_index);
+    }
+    run_deferred(s);
+    return;
+  }
   {
     SessionLock lock(s.mu);
     const c10::FunctionSchema* outer_producer = tls_producer;

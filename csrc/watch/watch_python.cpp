@@ -4,6 +4,7 @@
 // the tests use. Hand-written (not pybind11) to keep the per-module hook
 // calls cheap; put into sys.modules by cublas_guard_internal::watch_install.
 #include "watch/watch.h"
+#include "watch/watch_device.h"
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>
@@ -48,10 +49,12 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   s->report = report;
   s->has_model = has_model != 0;
   const std::vector<std::string> state_list = string_list(state_names);
+  bool cuda_state = false;  // a parameter or buffer on a CUDA device: the deferred protocol by default
   for (Py_ssize_t i = 0; i < PySequence_Size(state); ++i) {
     PyObject* item = PySequence_GetItem(state, i);
     if (item != nullptr && THPVariable_Check(item) && static_cast<size_t>(i) < state_list.size()) {
       const at::Tensor& t = THPVariable_Unpack(item);
+      cuda_state = cuda_state || t.is_cuda();
       if (t.has_storage()) s->state.emplace(t.storage().unsafeGetStorageImpl(), state_list[i]);
     }
     Py_XDECREF(item);
@@ -67,6 +70,16 @@ PyObject* py_begin(PyObject*, PyObject* args) {
   if (s->outer != nullptr) s->origins = s->outer->origins;  // tags in the thread's table index it
   if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);  // freed since the last block
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
+  // The deferred protocol (test hook or CUBLAS_GUARD_WATCH_DEFERRED=1); a nested watch follows its outer one.
+  const bool on_gpu = device_kernels(c10::DeviceType::CUDA) != nullptr && cuda_state;
+  if (s->outer != nullptr ? s->outer->device != nullptr : deferred_protocol_wanted(on_gpu)) {
+    try {
+      s->device = deferred_begin(/*outermost=*/s->outer == nullptr);
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
   // Tensors the entry check found finite (parameters, buffers): known.
   const Py_ssize_t n_clean = PySequence_Size(clean);
   for (Py_ssize_t i = 0; i < n_clean; ++i) {
@@ -107,6 +120,14 @@ PyObject* py_end(PyObject*, PyObject*) {
   // A device thread still running a node of this block holds its own reference:
   // the session lives until that op is done (it finds no session after it).
   SessionLock lock(s->mu);
+  if (s->device) {  // the final check: one synchronize, then the records
+    try {
+      deferred_harvest(*s, /*synchronize=*/true, /*as_pending=*/true);
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
   if (s->outer == nullptr) s->known.drop_expired(/*finite_only=*/true);
   PyObject* result = s->pending ? PyUnicode_FromString(s->pending_message.c_str()) : Py_None;
   if (result == Py_None) Py_INCREF(Py_None);
@@ -116,6 +137,15 @@ PyObject* py_end(PyObject*, PyObject*) {
 
 PyObject* py_take_pending(PyObject*, PyObject*) {
   Session* s = tls_session;
+  if (s != nullptr && s->device) {  // check(): the final check of what is queued so far
+    SessionLock lock(s->mu);
+    try {
+      deferred_harvest(*s, /*synchronize=*/true, /*as_pending=*/true);
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
   if (s == nullptr || !s->pending) Py_RETURN_NONE;
   SessionLock lock(s->mu);
   if (!s->pending) Py_RETURN_NONE;
@@ -144,6 +174,12 @@ PyObject* py_pop(PyObject*, PyObject*) {
 }
 
 PyObject* py_active(PyObject*, PyObject*) { return PyBool_FromLong(tls_session != nullptr); }
+
+// "deferred" or "direct": the protocol this thread's innermost watch runs; None outside a watch.
+PyObject* py_protocol(PyObject*, PyObject*) {
+  if (tls_session == nullptr) Py_RETURN_NONE;
+  return PyUnicode_FromString(tls_session->device ? "deferred" : "direct");
+}
 
 // (nan, +inf, -inf, first_bad_index) of any floating tensor; None if not readable.
 PyObject* py_scan(PyObject*, PyObject* arg) {
@@ -178,7 +214,7 @@ PyObject* py_known_finite(PyObject*, PyObject* arg) {
   Session* s = tls_session;
   if (s == nullptr || !THPVariable_Check(arg)) Py_RETURN_FALSE;
   const at::Tensor& t = THPVariable_Unpack(arg);
-  if (!readable(t)) Py_RETURN_FALSE;
+  if (!readable(t) || s->device) Py_RETURN_FALSE;  // deferred: the host never knows
   SessionLock lock(s->mu);
   const Known* k = lookup(*s, t);
   return PyBool_FromLong(k != nullptr && k->finite);
@@ -204,6 +240,14 @@ PyObject* py_reached(PyObject*, PyObject* args) {
       Py_DECREF(item);
       if (!readable(t)) continue;
       pybind11::gil_scoped_release nogil;
+      if (s->device) {  // a sink launch: the device reads the tag
+        {
+          SessionLock lock(s->mu);
+          deferred_reached(*s, t, static_cast<size_t>(i) < where.size() ? where[i] : "a result");
+        }
+        run_deferred(*s);
+        continue;
+      }
       {
         SessionLock lock(s->mu);
         const uint32_t origin = origin_of(*s, t);
@@ -240,6 +284,10 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   if (!readable(t)) Py_RETURN_NONE;
   try {
     SessionLock lock(s->mu);
+    if (s->device) {  // an entry launch: the device tags it
+      deferred_entry(*s, t, name, allowed != 0);
+      Py_RETURN_NONE;
+    }
     const Counts c = scan_values(*s, t);
     if (!c.bad()) Py_RETURN_NONE;
     remember(*s, t, false);
@@ -261,6 +309,8 @@ PyObject* py_set_verify(PyObject*, PyObject* arg) {
   if (s != nullptr) {
     SessionLock lock(s->mu);
     s->verify = PyObject_IsTrue(arg) == 1;
+    // verify_inputs needs the host to know what is finite: the direct path runs the block.
+    if (s->verify && s->outer == nullptr) s->device.reset();
   }
   Py_RETURN_NONE;
 }
@@ -289,6 +339,7 @@ PyMethodDef methods[] = {
     {"push", py_push, METH_O, "push a module id"},
     {"pop", py_pop, METH_NOARGS, "pop a module id"},
     {"active", py_active, METH_NOARGS, "whether this thread is watching"},
+    {"protocol", py_protocol, METH_NOARGS, "'deferred' or 'direct' for this thread's watch, or None"},
     {"scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},

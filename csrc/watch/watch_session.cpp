@@ -165,6 +165,8 @@ bool skipped_frame(const std::string& file) {
          file.rfind("<frozen", 0) == 0;
 }
 
+}  // namespace
+
 // A finding of a producer: once per op, module, phase and output index.
 uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const std::string& summary,
                        bool with_stack) {
@@ -181,8 +183,6 @@ uint32_t record_origin(Session& s, ErrorReport& r, const std::string& key, const
   store.by_key.emplace(key, id);
   return id;
 }
-
-}  // namespace
 
 std::string python_stack() {
   if (!Py_IsInitialized()) return "";

@@ -76,6 +76,9 @@ CPU_SOURCES = (
     "watch/watch_fallback.cpp",
     "watch/watch_reraise.cpp",
     "watch/watch_python.cpp",
+    "watch/watch_device.cpp",
+    "watch/watch_device_report.cpp",
+    "watch/watch_device_cpu.cpp",
 )
 CUDA_SOURCES = (
     "cuda/scan.cu",
@@ -83,6 +86,7 @@ CUDA_SOURCES = (
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",
+    "cuda/watch_scan.cu",
 )
 
 

@@ -1,0 +1,175 @@
+// csrc/watch/watch_device_logic.h: the deferred protocol's device-side rule,
+// shared word for word by the CPU implementation (watch_device_cpu.cpp) and
+// the CUDA kernels (cuda/watch_scan.cu).
+//
+// Why a header of plain structs and one inline function: the decision a scan
+// makes from its counts and its inputs' tags (new origin, inherited origin,
+// quiet, finite) is the whole of issue 20's consequence rule on the device.
+// Written once here, the CPU runs exactly what the GPU runs, so this machine
+// (no GPU) tests the logic on every run; the CUDA file adds only the counting
+// loop and the launch. Nothing here includes ATen: nvcc and the C++ compiler
+// both see only these PODs.
+//
+// Tags (int32, one slot per storage, in the device's tag array):
+//   0            finite (or never written non-finite)
+//   kTagUntracked non-finite with no origin this watch saw (values from before the block)
+//   kTagQuiet    intended non-finite (a Scalar -inf argument, allow=): never a finding
+//   >= kTagFirst an origin: the call with sequence number tag - kTagFirst
+// The order of better_tag is watch_table.cpp's better_origin (kNoOrigin=0, quiet=1, origins>=2).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define CG_WATCH_HD __host__ __device__ __forceinline__
+#else
+#define CG_WATCH_HD inline
+#endif
+
+namespace cublas_guard {
+namespace watch {
+
+constexpr int32_t kTagFinite = 0;
+constexpr int32_t kTagUntracked = -1;
+constexpr int32_t kTagQuiet = 1;
+constexpr int32_t kTagFirst = 2;
+
+constexpr int kMaxTagInputs = 24;  // input tags one scan reads (more: the first 24)
+
+// What one launch does.
+enum ScanKind : int32_t {
+  kScanOutput = 0,     // an op's output: judge it, tag it (a birth if it is a new origin)
+  kScanFirstSight = 1, // a tensor no watched op wrote: tag it kTagUntracked if non-finite
+  kScanEntry = 2,      // an argument of the watched model: a non-finite one is an entry origin
+  kScanSink = 3,       // a result that matters: a tagged non-finite value is a finding
+};
+
+// Sink ids below 0 are fixed kinds; >= 0 index the host's list of sink descriptions.
+constexpr int64_t kSinkBirth = -2;          // report="birth": the birth itself is the finding
+constexpr int64_t kSinkBackwardBirth = -3;  // born in backward from finite values: a gradient
+
+// The kernel's arguments (by value).
+struct TagArgs {
+  int32_t kind = kScanOutput;
+  int32_t out_slot = -1;   // the scanned tensor's storage slot; -1 none
+  int32_t whole = 1;       // the tensor covers its storage (else a finite scan keeps the old tag)
+  int32_t fresh = 1;       // the slot was (re)assigned for this write: its old tag is not read
+  int32_t n_in = 0;
+  int32_t in_slots[kMaxTagInputs];  // the inputs' slots (in-place arguments' old tags included)
+  int32_t seq_read = -1;   // backward: the forward node's index in seq_tags; -1 none
+  int32_t seq_write = -1;  // forward: this op's node's index in seq_tags; -1 none
+  int32_t seq_merge = 0;   // not the op's first output: merge into seq_tags[seq_write]
+  int32_t seq = 0;         // this call's sequence number
+  int32_t scalar_bad = 0;  // a Scalar argument is non-finite
+  int32_t allowed = 0;     // the op or module is in allow= (entry: the argument is)
+  int32_t birth = 0;       // report="birth"
+  int32_t backward = 0;    // the op runs in backward
+  int64_t sink = -1;       // a finding's sink id when the output's tag is an origin; -1 none
+  int64_t output_index = 0;
+};
+
+// What a scan leaves in the record, only when it found something.
+struct BirthEntry {
+  int64_t ready;  // 0 until written (last, after a fence): seq + 1
+  int64_t seq;
+  int64_t output_index;
+  int64_t nan_count, posinf_count, neginf_count, first_bad_index;
+  double first_bad_value;
+};
+struct FindingEntry {
+  int64_t ready;  // origin seq + 1, written last
+  int64_t origin_seq;
+  int64_t sink;
+};
+
+constexpr int kMaxBirths = 1024;   // per block; later births are counted in lost_births
+constexpr int kMaxFindings = 64;   // per block; only the first is raised anyway
+
+// In pinned host memory mapped into the device on CUDA (async_record.h's
+// pattern: the kernel writes over the bus only when it finds something; the
+// host reads with plain loads), in plain host memory on the CPU.
+struct WatchRecord {
+  int64_t flag;  // 0 until a scan wrote an entry (stays 1 for the block)
+  int64_t lost_births;
+  int64_t lost_findings;
+  BirthEntry births[kMaxBirths];
+  FindingEntry findings[kMaxFindings];
+};
+
+// Claim counters (device memory on CUDA): [0] births, [1] findings.
+constexpr int kWatchCounters = 2;
+
+CG_WATCH_HD int32_t better_tag(int32_t a, int32_t b) {
+  if (a < 0) a = 0;
+  if (b < 0) b = 0;
+  if (a >= kTagFirst && b >= kTagFirst) return a < b ? a : b;
+  if (a >= kTagFirst) return a;
+  if (b >= kTagFirst) return b;
+  return a > b ? a : b;
+}
+
+// The rule (judge() of watch_session.cpp, on tags): the new tag of a scanned
+// output from its counts and its inputs' tags. *new_origin: it is a birth.
+CG_WATCH_HD int32_t decide_tag(const TagArgs& a, const int32_t* tags, const int32_t* seq_tags, bool bad,
+                               bool* new_origin) {
+  *new_origin = false;
+  if (a.kind == kScanSink) return a.out_slot >= 0 ? tags[a.out_slot] : kTagFinite;
+  if (!bad) return kTagFinite;
+  if (a.kind == kScanFirstSight) return kTagUntracked;
+  if (a.kind == kScanEntry) {
+    if (a.allowed) return kTagQuiet;
+    *new_origin = true;
+    return kTagFirst + a.seq;
+  }
+  bool any_bad = false;
+  int32_t inherited = kTagFinite;
+  for (int i = 0; i < a.n_in && i < kMaxTagInputs; ++i) {
+    const int32_t t = a.in_slots[i] >= 0 ? tags[a.in_slots[i]] : kTagFinite;
+    if (t != kTagFinite) any_bad = true;
+    inherited = better_tag(inherited, t);
+  }
+  int32_t r;
+  if (a.scalar_bad) {
+    r = better_tag(kTagQuiet, inherited);
+  } else if (any_bad) {
+    r = inherited;
+  } else if (!a.birth && a.seq_read >= 0 && seq_tags[a.seq_read] != kTagFinite) {
+    r = seq_tags[a.seq_read];
+  } else if (a.allowed) {
+    r = kTagQuiet;
+  } else {
+    *new_origin = true;
+    r = kTagFirst + a.seq;
+  }
+  return r == kTagFinite ? kTagUntracked : r;  // non-finite: never 0
+}
+
+// The slot's new value after a scan (remember() + tag() of watch_table.cpp):
+// a write the op's kernel made (fresh) replaces the old tag; a composite op's
+// output, scanned again, keeps the earlier origin; a finite part of a storage
+// leaves the rest's tag.
+CG_WATCH_HD int32_t merged_tag(const TagArgs& a, int32_t old_tag, int32_t tag, bool bad) {
+  if (a.fresh) old_tag = kTagFinite;
+  if (!bad) return a.whole ? kTagFinite : old_tag;
+  if (old_tag >= kTagFirst || old_tag == kTagQuiet) return better_tag(old_tag, tag);
+  return tag;
+}
+
+// The findings one scan makes (at most two, in the direct path's order);
+// returns how many sink ids it wrote. Birth mode: the birth entry itself is
+// the finding (the host reads it so), so no finding entry is written.
+CG_WATCH_HD int findings_of(const TagArgs& a, int32_t tag, bool bad, bool new_origin, int64_t sinks[2]) {
+  int n = 0;
+  if (a.birth || !bad) return 0;
+  if (a.kind == kScanSink) {
+    if (tag >= kTagFirst && a.sink >= 0) sinks[n++] = a.sink;
+    return n;
+  }
+  if (a.kind != kScanOutput) return 0;
+  if (new_origin && a.backward) sinks[n++] = kSinkBackwardBirth;
+  if (tag >= kTagFirst && a.sink >= 0) sinks[n++] = a.sink;
+  return n;
+}
+
+}  // namespace watch
+}  // namespace cublas_guard

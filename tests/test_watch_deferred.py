@@ -381,6 +381,7 @@ DIRECT_ONLY = (
     " and not scaling_an_unknown_input and not composite_ops_reuse and not known_table"
     " and not known_values_carry and not narrowing_moves_are_scanned and not moving_op_output_with"
     " and not known_values_spare_rescans and not inplace_chain_spares_scans"
+    " and not square_root_scaled_by_a_scalar"
 )
 
 

@@ -155,6 +155,15 @@ def check_pending() -> None:
         raise _typed(message)
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value of these tensors (one device, one dtype) is finite: one multi-tensor
+    pass and one host read. The largest magnitude of each (no sum that could overflow; a NaN
+    propagates through max), then one isfinite over those."""
+    with torch.no_grad():
+        largest = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
+        return bool(torch.isfinite(torch.stack(largest)).all())
+
+
 def _entry_error(
     role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]
 ) -> errors.GuardError:
@@ -395,10 +404,26 @@ class watch:
     def _check_state(self) -> list[torch.Tensor]:
         """Scan the parameters and buffers not known finite at their version; the finite ones."""
         clean = []
+        todo = []
         for role, name, t in self._state_tensors():
-            version = t._version
             known = _clean_versions.get(id(t))
-            if known is not None and known[0]() is t and known[1] == version:
+            if known is not None and known[0]() is t and known[1] == t._version:
+                clean.append(t)
+            else:
+                todo.append((role, name, t))
+        # Off the CPU a scan's result is a host read each: one fused check per device and dtype
+        # first (one read for the lot), the per-tensor scans only where it found something.
+        on_devices = [item for item in todo if item[2].device.type != "cpu"]
+        groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, str, torch.Tensor]]] = {}
+        for item in on_devices:
+            groups.setdefault((item[2].device, item[2].dtype), []).append(item)
+        finite = {
+            id(t) for items in groups.values() if _all_finite([t for _, _, t in items]) for _, _, t in items
+        }
+        for role, name, t in todo:
+            version = t._version
+            if id(t) in finite:
+                _clean_versions[id(t)] = (weakref.ref(t), version)
                 clean.append(t)
                 continue
             counts = _native.scan(t)

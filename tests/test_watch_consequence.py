@@ -335,3 +335,50 @@ def test_a_watched_cuda_step_makes_no_host_sync():
             torch.cuda.set_sync_debug_mode(0)
     finally:
         block.__exit__(None, None, None)  # the final check may read the record
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_fused_entry_check_finds_every_kind_of_bad_value(dtype):
+    """watch's one-read entry check of a device's parameters (used off the CPU): exact for NaN,
+    +Inf and -Inf anywhere, and no overflow on the largest finite values."""
+    from cublas_guard_ext.watch import _all_finite
+
+    big = torch.finfo(dtype).max
+    tensors = [
+        torch.full((3, 5), big, dtype=dtype),
+        torch.full((7,), -big, dtype=dtype),
+        torch.zeros(2, 2, dtype=dtype),
+    ]
+    assert _all_finite(tensors)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for which in range(len(tensors)):
+            poisoned = [t.clone() for t in tensors]
+            poisoned[which].view(-1)[-1] = bad
+            assert not _all_finite(poisoned), (bad, which)
+
+
+@requires_cuda
+def test_a_cuda_block_start_reads_the_host_once_for_all_parameters():
+    """The entry check of a CUDA model's parameters: one fused check, one host read (was one per
+    parameter); a NaN parameter is still named."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]).cuda()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            block = cg.watch(model, mode="async")
+            block.__enter__()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    block.__exit__(None, None, None)
+    syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
+    with torch.no_grad():
+        model[4].bias[3] = float("nan")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="sync"):
+            pass
+    assert info.value.role == "parameter" and info.value.name == "4.bias" and info.value.nan_count == 1

@@ -255,12 +255,28 @@ def _statistics(t: torch.Tensor) -> dict[str, Any]:
     return stats
 
 
-def _keep(tensors: dict[str, torch.Tensor], store_values: bool) -> tuple[dict[str, Any], str]:
-    """Each tensor's description, with its values or its statistics; and which of the two."""
+UNREAD_C = "not read: beta = 0, so cuBLAS does not read C; stored as zeros (its memory was uninitialised)"
+
+
+def _keep(
+    tensors: dict[str, torch.Tensor], store_values: bool, unread: frozenset[str] = frozenset()
+) -> tuple[dict[str, Any], str]:
+    """Each tensor's description, with its values or its statistics; and which of the two.
+
+    ``unread``: buffers the call does not read (C with beta = 0: the output's fresh, never
+    initialised memory, often NaN, which would make ``alpha op(A) op(B) + beta C`` NaN).
+    Described as the call got them, kept as zeros, marked ``read: False``.
+    """
     out: dict[str, Any] = {}
     kept = "values" if store_values else "statistics"
     for name, t in tensors.items():
         entry = _describe(t)
+        if name in unread:
+            zeros = torch.zeros(t.numel(), dtype=t.dtype)
+            entry["read"], entry["note"] = False, UNREAD_C
+            entry["values" if store_values else "statistics"] = zeros if store_values else _statistics(zeros)
+            out[name] = entry
+            continue
         try:
             with torch.no_grad():
                 if store_values:
@@ -484,7 +500,10 @@ def build(err: BaseException, native: dict[str, Any] | None) -> dict[str, Any]:
     limit = max_bytes()
     total = sum(t.numel() * t.element_size() for t in buffers.values())
     total_operands = sum(t.numel() * t.element_size() for t in operands.values())
-    gemm, kept = _keep(buffers, total <= limit)
+    # A recorded call's C with beta = 0 is unread, uninitialised memory (a planned one's is zeros).
+    recorded_beta = call.get("beta") if call is not None and call.get("source") == "recorded" else None
+    unread = frozenset({"c"}) if recorded_beta is not None and recorded_beta == 0 else frozenset()
+    gemm, kept = _keep(buffers, total <= limit, unread)
     if call is not None and not buffers:
         spans = _spans(call)
         gemm = {

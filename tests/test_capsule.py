@@ -123,22 +123,7 @@ def test_a_forward_failure_writes_a_capsule(folder, inject_fault) -> None:
     assert capsule.load(err.capsule)["call"] == call
 
 
-# KNOWN DEFECT, open (2026-12-01): the grad_input capsule's stored operands sometimes read back
-# NaN (25 of 42 products on torch 2.15 in CI's version matrix; once in 3 runs on 2.13 here): a
-# buffer the capsule views is not kept alive, or is not the one the GEMM read. Not strict, so
-# the fix shows as XPASS; until then this case does not gate CI.
-
-
-@pytest.mark.parametrize(
-    "needs",
-    [
-        pytest.param(
-            "grad_input",
-            marks=pytest.mark.xfail(reason="known defect: capsule operands sometimes read NaN", strict=False),
-        ),
-        "grad_weight",
-    ],
-)
+@pytest.mark.parametrize("needs", ["grad_input", "grad_weight"])
 def test_a_backward_failure_writes_a_capsule(folder, inject_fault, needs: str) -> None:
     """The operands of a backward GEMM exist only in C++: the capsule has them all the same."""
     layer = cg.SafeLinear(6, 4, name=NAME)
@@ -162,6 +147,76 @@ def test_a_backward_failure_writes_a_capsule(folder, inject_fault, needs: str) -
     names = {"grad_input": {"grad_output", "weight"}, "grad_weight": {"grad_output", "input"}}[needs]
     assert set(data["call_operands"]) == names
     assert data["call_operands"]["grad_output"]["shape"] == [7, 4]
+
+
+@pytest.fixture
+def uninitialised_is_nan():
+    """Every at::empty comes filled with NaN (torch's deterministic mode fills uninitialised
+    memory): whatever the capsule keeps of memory the call never wrote or read shows as NaN
+    every time, not only when the allocator happens to hand back a NaN-filled block."""
+    det = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    assert torch.isnan(torch.empty(8)).all()
+    yield
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.parametrize("phase", ["forward", "forward without bias", "grad_input", "grad_weight"])
+def test_the_capsule_keeps_exactly_the_operands_the_gemm_read(
+    folder, inject_fault, uninitialised_is_nan, phase: str
+) -> None:
+    """A, B (and C when beta != 0) are bitwise the tensors the GEMM read; C with beta = 0 is
+    the output's fresh, uninitialised memory, which cuBLAS does not read: kept as zeros and
+    marked unread, so recomputing the call gives the product, not NaN."""
+    layer = cg.SafeLinear(6, 4, bias=phase != "forward without bias", name=NAME)
+    x = torch.randn(7, 6, requires_grad=phase == "grad_input")
+    layer.weight.requires_grad_(phase == "grad_weight")
+    w, g = layer.weight.detach(), torch.randn(7, 4)
+    y = None if phase.startswith("forward") else layer(x)
+    inject_fault("gemm", 14)
+    with pytest.raises(cg.CublasError) as info:
+        if y is None:
+            layer(x)
+        else:
+            y.backward(g)
+    data = capsule.load(info.value.capsule)
+    ops, beta = data["gemm_operands"], data["call"]["beta"]
+    a, b, c, expected = {
+        "forward": (w, x, layer.bias.detach().expand(7, 4) if layer.bias is not None else None, None),
+        "grad_input": (w, g, None, g.double() @ w.double()),
+        "grad_weight": (x, g, None, g.double().t() @ x.detach().double()),
+    }[phase.split()[0]]
+    if expected is None:
+        expected = F.linear(x.double(), w.double(), None if c is None else layer.bias.double())
+    assert beta == (0.0 if c is None else 1.0)
+    assert torch.equal(ops["a"]["values"], a.detach().reshape(-1))
+    assert torch.equal(ops["b"]["values"], b.detach().reshape(-1))
+    torch.testing.assert_close(recompute(data).t(), expected, rtol=1e-12, atol=1e-12)
+    if c is None:
+        assert ops["c"]["read"] is False and ops["c"]["note"] == capsule.UNREAD_C
+        assert torch.equal(ops["c"]["values"], torch.zeros(expected.numel()))
+        assert ops["c"]["numel"] == expected.numel()
+    else:
+        assert "read" not in ops["c"] and torch.equal(ops["c"]["values"], c.reshape(-1))
+
+
+def test_an_unread_c_is_kept_as_statistics_of_zeros(folder, inject_fault, uninitialised_is_nan, monkeypatch):
+    """Over the size cap, the unread C's statistics are those of zeros, not of NaN garbage."""
+    monkeypatch.setenv("CUBLAS_GUARD_CAPSULE_MAX_BYTES", "100")
+    layer = cg.SafeLinear(6, 4, bias=False, name=NAME)
+    inject_fault("gemm", 14)
+    with pytest.raises(cg.CublasError) as info:
+        layer(torch.randn(7, 6))
+    data = capsule.load(info.value.capsule)
+    assert data["values"] == "statistics" and data["call"]["beta"] == 0.0
+    stats = data["gemm_operands"]["c"]["statistics"]
+    assert (stats["nan_count"], stats["min"], stats["max"]) == (0, 0.0, 0.0)
+    assert stats["sha256"] == hashlib.sha256(bytes(4 * 28)).hexdigest()
+    assert data["gemm_operands"]["c"]["read"] is False
 
 
 def test_capture_off(folder, inject_fault, monkeypatch) -> None:

@@ -16,9 +16,13 @@ struct ReplayCall {
   double alpha = 1.0, beta = 0.0;
 };
 
-// TORCH_CHECKs that a, b, c are 1-D dense buffers of one guarded dtype on one
-// device, that the call's sizes are valid and that every operand's span fits
-// its buffer (the rules of plan_gemm_call, without the 32-bit limit).
-void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c);
+// The call the replay_gemm op's arguments describe, shared by both kernels
+// (replay_cpu.cpp, replay_cuda.cu). TORCH_CHECKs that a, b, c are 1-D dense
+// buffers of one guarded dtype on one device, that the sizes are valid and that
+// every operand's span fits its buffer (the rules of plan_gemm_call, without the
+// 32-bit limit), so no pointer is formed from a capsule's bad arguments.
+ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
+                               bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                               int64_t ldc, double alpha, double beta);
 
 }  // namespace cublas_guard

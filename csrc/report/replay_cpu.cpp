@@ -1,9 +1,10 @@
-// The replay of one captured GEMM (report/replay.h): the schema, the checks,
-// and the CPU kernel, which runs torch's CPU addmm as the CPU backend does
-// (linear/linear_cpu.cpp) and consults the same "gemm" fault site, so that a
-// capsule from an injected failure replays as reproduced while the fault is
-// armed (CUBLAS_GUARD_EXT_FAULT in the replay's environment) and as not
-// reproduced without it. The CUDA kernel is report/replay_cuda.cu.
+// The replay of one captured GEMM (report/replay.h): the schema, the call and
+// its checks (checked_replay_call: the device-independent part, here once for
+// both kernels), and the CPU kernel, which runs torch's CPU addmm as the CPU
+// backend does (linear/linear_cpu.cpp) and consults the same "gemm" fault
+// site, so that a capsule from an injected failure replays as reproduced while
+// the fault is armed (CUBLAS_GUARD_EXT_FAULT in the replay's environment) and
+// as not reproduced without it. The CUDA kernel is report/replay_cuda.cu.
 #include "guard.h"
 #include "report/replay.h"
 
@@ -35,28 +36,11 @@ at::Tensor column_major(const at::Tensor& buffer, int64_t rows, int64_t cols, in
   return at::from_blob(buffer.data_ptr(), {rows, cols}, {1, ld}, buffer.options());
 }
 
-ReplayCall make_call(bool transa, bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                     int64_t ldc, double alpha, double beta) {
-  ReplayCall call;
-  call.trans_a = transa;
-  call.trans_b = transb;
-  call.m = m;
-  call.n = n;
-  call.k = k;
-  call.lda = lda;
-  call.ldb = ldb;
-  call.ldc = ldc;
-  call.alpha = alpha;
-  call.beta = beta;
-  return call;
-}
-
 int64_t replay_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
                         bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
                         double alpha, double beta, c10::string_view routine, c10::string_view /*math_mode*/,
                         bool /*workspace*/) {
-  const ReplayCall call = make_call(transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
-  check_replay_call(call, a, b, c);
+  (void)checked_replay_call(a, b, c, transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
   TORCH_CHECK_VALUE(routine == "torch CPU addmm",
                     "cublas_guard_ext: replay: the CPU runs only "
                     "'torch CPU addmm', not '",
@@ -76,8 +60,20 @@ int64_t replay_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tens
 
 }  // namespace
 
-void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& c) {
+ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
+                               bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                               int64_t ldc, double alpha, double beta) {
+  ReplayCall call;
+  call.trans_a = transa;
+  call.trans_b = transb;
+  call.m = m;
+  call.n = n;
+  call.k = k;
+  call.lda = lda;
+  call.ldb = ldb;
+  call.ldc = ldc;
+  call.alpha = alpha;
+  call.beta = beta;
   for (const at::Tensor* t : {&a, &b, &c}) {
     TORCH_CHECK_VALUE(t->dim() == 1 && t->stride(0) == 1,
                       "cublas_guard_ext: replay: operands must be flat dense buffers");
@@ -99,6 +95,7 @@ void check_replay_call(const ReplayCall& call, const at::Tensor& a, const at::Te
     check_operand("b", b, call.k, call.n, call.ldb);
   }
   check_operand("c", c, call.m, call.n, call.ldc);
+  return call;
 }
 
 }  // namespace cublas_guard

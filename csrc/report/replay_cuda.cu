@@ -1,6 +1,6 @@
-// The CUDA kernel of the GEMM replay (report/replay.h; schema and CPU kernel
-// in replay_cpu.cpp): one captured cuBLAS call, run with the routine, math
-// mode and workspace the replay's variant asks for:
+// The CUDA kernel of the GEMM replay (report/replay.h; the schema, the call's
+// checks and the CPU kernel are in replay_cpu.cpp): one captured cuBLAS call,
+// run with the routine, math mode and workspace the replay's variant asks for:
 //   routine    cublasSgemm, cublasGemmEx, cublasSgemmEx, cublasDgemm, their
 //              _64 forms (cuBLAS 12+), or cublasLtMatmul
 //   math_mode  a cublasMath_t by name ("CUBLAS_TF32_TENSOR_OP_MATH", ...,
@@ -198,18 +198,7 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
                          bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
                          double alpha, double beta, c10::string_view routine_view, c10::string_view math_view,
                          bool workspace) {
-  ReplayCall call;
-  call.trans_a = transa;
-  call.trans_b = transb;
-  call.m = m;
-  call.n = n;
-  call.k = k;
-  call.lda = lda;
-  call.ldb = ldb;
-  call.ldc = ldc;
-  call.alpha = alpha;
-  call.beta = beta;
-  check_replay_call(call, a, b, c);
+  const ReplayCall call = checked_replay_call(a, b, c, transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
   const c10::cuda::CUDAGuard guard(c.device());
   const std::string routine(routine_view), math(math_view);
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;

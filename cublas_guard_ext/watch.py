@@ -72,6 +72,7 @@ from ._native.codes import MODE_CODES
 _loader.load()
 torch.ops.cublas_guard_internal.watch_install.default()
 _native = sys.modules["cublas_guard_ext._watch_native"]
+from . import _watch_patches  # noqa: E402  (needs the native module above)
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
@@ -279,69 +280,6 @@ class NonFiniteFromNowhereError(errors.GuardError, ValueError):
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured (a seam the CPU tests replace)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-# Global patches while any thread watches (refcounted): backward roots (the loss) are sinks, and
-# CUDA graph capture is refused inside a block. Each checks that the calling thread watches.
-_patch_lock = threading.Lock()
-_patch_users = 0
-_originals: dict[str, Any] = {}
-
-
-def _roots(tensors: Any) -> list[torch.Tensor]:
-    if isinstance(tensors, torch.Tensor):
-        return [tensors]
-    return [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
-
-
-def _patched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-    roots = _roots(tensors)
-    if roots and _native.active():
-        _native.reached(roots, ["the loss (a root of backward)"] * len(roots))
-    return _originals["backward"](tensors, *args, **kwargs)
-
-
-def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-    roots = _roots(outputs)
-    if roots and _native.active():
-        _native.reached(roots, ["an output torch.autograd.grad differentiates"] * len(roots))
-    return _originals["grad"](outputs, *args, **kwargs)
-
-
-def _patched_capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if _native.active():
-        raise WatchCaptureError(
-            when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)"
-        )
-    return _originals["capture_begin"](self, *args, **kwargs)
-
-
-def _install_patches() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users += 1
-        if _patch_users > 1:
-            return
-        _originals["backward"] = torch.autograd.backward
-        _originals["grad"] = torch.autograd.grad
-        torch.autograd.backward = _patched_backward
-        torch.autograd.grad = _patched_grad
-        graph_cls = getattr(torch.cuda, "CUDAGraph", None)
-        if graph_cls is not None and "capture_begin" in graph_cls.__dict__:
-            _originals["capture_begin"] = graph_cls.__dict__["capture_begin"]
-            graph_cls.capture_begin = _patched_capture_begin
-
-
-def _remove_patches() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users -= 1
-        if _patch_users > 0:
-            return
-        torch.autograd.backward = _originals.pop("backward")
-        torch.autograd.grad = _originals.pop("grad")
-        if "capture_begin" in _originals:
-            torch.cuda.CUDAGraph.capture_begin = _originals.pop("capture_begin")
 
 
 class watch:
@@ -559,7 +497,7 @@ class watch:
                         state_names.append(name)
                         if consequence and kind == "parameter" and t.requires_grad:
                             self._hook_gradient(t, f"the gradient of parameter '{name}'")
-            _install_patches()
+            _watch_patches.install()
             self._patched = True
             _native.begin(
                 _MODE_CODES[mode],
@@ -586,7 +524,7 @@ class watch:
         self._grad_hooked.clear()
         if self._patched:
             self._patched = False
-            _remove_patches()
+            _watch_patches.remove()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if not self._active:

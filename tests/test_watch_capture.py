@@ -15,6 +15,7 @@ import cublas_guard_ext as cg
 from conftest import requires_cuda
 
 watch_module = importlib.import_module("cublas_guard_ext.watch")
+patches_module = importlib.import_module("cublas_guard_ext._watch_patches")
 WatchCaptureError = watch_module.WatchCaptureError
 
 
@@ -22,7 +23,7 @@ def nothing_left() -> None:
     mod = torch.nn.modules.module
     assert not mod._global_forward_pre_hooks and not mod._global_forward_hooks
     assert not watch_module._is_active()
-    assert watch_module._patch_users == 0
+    assert patches_module._patch_users == 0
 
 
 def test_the_error_is_typed():
@@ -67,8 +68,8 @@ def test_the_patches_are_per_thread_and_refcounted():
 
     with cg.watch(nn.Linear(4, 4), mode="sync"):
         with cg.watch(nn.Linear(4, 4), mode="sync"):
-            assert watch_module._patch_users == 2
-        assert watch_module._patch_users == 1
+            assert patches_module._patch_users == 2
+        assert patches_module._patch_users == 1
         t = threading.Thread(target=other)
         t.start()
         t.join()

@@ -18,6 +18,7 @@ import cublas_guard_ext as cg
 from conftest import requires_cuda
 
 watch_module = importlib.import_module("cublas_guard_ext.watch")
+patches_module = importlib.import_module("cublas_guard_ext._watch_patches")
 
 
 def nothing_left() -> None:
@@ -25,8 +26,8 @@ def nothing_left() -> None:
     assert not mod._global_forward_pre_hooks
     assert not mod._global_forward_hooks
     assert not watch_module._is_active()
-    assert torch.autograd.backward is watch_module._originals.get("backward", torch.autograd.backward)
-    assert watch_module._patch_users == 0
+    assert torch.autograd.backward is patches_module._originals.get("backward", torch.autograd.backward)
+    assert patches_module._patch_users == 0
 
 
 class LogHead(nn.Module):

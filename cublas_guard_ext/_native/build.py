@@ -50,44 +50,9 @@ decide_cuda, cuda_fallback_note, record_cuda_failure = (
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
 
-# By concern (csrc/README.md). Every base name is unique: torch's JIT builder names each
-# object file after its source's base name alone.
-CPU_SOURCES = (
-    "ops.cpp",
-    "python_module.cpp",
-    "testing.cpp",
-    "linear/checks.cpp",
-    "linear/linear_common.cpp",
-    "linear/param_cache.cpp",
-    "linear/linear_cpu.cpp",
-    "linear/autograd.cpp",
-    "linear/autocast.cpp",
-    "linear/gemm_route.cpp",
-    "report/errors.cpp",
-    "report/python_errors.cpp",
-    "report/pending_errors.cpp",
-    "report/call_scope.cpp",
-    "report/gemm_report.cpp",
-    "report/replay_cpu.cpp",
-    "scan/scan_cpu.cpp",
-    "watch/watch_ops.cpp",
-    "watch/watch_table.cpp",
-    "watch/watch_session.cpp",
-    "watch/watch_fallback.cpp",
-    "watch/watch_reraise.cpp",
-    "watch/watch_python.cpp",
-    "watch/watch_device.cpp",
-    "watch/watch_device_report.cpp",
-    "watch/watch_device_cpu.cpp",
-)
-CUDA_SOURCES = (
-    "cuda/scan.cu",
-    "cuda/linear.cu",
-    "cuda/lt_gemm.cu",
-    "cuda/async_slot.cu",
-    "report/replay_cuda.cu",
-    "cuda/watch_scan.cu",
-)
+_sources = _sibling("sources")
+# The sources, relative to CSRC_DIR (defined in sources.py).
+CPU_SOURCES, CUDA_SOURCES = _sources.CPU_SOURCES, _sources.CUDA_SOURCES
 
 
 @dataclass

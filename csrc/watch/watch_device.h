@@ -59,13 +59,16 @@ struct DescItem {
   double value = 0.0;
   DescTensor tensor;
 };
+// What torch::autograd::get_current_node() returns: std::shared_ptr<Node> up to torch
+// 2.11, c10::intrusive_ptr<Node> from 2.13 (CI builds both).
+using NodeRef = decltype(torch::autograd::get_current_node());
 struct CallDesc {
   int64_t seq = -1;  // which call this slot of the ring holds now
   bool entry = false;
   const c10::FunctionSchema* schema = nullptr;
   int32_t module = -1;
   bool backward = false;
-  c10::intrusive_ptr<torch::autograd::Node> node;  // its name, at report time
+  NodeRef node;  // its name, at report time
   int64_t output_index = 0;
   DescTensor out;
   int n_items = 0;

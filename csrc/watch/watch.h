@@ -49,7 +49,8 @@
 // block. CPU-verified; on CUDA the deferred protocol (watch_device.h) runs instead.
 //
 // The files (by concern): watch_ops.cpp (op traits: what an op writes, which
-// outputs are finite by construction), watch_table.cpp (the known-values
+// outputs are finite by construction), watch_bounds.cpp (outputs finite by
+// their inputs' value bounds), watch_table.cpp (the known-values
 // table and the scans), watch_session.cpp (the session registry, module
 // attribution, judging a bad output), watch_fallback.cpp (the hot path),
 // watch_reraise.cpp (cuBLAS/CUDA errors re-raised typed), watch_python.cpp
@@ -117,6 +118,9 @@ enum class Values : uint8_t {
   kAddSmall,   // x + alpha * s, x - alpha * s with |alpha * s| <= add_bound(dtype)
 };
 
+// The ops whose output bounds follow from their inputs' (watch_bounds.cpp).
+enum class Rule : uint8_t { kNone, kScale, kDivide, kAdd, kSubtract, kLerp, kAddcmul, kAddcdiv, kSqrt };
+
 // What the fallback needs to know about an operator, computed once per operator.
 struct OpInfo {
   bool skip = false;                 // outputs are uninitialised memory (empty, resize_, set_)
@@ -130,10 +134,23 @@ struct OpInfo {
   Values values = Values::kComputed;
   bool divides = false;              // kScaleDown: div (the scalar is the divisor)
   std::vector<int> scalar_args;      // arguments of schema type Scalar or Scalar?
+  Rule rule = Rule::kNone;           // watch_bounds.cpp's rule for this op's output
+};
+
+// Bounds on a finite tensor's values (lo <= v <= hi for every value v), from
+// the CPU scan's range pass or from an op's inputs' bounds (watch_bounds.cpp);
+// unbounded (infinite) when not known.
+struct Range {
+  double lo = -std::numeric_limits<double>::infinity();
+  double hi = std::numeric_limits<double>::infinity();
+  bool bounded() const {
+    return lo > -std::numeric_limits<double>::infinity() && hi < std::numeric_limits<double>::infinity();
+  }
 };
 
 struct Counts {
   int64_t nan = 0, posinf = 0, neginf = 0, first = -1;
+  Range range;  // finite results: the values' bounds where the scan (or the table) had them
   bool bad() const { return first >= 0; }
 };
 
@@ -146,6 +163,7 @@ struct Known {
   bool finite = false;
   uint32_t origin = kNoOrigin;  // non-finite values: where they were born (kFirstOrigin...)
   const c10::FunctionSchema* producer = nullptr;  // finite values: the op whose output was scanned
+  Range range;  // finite values: their bounds, where known (Range::bounded)
 };
 
 // Storage -> Known, open addressing with linear probing in one array: no
@@ -343,10 +361,18 @@ std::unordered_map<uint64_t, SessionRef>& registry();
 bool starts_with(const std::string& s, const char* prefix);
 const OpInfo& op_info(const c10::OperatorHandle& op);
 bool scalar_non_finite(const c10::IValue& v);
+// A finite real number from a Scalar argument or a wrapped number (x * 0.5).
+bool real_value(const c10::IValue& v, double& out);
 bool is_inplace_arg(const OpInfo& info, int a);
 bool finite_by_construction(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args,
                             bool inplace_bad_before, const at::Tensor& out, bool& known);
 std::string op_display_name(const c10::FunctionSchema& schema);
+
+// watch_bounds.cpp: outputs finite by their inputs' bounds (lerp_, addcmul_,
+// sqrt, addcdiv_, x * s, x / s, x + s with bounded inputs); `range` receives
+// the output's bounds. `inplace_before`: the written argument's bounds before the op.
+bool bounded_by_construction(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args,
+                             const Range& inplace_before, const at::Tensor& out, Range& range);
 bool op_allowed(const Session& s, const c10::FunctionSchema& schema);
 
 // Calls fn(tensor) for every tensor in an argument (a tensor, a list of tensors
@@ -370,7 +396,7 @@ bool storage_range(const at::Tensor& t, int64_t& begin, int64_t& end);
 bool trusted();
 const Known* lookup(Session& s, const at::Tensor& t);
 void forget(Session& s, const at::Tensor& t);
-void remember(Session& s, const at::Tensor& t, bool finite);
+void remember(Session& s, const at::Tensor& t, bool finite, const Range& range = Range());
 // The origin tag of t's storage when its last scan found it non-finite, else kNoOrigin.
 uint32_t origin_of(Session& s, const at::Tensor& t);
 // Tags t's storage, known non-finite, with `origin`.
@@ -378,6 +404,8 @@ void tag(Session& s, const at::Tensor& t, uint32_t origin);
 // The tag to keep of two: the earlier reportable origin, else the quieter one.
 uint32_t better_origin(uint32_t a, uint32_t b);
 bool known_finite(Session& s, const at::Tensor& t);
+// The bounds of t's values when the table knows them finite and bounded, else unbounded.
+Range known_range(Session& s, const at::Tensor& t);
 Counts scan_values(Session& s, const at::Tensor& t);
 Counts scan_fresh(Session& s, const at::Tensor& t);
 Counts scan_known(Session& s, const at::Tensor& t);

@@ -171,6 +171,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 
   int64_t seq_index = -1;  // this op's node's index into seq_module/seq_origin
   bool inplace_bad_before = false;
+  Range inplace_range;  // a single written tensor's bounds before the op (watch_bounds.cpp)
   uint32_t inplace_origin = kNoOrigin;  // their tags (read before the op: writing forgets them)
   {
     SessionLock lock(s.mu);
@@ -191,7 +192,14 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     for (int a : info.inplace_args) {
       if (s.device) break;  // the scan kernel reads their old tags
       for_each_tensor(saved[a], [&](const at::Tensor& t) {
-        if (!inplace_bad_before && readable(t) && scan_known(s, t).bad()) inplace_bad_before = true;
+        if (!inplace_bad_before && readable(t)) {
+          const Counts c = scan_known(s, t);
+          if (c.bad()) {
+            inplace_bad_before = true;
+          } else if (saved[a].isTensor()) {
+            inplace_range = c.range;
+          }
+        }
         if (consequence) inplace_origin = better_origin(inplace_origin, origin_of(s, t));
       });
     }
@@ -247,6 +255,14 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     uint32_t out_origin = kNoOrigin;
     auto check_output = [&](const at::Tensor& t, int64_t index) {
       if (!readable(t)) return;
+      if (info.rule != Rule::kNone && !inplace_bad_before) {
+        Range range;  // finite by its inputs' bounds: remembered with its own
+        if (bounded_by_construction(s, info, saved, inplace_range, t, range)) {
+          ++s.scans_saved;
+          remember(s, t, true, range);
+          return;
+        }
+      }
       bool known = false;
       if (finite_by_construction(s, info, saved, inplace_bad_before, t, known)) {
         // consequence: a move of a tagged value is scanned, to carry the tag on

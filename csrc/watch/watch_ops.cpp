@@ -121,6 +121,20 @@ Values value_class(const std::string& base, const std::string& overload) {
   return it->second;
 }
 
+// The ops watch_bounds.cpp bounds (their functional and in-place forms; not out=).
+Rule bounds_rule(const std::string& base, const std::string& overload) {
+  const bool tensor_or_scalar = overload == "Tensor" || overload == "Scalar";
+  if ((base == "mul" || base == "mul_") && tensor_or_scalar) return Rule::kScale;
+  if ((base == "div" || base == "div_") && tensor_or_scalar) return Rule::kDivide;
+  if ((base == "add" || base == "add_") && tensor_or_scalar) return Rule::kAdd;
+  if ((base == "sub" || base == "sub_") && tensor_or_scalar) return Rule::kSubtract;
+  if ((base == "lerp" || base == "lerp_") && overload == "Scalar") return Rule::kLerp;
+  if ((base == "addcmul" || base == "addcmul_") && overload.empty()) return Rule::kAddcmul;
+  if ((base == "addcdiv" || base == "addcdiv_") && overload.empty()) return Rule::kAddcdiv;
+  if ((base == "sqrt" || base == "sqrt_") && overload.empty()) return Rule::kSqrt;
+  return Rule::kNone;
+}
+
 const OpInfo& op_info(const c10::OperatorHandle& op) {
   const void* key = &op.schema();
   auto it = tls_op_info.find(key);
@@ -175,6 +189,7 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
       !op.hasKernelForDispatchKey(K::CompositeExplicitAutograd) &&
       !op.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
   if (aten) info.values = value_class(base, schema.overload_name());
+  if (aten) info.rule = bounds_rule(base, schema.overload_name());
   info.divides = starts_with(base, "div");
   return tls_op_info.emplace(key, std::move(info)).first->second;
 }

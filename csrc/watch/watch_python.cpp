@@ -86,7 +86,7 @@ PyObject* py_begin(PyObject*, PyObject* args) {
     PyObject* item = PySequence_GetItem(clean, i);
     if (item != nullptr && THPVariable_Check(item)) {
       const at::Tensor& t = THPVariable_Unpack(item);
-      if (readable(t)) remember(*s, t, true);
+      if (readable(t) && !known_finite(*s, t)) remember(*s, t, true);  // kept: its scan's bounds
     }
     Py_XDECREF(item);
   }
@@ -191,8 +191,13 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
   if (!readable(t)) Py_RETURN_NONE;
   Counts c;
   try {
-    Session tmp;  // a session of its own: its slot, no shared state
+    Session tmp;  // a session of its own: its slot; the thread's table
     c = scan_values(tmp, t);
+    // Finite: known, with the bounds watch_bounds.cpp needs (the entry check's scans).
+    if (!c.bad() && c.range.bounded()) {
+      SessionLock lock(tmp.mu);
+      remember(tmp, t, true, c.range);
+    }
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -218,6 +223,19 @@ PyObject* py_known_finite(PyObject*, PyObject* arg) {
   SessionLock lock(s->mu);
   const Known* k = lookup(*s, t);
   return PyBool_FromLong(k != nullptr && k->finite);
+}
+
+// The bounds this thread's watch knows for t's current values: (lo, hi), or
+// None when it does not know them finite and bounded (tests of watch_bounds.cpp).
+PyObject* py_known_range(PyObject*, PyObject* arg) {
+  Session* s = tls_session;
+  if (s == nullptr || !THPVariable_Check(arg)) Py_RETURN_NONE;
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  if (!readable(t) || s->device) Py_RETURN_NONE;
+  SessionLock lock(s->mu);
+  const Range r = known_range(*s, t);
+  if (!r.bounded()) Py_RETURN_NONE;
+  return Py_BuildValue("(dd)", r.lo, r.hi);
 }
 
 // Sinks the Python side sees: reached(tensors, wheres). A tagged tensor's
@@ -343,6 +361,7 @@ PyMethodDef methods[] = {
     {"scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
+    {"known_range", py_known_range, METH_O, "(lo, hi): the bounds the watch knows for the tensor, or None"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
     {"set_verify", py_set_verify, METH_O, "verify_inputs for this thread's innermost watch"},
     {"set_key_included", py_set_key_included, METH_O,

@@ -84,7 +84,7 @@ void forget(Session& s, const at::Tensor& t) {
 // scan of part of a tagged storage (a slice that misses the bad elements)
 // does not replace the tagged entry, and a non-finite scan keeps the tag the
 // storage already had (a view of a tagged tensor found bad again).
-void remember(Session& s, const at::Tensor& t, bool finite) {
+void remember(Session& s, const at::Tensor& t, bool finite, const Range& range) {
   if (t.is_inference() || !t.has_storage()) return;
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
   int64_t begin = 0, end = 0;
@@ -110,6 +110,7 @@ void remember(Session& s, const at::Tensor& t, bool finite) {
   k.finite = finite;
   k.origin = origin;
   k.producer = finite ? tls_producer : nullptr;
+  k.range = finite ? range : Range();
 }
 
 uint32_t origin_of(Session& s, const at::Tensor& t) {
@@ -146,6 +147,14 @@ Counts scan_values(Session& s, const at::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   Counts c;
   if (t.device().is_cpu() && is_guarded_dtype(t.scalar_type())) {
+    // float32/bf16/fp16, contiguous: the range pass, which also tells finite
+    // values' bounds; the counting scan only for what it finds non-finite.
+    ValueRange bounds;
+    if (scan_cpu_range(t, bounds) && bounds.finite) {
+      c.range.lo = bounds.lo;
+      c.range.hi = bounds.hi;
+      return c;
+    }
     if (!s.slot.defined()) s.slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
     scan_cpu_into(t, s.slot, nullptr, "watch");
     const int64_t* r = s.slot.data_ptr<int64_t>();
@@ -167,7 +176,7 @@ Counts scan_values(Session& s, const at::Tensor& t) {
 Counts scan_fresh(Session& s, const at::Tensor& t) {
   ++s.outputs_scanned;
   Counts c = scan_values(s, t);
-  remember(s, t, !c.bad());
+  remember(s, t, !c.bad(), c.range);
   return c;
 }
 
@@ -176,17 +185,23 @@ Counts scan_known(Session& s, const at::Tensor& t) {
     ++s.scans_saved;
     Counts c;
     if (!k->finite) c.first = 0;  // known bad: the counts are not needed by callers
+    if (k->finite) c.range = k->range;
     return c;
   }
   ++s.outputs_scanned;
   Counts c = scan_values(s, t);
-  remember(s, t, !c.bad());
+  remember(s, t, !c.bad(), c.range);
   return c;
 }
 
 bool known_finite(Session& s, const at::Tensor& t) {
   const Known* k = lookup(s, t);
   return k != nullptr && k->finite;
+}
+
+Range known_range(Session& s, const at::Tensor& t) {
+  const Known* k = lookup(s, t);
+  return k != nullptr && k->finite ? k->range : Range();
 }
 
 }  // namespace watch

@@ -22,6 +22,7 @@ CPU_SOURCES = (
     "report/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
     "watch/watch_ops.cpp",
+    "watch/watch_bounds.cpp",
     "watch/watch_table.cpp",
     "watch/watch_session.cpp",
     "watch/watch_fallback.cpp",

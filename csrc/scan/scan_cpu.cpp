@@ -25,17 +25,30 @@ namespace {
 
 // Each format's bit layout. The tests below use only integer ops on the raw
 // bits: an exponent field of all ones is Inf (mantissa 0) or NaN.
+// value(): the number a bit pattern stands for (the range pass's bounds).
 struct Float32Bits {
   using Bits = uint32_t;
   static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
+  static double value(uint64_t bits) {
+    const auto b = static_cast<uint32_t>(bits);
+    float f;
+    std::memcpy(&f, &b, sizeof(f));
+    return f;
+  }
 };
 struct BFloat16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
+  static double value(uint64_t bits) {
+    return static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
+  }
 };
 struct Float16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7c00u, kMantissa = 0x03ffu;
+  static double value(uint64_t bits) {
+    return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
+  }
 };
 struct Float64Bits {
   using Bits = uint64_t;
@@ -349,23 +362,17 @@ RangeBits range_all(const void* raw, int64_t n) {
       });
 }
 
-double float32_of(uint64_t bits) {
-  const auto b = static_cast<uint32_t>(bits);
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-// The values the magnitude bits of a format stand for, and the sign bit.
+// The range pass over n contiguous elements of format F, as numbers.
 template <typename F>
-void to_range(const RangeBits& r, double (*value)(uint64_t), ValueRange& out) {
+void range_of(const void* data, int64_t n, ValueRange& out) {
   constexpr uint64_t kSign = Format<F>::kSign;
+  const RangeBits r = range_all<Format<F>>(data, n);
   out.finite = r.max_abs < F::kExponent;
   if (!out.finite) return;
-  out.hi = value(r.max_abs);
+  out.hi = F::value(r.max_abs);
   // max_raw has the sign set only if some negative number (or -0.0) is there;
   // it is then the most negative; else min_raw is the smallest value.
-  out.lo = (r.max_raw & kSign) != 0 ? -value(r.max_raw & ~kSign) : value(r.min_raw);
+  out.lo = (r.max_raw & kSign) != 0 ? -F::value(r.max_raw & ~kSign) : F::value(r.min_raw);
 }
 
 void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
@@ -431,23 +438,9 @@ bool scan_cpu_range(const at::Tensor& t, ValueRange& out) {
   const void* data = t.const_data_ptr();
   const int64_t n = t.numel();
   switch (dtype) {
-    case at::kBFloat16:
-      to_range<BFloat16Bits>(
-          range_all<Format<BFloat16Bits>>(data, n),
-          [](uint64_t b) {
-            return static_cast<double>(c10::BFloat16(static_cast<uint16_t>(b), c10::BFloat16::from_bits()));
-          },
-          out);
-      break;
-    case at::kHalf:
-      to_range<Float16Bits>(
-          range_all<Format<Float16Bits>>(data, n),
-          [](uint64_t b) {
-            return static_cast<double>(c10::Half(static_cast<uint16_t>(b), c10::Half::from_bits()));
-          },
-          out);
-      break;
-    default: to_range<Float32Bits>(range_all<Format<Float32Bits>>(data, n), float32_of, out); break;
+    case at::kBFloat16: range_of<BFloat16Bits>(data, n, out); break;
+    case at::kHalf: range_of<Float16Bits>(data, n, out); break;
+    default: range_of<Float32Bits>(data, n, out); break;
   }
   return true;
 }

@@ -35,14 +35,14 @@ SANITIZE=${SANITIZE:-address,undefined}
 # Where a use-after-free or an overflow would hide: the parameter cache, watch's tables and
 # sessions, the error payloads, faults, threads, async records; then the other native paths
 # (the fast path, autograd's saved tensors, the scan, dtypes, modes, torch.func, the
-# property tests' random shapes, watch's value bounds and range pass). Not tests/test_nn.py: under this -O1 build its
+# property tests' random shapes, watch's value bounds and range pass, its stamped deleters). Not tests/test_nn.py: under this -O1 build its
 # [parametrize_spectral_norm] case is 1.44e-4 off (limit 1e-4; no sanitizer report, see
 # the issue-23 report); not tests/test_leaks.py: ASan's allocator changes what it measures.
 TESTS=${SANITIZE_TESTS:-tests/test_param_cache.py tests/test_watch.py tests/test_errors.py \
 tests/test_faults.py tests/test_threads.py tests/test_bad_inputs.py tests/test_async_record.py \
 tests/test_fast_path.py tests/test_linear.py tests/test_saved.py tests/test_scan.py \
 tests/test_dtypes.py tests/test_modes.py tests/test_func.py tests/test_properties.py \
-tests/test_watch_bounds.py}
+tests/test_watch_bounds.py tests/test_watch_lifetime.py}
 START=$(date +%s)
 
 die() { echo "sanitize: $*" >&2; exit 1; }

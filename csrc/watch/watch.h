@@ -156,8 +156,15 @@ struct Counts {
 
 // What is known about a storage's values: a range scanned at a version.
 struct Known {
+  // Which storage (watch_lifetime.cpp): the data pointer and its stamp, or
+  // where the storage's deleter cannot be wrapped, a weak reference.
+  const void* data = nullptr;
+  uint64_t stamp = 0;
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{
       c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>())};
+  void track(const at::Tensor& t);              // made for t's storage
+  bool alive() const;                           // that storage's data is not freed
+  bool describes(const at::Tensor& t) const;    // t's storage is the one it was made for
   int64_t begin = 0, end = 0;
   uint32_t version = 0;
   bool finite = false;
@@ -219,7 +226,7 @@ class KnownTable {
     spare_.swap(slots_);
     size_ = 0;
     for (Slot& e : spare_) {
-      if (e.key != nullptr && !e.value.storage.expired() && (e.value.finite || !finite_only)) {
+      if (e.key != nullptr && e.value.alive() && (e.value.finite || !finite_only)) {
         insert(e.key) = std::move(e.value);
       }
       e = Slot();
@@ -406,6 +413,11 @@ uint32_t better_origin(uint32_t a, uint32_t b);
 bool known_finite(Session& s, const at::Tensor& t);
 // The bounds of t's values when the table knows them finite and bounded, else unbounded.
 Range known_range(Session& s, const at::Tensor& t);
+// How t's entry tells its storage from a later one at the same address
+// ("stamp" or "weak", watch_lifetime.cpp), or nullptr without an entry; and
+// how many storages carry a stamp now (test hooks).
+const char* entry_tracking(Session& s, const at::Tensor& t);
+size_t stamped_storages();
 Counts scan_values(Session& s, const at::Tensor& t);
 Counts scan_fresh(Session& s, const at::Tensor& t);
 Counts scan_known(Session& s, const at::Tensor& t);

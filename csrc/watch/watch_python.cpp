@@ -238,6 +238,20 @@ PyObject* py_known_range(PyObject*, PyObject* arg) {
   return Py_BuildValue("(dd)", r.lo, r.hi);
 }
 
+// How this thread's watch tells t's storage from a later one at its address:
+// "stamp" (its deleter wrapped), "weak" (a weak reference), None (no entry).
+PyObject* py_entry_tracking(PyObject*, PyObject* arg) {
+  Session* s = tls_session;
+  if (s == nullptr || !THPVariable_Check(arg)) Py_RETURN_NONE;
+  const at::Tensor& t = THPVariable_Unpack(arg);
+  SessionLock lock(s->mu);
+  const char* how = entry_tracking(*s, t);
+  if (how == nullptr) Py_RETURN_NONE;
+  return PyUnicode_FromString(how);
+}
+
+PyObject* py_stamped_storages(PyObject*, PyObject*) { return PyLong_FromSize_t(stamped_storages()); }
+
 // Sinks the Python side sees: reached(tensors, wheres). A tagged tensor's
 // finding is raised (sync) or kept (async); finite and untagged ones pass.
 PyObject* py_reached(PyObject*, PyObject* args) {
@@ -362,6 +376,8 @@ PyMethodDef methods[] = {
     {"stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned, scans saved) of this thread's watch"},
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
     {"known_range", py_known_range, METH_O, "(lo, hi): the bounds the watch knows for the tensor, or None"},
+    {"entry_tracking", py_entry_tracking, METH_O, "'stamp', 'weak' or None: how the table knows t's storage"},
+    {"stamped_storages", py_stamped_storages, METH_NOARGS, "how many storages carry a watch stamp now"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
     {"set_verify", py_set_verify, METH_O, "verify_inputs for this thread's innermost watch"},
     {"set_key_included", py_set_key_included, METH_O,

@@ -66,7 +66,7 @@ const Known* lookup(Session& s, const at::Tensor& t) {
   const Known* found = s.known.find(t.storage().unsafeGetStorageImpl());
   if (found == nullptr) return nullptr;
   const Known& k = *found;
-  if (k.version != t._version() || k.storage.expired()) return nullptr;
+  if (k.version != t._version() || !k.describes(t)) return nullptr;
   int64_t begin = 0, end = 0;
   if (!storage_range(t, begin, end)) return nullptr;
   if (k.finite ? (begin >= k.begin && end <= k.end) : (begin == k.begin && end == k.end)) return &k;
@@ -90,7 +90,7 @@ void remember(Session& s, const at::Tensor& t, bool finite, const Range& range) 
   int64_t begin = 0, end = 0;
   const bool ranged = t.is_non_overlapping_and_dense() && storage_range(t, begin, end);
   Known* old = s.known.find(key);
-  const bool tagged = old != nullptr && !old->finite && old->origin != kNoOrigin && !old->storage.expired();
+  const bool tagged = old != nullptr && !old->finite && old->origin != kNoOrigin && old->describes(t);
   if (!ranged) {
     if (!tagged) s.known.erase(key);
     else old->begin = old->end = 0;  // never matches a lookup; the tag stays
@@ -103,7 +103,7 @@ void remember(Session& s, const at::Tensor& t, bool finite, const Range& range) 
     s.known.prune_at = std::max<size_t>(1024, 2 * s.known.size());
   }
   Known& k = s.known.insert(key);
-  k.storage = t.storage().getWeakStorageImpl();
+  k.track(t);
   k.begin = begin;
   k.end = end;
   k.version = t._version();
@@ -113,10 +113,17 @@ void remember(Session& s, const at::Tensor& t, bool finite, const Range& range) 
   k.range = finite ? range : Range();
 }
 
+const char* entry_tracking(Session& s, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const Known* k = s.known.find(t.storage().unsafeGetStorageImpl());
+  if (k == nullptr || !k->describes(t)) return nullptr;
+  return k->stamp != 0 ? "stamp" : "weak";
+}
+
 uint32_t origin_of(Session& s, const at::Tensor& t) {
   if (!t.defined() || !t.has_storage() || s.known.size() == 0) return kNoOrigin;
   const Known* k = s.known.find(t.storage().unsafeGetStorageImpl());
-  if (k == nullptr || k->finite || k->storage.expired()) return kNoOrigin;
+  if (k == nullptr || k->finite || !k->describes(t)) return kNoOrigin;
   return k->origin;
 }
 
@@ -124,9 +131,10 @@ void tag(Session& s, const at::Tensor& t, uint32_t origin) {
   if (origin == kNoOrigin || !t.defined() || !t.has_storage()) return;
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
   Known* k = s.known.find(key);
-  if (k == nullptr || k->storage.expired()) {
+  if (k == nullptr || !k->describes(t)) {
     k = &s.known.insert(key);
-    k->storage = t.storage().getWeakStorageImpl();
+    *k = Known();  // a freed storage's entry at this address: none of it holds
+    k->track(t);
     k->begin = k->end = 0;  // a tag only: lookups scan again
     k->version = t.is_inference() ? 0 : t._version();
   }

@@ -23,6 +23,7 @@ CPU_SOURCES = (
     "scan/scan_cpu.cpp",
     "watch/watch_ops.cpp",
     "watch/watch_bounds.cpp",
+    "watch/watch_lifetime.cpp",
     "watch/watch_table.cpp",
     "watch/watch_session.cpp",
     "watch/watch_fallback.cpp",

@@ -18,6 +18,7 @@ import importlib
 import io
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -236,3 +237,33 @@ def test_a_watched_training_loop_leaves_no_stamp_behind():
     del model, opt, x, loss
     gc.collect()
     assert _native.stamped_storages() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_another_thread_holds_the_stamps_can_free():
+    """A fork while another thread is inside the stamp registry (a watched loop on a thread
+    stamps its outputs with the GIL released, in the op) must not leave the child a locked
+    registry: the fork waits for the lock, and the child frees a stamped tensor and exits."""
+    with cg.watch(None, mode="sync"):
+        inherited = _made(torch.randn(64))
+        assert _native.entry_tracking(inherited) == "stamp"
+    holder = threading.Thread(target=_native.hold_stamp_lock, args=(0.3,))
+    holder.start()
+    time.sleep(0.1)  # the holder has the lock
+    pid = os.fork()
+    if pid == 0:  # the child: one thread; a lock copied locked would never open
+        del inherited
+        os._exit(0)
+    try:
+        for _ in range(300):  # up to 3 s
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == 0
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child deadlocked freeing a stamped tensor")
+    finally:
+        holder.join()

@@ -418,6 +418,7 @@ Range known_range(Session& s, const at::Tensor& t);
 // how many storages carry a stamp now (test hooks).
 const char* entry_tracking(Session& s, const at::Tensor& t);
 size_t stamped_storages();
+void hold_stamp_lock(double seconds);  // test seam: the registry's lock held that long
 Counts scan_values(Session& s, const at::Tensor& t);
 Counts scan_fresh(Session& s, const at::Tensor& t);
 Counts scan_known(Session& s, const at::Tensor& t);

@@ -20,7 +20,11 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
+
+#include <chrono>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace cublas_guard {
@@ -98,9 +102,17 @@ class StampRegistry {
   uint64_t last_stamp_ = 0;
 };
 
-// Never destroyed: stamped storages are freed until the process exits.
+// Never destroyed: stamped storages are freed until the process exits. Held
+// across fork() (as glibc's malloc holds its arenas): a child forked while
+// another thread held the lock (a DataLoader worker, say) would otherwise
+// deadlock at its first free of a stamped storage.
 StampRegistry& stamp_registry() {
-  static StampRegistry* r = new StampRegistry();
+  static StampRegistry* r = [] {
+    auto* made = new StampRegistry();
+    pthread_atfork([] { stamp_registry().mu.lock(); }, [] { stamp_registry().mu.unlock(); },
+                   [] { stamp_registry().mu.unlock(); });
+    return made;
+  }();
   return *r;
 }
 
@@ -152,6 +164,11 @@ bool Known::alive() const {
 bool Known::describes(const at::Tensor& t) const {
   if (stamp == 0) return !storage.expired();
   return t.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks().get() == data && alive();
+}
+
+void hold_stamp_lock(double seconds) {
+  std::lock_guard<std::mutex> lock(stamp_registry().mu);
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
 }
 
 size_t stamped_storages() {

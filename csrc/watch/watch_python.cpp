@@ -252,6 +252,15 @@ PyObject* py_entry_tracking(PyObject*, PyObject* arg) {
 
 PyObject* py_stamped_storages(PyObject*, PyObject*) { return PyLong_FromSize_t(stamped_storages()); }
 
+// Test seam: holds the stamp registry's lock for `seconds`, the GIL released
+// (a fork while another thread is inside the registry).
+PyObject* py_hold_stamp_lock(PyObject*, PyObject* arg) {
+  const double seconds = PyFloat_AsDouble(arg);
+  if (PyErr_Occurred()) return nullptr;
+  Py_BEGIN_ALLOW_THREADS hold_stamp_lock(seconds);
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 // Sinks the Python side sees: reached(tensors, wheres). A tagged tensor's
 // finding is raised (sync) or kept (async); finite and untagged ones pass.
 PyObject* py_reached(PyObject*, PyObject* args) {
@@ -377,6 +386,7 @@ PyMethodDef methods[] = {
     {"known_finite", py_known_finite, METH_O, "whether this thread's watch knows the tensor finite"},
     {"known_range", py_known_range, METH_O, "(lo, hi): the bounds the watch knows for the tensor, or None"},
     {"entry_tracking", py_entry_tracking, METH_O, "'stamp', 'weak' or None: how the table knows t's storage"},
+    {"hold_stamp_lock", py_hold_stamp_lock, METH_O, "test seam: hold the stamp registry's lock (seconds)"},
     {"stamped_storages", py_stamped_storages, METH_NOARGS, "how many storages carry a watch stamp now"},
     {"key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
     {"set_verify", py_set_verify, METH_O, "verify_inputs for this thread's innermost watch"},

@@ -173,24 +173,27 @@ struct Known {
   Range range;  // finite values: their bounds, where known (Range::bounded)
 };
 
-// Storage -> Known, open addressing with linear probing in one array: no
+// Address -> V, open addressing with linear probing in one array: no
 // allocation per entry (a node-based map allocated one per scanned output,
 // thousands per training step, long-lived and scattered over the heap; with
 // them the step took ~15,000 more page faults than without, see
 // benchmarks/NOTES.md section 7). Erase shifts the following entries back
-// (no tombstones). Allocates only when it grows, and when the session begins.
-class KnownTable {
+// (no tombstones). Allocates only when it grows. The known-values table and
+// the stamp registry (watch_lifetime.cpp) are both one.
+template <class K, class V>
+class AddressTable {
  public:
-  KnownTable() : slots_(kInitial) {}
+  AddressTable() : slots_(kInitial) {}
 
-  Known* find(const c10::StorageImpl* key) {
+  V* find(K key) {
     for (size_t i = home(key);; i = (i + 1) & mask()) {
       if (slots_[i].key == key) return &slots_[i].value;
       if (slots_[i].key == nullptr) return nullptr;
     }
   }
 
-  Known& insert(const c10::StorageImpl* key) {
+  // The entry of `key`, a default V when it had none.
+  V& insert(K key) {
     if (2 * (size_ + 1) > slots_.size()) grow();
     size_t i = home(key);
     for (; slots_[i].key != nullptr; i = (i + 1) & mask()) {
@@ -201,7 +204,7 @@ class KnownTable {
     return slots_[i].value;
   }
 
-  void erase(const c10::StorageImpl* key) {
+  void erase(K key) {
     if (size_ == 0) return;
     size_t i = home(key);
     for (; slots_[i].key != key; i = (i + 1) & mask()) {
@@ -219,6 +222,35 @@ class KnownTable {
     --size_;
   }
 
+  size_t size() const { return size_; }
+
+ protected:
+  static constexpr size_t kInitial = 4096;  // a power of two
+  struct Slot {
+    K key = nullptr;
+    V value;
+  };
+  size_t mask() const { return slots_.size() - 1; }
+  size_t home(K key) const {
+    // Fibonacci hashing of the address (its low bits are alignment zeros)
+    const uint64_t h = reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>(h >> 20) & mask();
+  }
+  void grow() {
+    std::vector<Slot> old(2 * slots_.size());
+    old.swap(slots_);
+    size_ = 0;
+    for (Slot& e : old) {
+      if (e.key != nullptr) insert(e.key) = std::move(e.value);
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t size_ = 0;
+};
+
+// Storage -> Known. Allocates when it grows, and when the session begins.
+class KnownTable : public AddressTable<const c10::StorageImpl*, Known> {
+ public:
   // Drops the entries of freed storages, and with `finite_only` those of
   // non-finite values (rehashing into the same capacity, a reused buffer).
   void drop_expired(bool finite_only = false) {
@@ -235,31 +267,8 @@ class KnownTable {
 
   size_t prune_at = 1024;  // remember() drops freed storages' entries when the size reaches it
 
-  size_t size() const { return size_; }
-
  private:
-  static constexpr size_t kInitial = 4096;  // a power of two
-  struct Slot {
-    const c10::StorageImpl* key = nullptr;
-    Known value;
-  };
-  size_t mask() const { return slots_.size() - 1; }
-  size_t home(const c10::StorageImpl* key) const {
-    // Fibonacci hashing of the address (its low bits are alignment zeros)
-    const uint64_t h = reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull;
-    return static_cast<size_t>(h >> 20) & mask();
-  }
-  void grow() {
-    std::vector<Slot> old(2 * slots_.size());
-    old.swap(slots_);
-    size_ = 0;
-    for (Slot& e : old) {
-      if (e.key != nullptr) insert(e.key) = std::move(e.value);
-    }
-  }
-  std::vector<Slot> slots_;
   std::vector<Slot> spare_;
-  size_t size_ = 0;
 };
 
 // One table per thread, kept from one watch block to the next: what the last

@@ -36,69 +36,23 @@ c10::DeleterFnPtr allocator_deleter() {
   return d;
 }
 
-// Data pointer -> stamp, open addressing in one array (no allocation per
-// storage: allocations that follow the tensors' lifetimes are what this file
-// removes from the heap's history).
+// Data pointer -> stamp (an AddressTable: no allocation per storage;
+// allocations that follow the tensors' lifetimes are what this file removes
+// from the heap's history).
 class StampRegistry {
  public:
   std::mutex mu;
 
-  uint64_t find(const void* data) const {
-    for (size_t i = home(data);; i = (i + 1) & mask()) {
-      if (slots_[i].data == data) return slots_[i].stamp;
-      if (slots_[i].data == nullptr) return 0;
-    }
+  uint64_t find(const void* data) {
+    const uint64_t* stamp = stamps_.find(data);
+    return stamp != nullptr ? *stamp : 0;
   }
-  uint64_t insert(const void* data) {
-    if (2 * (size_ + 1) > slots_.size()) grow();
-    size_t i = home(data);
-    while (slots_[i].data != nullptr) i = (i + 1) & mask();
-    slots_[i] = Slot{data, ++last_stamp_};
-    ++size_;
-    return last_stamp_;
-  }
-  void erase(const void* data) {
-    size_t i = home(data);
-    for (; slots_[i].data != data; i = (i + 1) & mask()) {
-      if (slots_[i].data == nullptr) return;
-    }
-    // Backward shift, as KnownTable::erase (no tombstones).
-    for (size_t j = (i + 1) & mask(); slots_[j].data != nullptr; j = (j + 1) & mask()) {
-      const size_t h = home(slots_[j].data);
-      const bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
-      if (stays) continue;
-      slots_[i] = slots_[j];
-      i = j;
-    }
-    slots_[i] = Slot();
-    --size_;
-  }
-  size_t size() const { return size_; }
+  uint64_t insert(const void* data) { return stamps_.insert(data) = ++last_stamp_; }
+  void erase(const void* data) { stamps_.erase(data); }
+  size_t size() const { return stamps_.size(); }
 
  private:
-  struct Slot {
-    const void* data = nullptr;
-    uint64_t stamp = 0;
-  };
-  size_t mask() const { return slots_.size() - 1; }
-  size_t home(const void* data) const {
-    const uint64_t h = reinterpret_cast<uintptr_t>(data) * 0x9E3779B97F4A7C15ull;
-    return static_cast<size_t>(h >> 20) & mask();
-  }
-  void grow() {
-    std::vector<Slot> old(2 * slots_.size());
-    old.swap(slots_);
-    size_ = 0;
-    for (const Slot& e : old) {
-      if (e.data == nullptr) continue;
-      size_t i = home(e.data);
-      while (slots_[i].data != nullptr) i = (i + 1) & mask();
-      slots_[i] = e;
-      ++size_;
-    }
-  }
-  std::vector<Slot> slots_ = std::vector<Slot>(4096);  // a power of two
-  size_t size_ = 0;
+  AddressTable<const void*, uint64_t> stamps_;
   uint64_t last_stamp_ = 0;
 };
 

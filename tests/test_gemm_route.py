@@ -181,17 +181,53 @@ def test_both_paths_match_f_linear_forward_and_backward(gemm_path, path, dtype, 
     cg.check()
 
 
-@requires_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_lt_path_adds_the_bias_once_to_every_piece_of_a_split_gemm(gemm_path, size_limit, dtype) -> None:
-    """Beyond the (lowered) 32-bit limit the GEMM is split in m, n and k: the bias enters the
-    first k piece of every m range only."""
-    gemm_path("lt")
-    size_limit(64, allow_64bit=False)
-    layer = cg.SafeLinear(150, 130, device="cuda", dtype=dtype, mode="async", name="split")
-    x = torch.randn(200, 150, device="cuda", dtype=dtype)
+# A GEMM split in m, n and k under a lowered 32-bit limit (no 64-bit API): the leading
+# dimensions must fit the limit (they cannot be split), so the weight is contiguous (lda = K,
+# m splits) and the input stored transposed (ldb = the batch, k splits). The planner
+# (linear_common.cpp's gemm_steps) then takes m = 6, n = 9, k = 7 steps: 5 x 4 x 6 pieces with
+# uneven last ones.
+SPLIT_LIMIT = 256
+SPLIT_BATCH, SPLIT_IN, SPLIT_OUT = 33, 37, 29
+SPLIT_FIRST_PIECE = "m 0..6 of 29, n 0..9 of 33, k 0..7 of 37"
+SPLIT_CASES = [
+    ("cpu", "legacy", torch.float32),
+    ("cpu", "legacy", torch.float64),
+    ("cpu", "legacy", torch.bfloat16),
+] + [
+    pytest.param("cuda", path, dtype, marks=requires_cuda)
+    for path in ("legacy", "lt")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+]
+
+
+def split_layer_and_input(device: str, dtype: torch.dtype) -> tuple[cg.SafeLinear, torch.Tensor]:
+    layer = cg.SafeLinear(SPLIT_IN, SPLIT_OUT, device=device, dtype=dtype, mode="async", name="split")
+    with torch.no_grad():  # a bias added to two k pieces would be off by about 10
+        layer.bias.copy_(10.0 + torch.randn(SPLIT_OUT, device=device, dtype=dtype))
+    x = torch.randn(SPLIT_IN, SPLIT_BATCH, device=device, dtype=dtype).t()  # ldb = 33
+    return layer, x
+
+
+@pytest.mark.parametrize("device,path,dtype", SPLIT_CASES)
+def test_a_gemm_split_in_m_n_and_k_adds_the_bias_once_per_output(
+    gemm_path, size_limit, inject_fault, device, path, dtype
+) -> None:
+    """Beyond the (lowered) 32-bit limit the forward GEMM is split in m, n and k: the bias enters
+    the first k piece of every m range only (cuBLASLt's epilogue on the lt path), later k pieces
+    accumulate. On the CPU the same planner splits the same call (torch's addmm runs each piece)."""
+    gemm_path(path)
+    size_limit(SPLIT_LIMIT, allow_64bit=False)
+    layer, x = split_layer_and_input(device, dtype)
+    inject_fault("gemm", EXECUTION_FAILED)  # the first piece fails: its report names it
+    with pytest.raises(cg.CublasError) as info, torch.no_grad():
+        layer(x)
+    assert info.value.fields["chunk"] == SPLIT_FIRST_PIECE
+    assert (info.value.fields["m"], info.value.fields["n"], info.value.fields["k"]) == (6, 9, 7)
     with torch.no_grad():
-        assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])
+        got = layer(x)
+        want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert_matches(got.double(), want, rel=TOL[dtype])
+    cg.check()
 
 
 @requires_cuda

@@ -72,10 +72,114 @@ def test_cublaslt_refusing_falls_back_and_other_failures_are_reported() -> None:
             1,  # the matmul failed: reported, not hidden by a fallback
             INVALID_VALUE,
             1,
-            0,  # the heuristic query failed
+            0,  # the heuristic query answered INVALID_VALUE: a layout it does not take
+            INVALID_VALUE,
+            0,
+            1,  # a descriptor refused its argument: reported
+            EXECUTION_FAILED,
+            1,
+            0,  # the heuristic query failed otherwise: reported
         ),
     )
-    assert verdicts[1:] == ["continue", "continue", "fall_back", "fall_back", "fall_back", "report", "report"]
+    assert verdicts[1:] == [
+        "continue",
+        "continue",
+        "fall_back",
+        "fall_back",
+        "fall_back",
+        "report",
+        "fall_back",
+        "report",
+        "report",
+    ]
+
+
+def test_d_declares_the_smaller_of_c_and_the_bias_alignment() -> None:
+    """A split piece's C starts m0 + n0 * ldc elements into the output; cuBLASLt must not pick a
+    kernel for an alignment D (= C) does not have, whatever the bias's."""
+    base = 1 << 20  # 256-byte aligned
+    assert T.lt_alignments(base, base + 16, base + 256, base + 512) == [256, 16, 256, 256]
+    assert T.lt_alignments(base, base, base + 2, base) == [256, 256, 2, 2]  # bf16 piece at m0 = 1
+    assert T.lt_alignments(base, base, base, base + 6) == [256, 256, 256, 2]  # the bias offset by 3
+    assert T.lt_alignments(base, base, base + 8, base + 4) == [256, 256, 8, 4]
+    assert T.lt_alignments(base + 128, base + 64, base + 32, base + 32) == [128, 64, 32, 32]
+
+
+KEY_FIELDS = T.lt_plan_key_fields()
+BASE_KEY = dict(
+    device=0,
+    dtype=15,
+    accumulate16=0,
+    reduction=0,
+    trans_a=1,
+    trans_b=0,
+    m=4096,
+    n=8192,
+    k=4096,
+    lda=4096,
+    ldb=4096,
+    ldc=4096,
+    align_a=256,
+    align_b=256,
+    align_c=256,
+    align_d=256,
+    workspace_size=32 << 20,
+)
+
+
+def keys(*dicts: dict) -> list[int]:
+    return [d[name] for d in dicts for name in KEY_FIELDS]
+
+
+def test_a_cached_lt_plan_is_found_only_for_the_same_key() -> None:
+    """The cuBLASLt plan (descriptors and heuristic answer) is reused for a key with every
+    field equal, and for no other: a plan for another shape, layout, alignment, dtype or torch
+    flag would run the wrong kernel."""
+    assert sorted(KEY_FIELDS) == sorted(BASE_KEY)
+    assert T.lt_plan_cache_trace(8, keys(BASE_KEY, BASE_KEY, BASE_KEY)) == ["miss", "hit 0", "hit 0"]
+    for name in KEY_FIELDS:
+        if name in ("accumulate16", "trans_a", "trans_b"):
+            other = {**BASE_KEY, name: 1 - BASE_KEY[name]}
+        else:
+            other = {
+                **BASE_KEY,
+                name: BASE_KEY[name] // 2 if name.startswith("align") else BASE_KEY[name] + 1,
+            }
+        trace = T.lt_plan_cache_trace(8, keys(BASE_KEY, other, other, BASE_KEY))
+        assert trace == ["miss", "miss", "hit 1", "hit 0"], name
+
+
+def test_the_plan_cache_evicts_the_least_recently_used() -> None:
+    a, b, c = ({**BASE_KEY, "n": n} for n in (1, 2, 3))
+    # capacity 2: a, b; a used again; c evicts b (least recently used), so b misses, a hits.
+    trace = T.lt_plan_cache_trace(2, keys(a, b, a, c, b, c, a))
+    assert trace == ["miss", "miss", "hit 0", "miss", "miss", "hit 3", "miss"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemm_ex_refuses_split_k_off_as_torch_does(dtype: str) -> None:
+    """torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction = (False, False)
+    turns split-K off, which only cuBLASLt can do: cublasGemmEx refuses before the call with a
+    CublasError (a RuntimeError, as torch's own refusal) instead of running with split-K."""
+    for allowed in (0, 1):  # reduced precision allowed; or disallowed with split-K
+        T.gemm_ex_reduction_check(dtype, allowed, "half")
+    for other in ("float32", "float64"):  # no such setting: nothing to refuse
+        T.gemm_ex_reduction_check(other, 2, "full")
+    with pytest.raises(cg.CublasError) as info:
+        T.gemm_ex_reduction_check(dtype, 2, "half")
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    setting = f"torch.backends.cuda.matmul.allow_{'bf16' if dtype == 'bfloat16' else 'fp16'}_reduced_precision_reduction"
+    f = err.fields
+    assert (f["status"], f["status_name"], f["precheck"], f["api"]) == (
+        NOT_SUPPORTED,
+        "CUBLAS_STATUS_NOT_SUPPORTED",
+        True,
+        "cublasGemmEx",
+    )
+    assert f["rule"].startswith(f"{setting} = (False, False) turns split-K off")
+    assert f"{setting} = (False, True)" in f["rule"]
+    assert "layer 'half'" in str(err) and "refused before the call" in str(err)
 
 
 def test_a_bad_path_name_is_refused() -> None:

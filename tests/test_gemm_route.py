@@ -182,6 +182,21 @@ def test_gemm_ex_refuses_split_k_off_as_torch_does(dtype: str) -> None:
     assert "layer 'half'" in str(err) and "refused before the call" in str(err)
 
 
+def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
+    """-1: the option as gemm_cuda reads it from torch (torch_reduction_option)."""
+    matmul = torch.backends.cuda.matmul
+    old = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = (False, True)
+        T.gemm_ex_reduction_check("bfloat16", -1, "half")
+        matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        T.gemm_ex_reduction_check("float16", -1, "half")  # fp16's own setting is still on
+        with pytest.raises(cg.CublasError, match="allow_bf16_reduced_precision_reduction"):
+            T.gemm_ex_reduction_check("bfloat16", -1, "half")
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = old
+
+
 def test_a_bad_path_name_is_refused() -> None:
     with pytest.raises(ValueError, match="neither 'legacy' nor 'lt'"):
         route("float32", "cublaslt")
@@ -399,3 +414,47 @@ def test_a_strided_bias_is_prefilled_right_on_the_lt_path(gemm_path, mode) -> No
             layer.bias = torch.nn.Parameter(wide[::2])  # stride 2: no epilogue, our prefill
             x = torch.randn(8, 32, device="cuda", dtype=dtype)
             assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cached_lt_plan_takes_each_call_s_own_bias(gemm_path, dtype) -> None:
+    """Two layers of one shape share a cached cuBLASLt plan; each call must still add its own
+    bias (the plan's BIAS_POINTER is set per call), alternating, and a third shape in between."""
+    gemm_path("lt")
+    a = cg.SafeLinear(64, 48, device="cuda", dtype=dtype, mode="off", name="plan_a")
+    b = cg.SafeLinear(64, 48, device="cuda", dtype=dtype, mode="off", name="plan_b")
+    c = cg.SafeLinear(64, 40, device="cuda", dtype=dtype, mode="off", name="plan_c")
+    with torch.no_grad():
+        b.bias.add_(5.0)
+        x = torch.randn(16, 64, device="cuda", dtype=dtype)
+        for layer in (a, b, c, a, b, a, c, b):
+            assert_matches(layer(x), F.linear(x, layer.weight, layer.bias), rel=TOL[dtype])
+
+
+@requires_cuda
+@pytest.mark.parametrize("path", ["legacy", "lt"])
+def test_split_k_off_is_refused_where_cublasgemmex_would_run(gemm_path, path) -> None:
+    """allow_bf16_reduced_precision_reduction = (False, False): cuBLASLt's bias GEMM honours it
+    (lt path, forward with a bias); every GEMM that goes to cublasGemmEx refuses it."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        old = matmul.allow_bf16_reduced_precision_reduction
+        matmul.allow_bf16_reduced_precision_reduction = (False, False)
+    except (TypeError, RuntimeError, AttributeError):
+        pytest.skip("this torch has no allow_splitk setting")
+    gemm_path(path)
+    try:
+        layer = cg.SafeLinear(64, 48, device="cuda", dtype=torch.bfloat16, mode="off", name="splitk")
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if path == "lt":
+            y = layer(x)  # cuBLASLt with REDUCTION_SCHEME_NONE
+            assert_matches(y, F.linear(x, layer.weight, layer.bias), rel=TOL[torch.bfloat16])
+            with pytest.raises(cg.CublasError, match="split-K off"):
+                y.sum().backward()  # the gradients' GEMMs are cublasGemmEx
+        else:
+            with pytest.raises(cg.CublasError, match="split-K off") as info:
+                layer(x)
+            assert info.value.fields["precheck"] and info.value.fields["api"] == "cublasGemmEx"
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = old

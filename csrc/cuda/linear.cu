@@ -250,17 +250,12 @@ GemmNames gemm_names_cuda(at::ScalarType dtype) {
   }
 }
 
-at::CuBLASReductionOption reduction_option(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? at::globalContext().allowBF16ReductionCuBLAS()
-                                : at::globalContext().allowFP16ReductionCuBLAS();
-}
-
 // The math mode torch's own half-precision GEMMs use: reduced-precision
 // reductions only when the user allows them (the default allows them).
 // DisallowReducedPrecisionDisallowSplitK never gets here: cublasGemmEx cannot
 // honour it and gemm_cuda refuses it first (gemm_ex_refused_reduction).
 cublasMath_t half_math_mode(at::ScalarType dtype) {
-  const at::CuBLASReductionOption option = reduction_option(dtype);
+  const auto option = static_cast<at::CuBLASReductionOption>(torch_reduction_option(static_cast<int>(dtype)));
   if (option == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) return CUBLAS_DEFAULT_MATH;
   return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
 }
@@ -430,8 +425,8 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
   }
   if (call.dtype == at::kBFloat16 || call.dtype == at::kHalf) {
     // As torch: split-K off needs cuBLASLt, which cublasGemmEx is not.
-    const char* refused = gemm_ex_refused_reduction(static_cast<int>(call.dtype),
-                                                    static_cast<int>(reduction_option(call.dtype)));
+    const int dtype = static_cast<int>(call.dtype);
+    const char* refused = gemm_ex_refused_reduction(dtype, torch_reduction_option(dtype));
     if (refused != nullptr) raise_gemm_ex_reduction_refused(call, refused, ctx.layer);
   }
   if (call.bias != nullptr) {

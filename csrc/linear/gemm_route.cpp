@@ -116,6 +116,13 @@ const char* gemm_ex_refused_reduction(int dtype, int reduction) {
   return nullptr;  // float32/float64 have no such setting
 }
 
+int torch_reduction_option(int dtype) {
+  const at::CuBLASReductionOption option = dtype == dtype_code::kBFloat16
+                                               ? at::globalContext().allowBF16ReductionCuBLAS()
+                                               : at::globalContext().allowFP16ReductionCuBLAS();
+  return static_cast<int>(option);
+}
+
 void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting, const std::string& layer) {
   const std::string rule = std::string(setting) +
                            " = (False, False) turns split-K off, which cublasGemmEx cannot do (torch's own "
@@ -287,11 +294,13 @@ std::vector<std::string> lt_plan_cache_trace_op(int64_t capacity, std::vector<in
 }
 
 // What cublasGemmEx does for a half-precision GEMM under torch's reduction
-// option (0, 1, 2: at::CuBLASReductionOption): nothing, or the error the CUDA path raises.
+// option (0, 1, 2: at::CuBLASReductionOption; -1: torch's current setting,
+// as the CUDA path reads it): nothing, or the error the CUDA path raises.
 void gemm_ex_reduction_check_op(c10::string_view dtype, int64_t reduction, c10::string_view layer) {
   require_testing_env("gemm_ex_reduction_check");
   const int code = dtype_from_name(std::string(dtype));
-  const char* setting = gemm_ex_refused_reduction(code, static_cast<int>(reduction));
+  const int option = reduction < 0 ? torch_reduction_option(code) : static_cast<int>(reduction);
+  const char* setting = gemm_ex_refused_reduction(code, option);
   if (setting == nullptr) return;
   GemmCall call;
   call.dtype = static_cast<at::ScalarType>(code);

@@ -167,6 +167,9 @@ constexpr size_t kLtPlanCacheCapacity = 64;
 // does this one. `reduction` is at::CuBLASReductionOption's value. Returns
 // the setting's name when cublasGemmEx must refuse, nullptr when it may run.
 const char* gemm_ex_refused_reduction(int dtype, int reduction);
+// torch's current reduction option (at::CuBLASReductionOption's value) for a
+// half-precision dtype: allow_{bf16,fp16}_reduced_precision_reduction.
+int torch_reduction_option(int dtype);
 
 struct GemmCall;  // guard.h
 // Raises the CublasError (CUBLAS_STATUS_NOT_SUPPORTED, refused before the

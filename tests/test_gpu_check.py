@@ -230,3 +230,18 @@ def test_the_section_rows_say_pass_miss_or_not_run(tmp_path: Path) -> None:
         "gpu-training-guard-gpt2-bf16": ("PASS", "1.011"),
         "gpu-memcheck": ("NOT RUN", "-"),
     }
+
+
+def test_the_small_memcheck_workload_runs_and_checks_its_results_on_the_cpu() -> None:
+    """Run 2's memcheck workload (WORKLOAD_SIZE=small) is the same Python on any device: here it
+    runs every path once on the CPU and compares each result with torch's."""
+    result = subprocess.run(
+        ["bash", str(GPU / "gpu_extra_checks.sh"), "--workload-only"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable, "WORKLOAD_DEVICE": "cpu", "WORKLOAD_SIZE": "small"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    checks = int(re.search(r"WORKLOAD OK: (\d+) checks on cpu", result.stdout).group(1))
+    assert 30 <= checks < 100  # each path once, not every size (the full workload makes 142)

@@ -38,7 +38,8 @@
 #   guard-bench 35 s benchmarks/training_guard_bench.py --device cuda --model gpt2 --bf16 --fused
 #                   (<= 1.02x)
 #   sanitizer 80 s  compute-sanitizer memcheck (gpu_extra_checks.sh, WORKLOAD_SIZE=small: the
-#                   guard's CUDA paths once each) with PYTORCH_NO_CUDA_MEMORY_CACHING=1; memcheck
+#                   guard's CUDA paths once each, the GEMMs on both paths) with
+#                   PYTORCH_NO_CUDA_MEMORY_CACHING=1; memcheck
 #                   over torch's start alone takes tens of seconds, so it runs last with the most
 #   pack      10 s  as run 1
 #
@@ -326,7 +327,7 @@ step_sanitizer() {
   echo "== sanitizer: memcheck (limit ${limit}s)"
   mkdir -p "$DETAILS/sanitizer"
   s=$(date +%s)
-  GPU_EXTRA_BUDGET_S=$(( limit - 8 )) OUT_EXTRA="$DETAILS/sanitizer" PYTHON="$PY" TOOLS=memcheck WORKLOAD_SIZE=small \
+  GPU_EXTRA_BUDGET_S=$(( limit - 8 )) OUT_EXTRA="$DETAILS/sanitizer" PYTHON="$PY" TOOLS=memcheck WORKLOAD_SIZE=small CUBLAS_GUARD_EXT_TESTING=1 \
     gpu sanitizer "$limit" bash benchmarks/gpu/gpu_extra_checks.sh
   rc=$?
   note=$(sed 's/^gpu_extra_checks: //' "$DETAILS/sanitizer/summary.txt" 2>/dev/null | paste -sd ';' -)

@@ -195,17 +195,23 @@ except cg.NonFiniteInputError:
     pass
 # Every mode and dtype on the run's GEMM path (CUBLAS_GUARD_GEMM_PATH: with lt, cuBLASLt's bias
 # epilogue for bfloat16/float16 and the bias prefill fused into the input's scan, or alone in off
-# mode, for float32/float64); outputs past one block's prefill (> 32768 elements).
-for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
-    for mode in ("off", "async", "sync"):
-        for rows, fin, fout in ((700, 48, 96),) if SMALL else ((7, 24, 40), (700, 48, 96)):
-            layer = cg.SafeLinear(fin, fout, device=dev, dtype=dtype, name=f"path-{mode}", mode=mode)
-            x = torch.randn(rows, fin, device=dev, dtype=dtype)
-            with torch.no_grad():
-                y, ref = layer(x), F.linear(x, layer.weight, layer.bias)
-            scale = float(ref.abs().max()) or 1.0
-            expect(float((y.double() - ref.double()).abs().max()) <= tol * scale,
-                   f"{dtype} {mode} {rows}x{fin}->{fout} on path {os.environ.get('CUBLAS_GUARD_GEMM_PATH', 'legacy')}")
+# mode, for float32/float64); outputs past one block's prefill (> 32768 elements). With the test
+# hooks on (CUBLAS_GUARD_EXT_TESTING=1, as gpu_check.sh sets it) on both paths, one after the other.
+testing = os.environ.get("CUBLAS_GUARD_EXT_TESTING") == "1"
+paths = ("legacy", "lt") if testing else (os.environ.get("CUBLAS_GUARD_GEMM_PATH") or "legacy",)
+for path in paths:
+    if testing:
+        torch.ops.cublas_guard_testing.set_gemm_path(path)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
+        for mode in ("off", "async", "sync"):
+            for rows, fin, fout in ((700, 48, 96),) if SMALL else ((7, 24, 40), (700, 48, 96)):
+                layer = cg.SafeLinear(fin, fout, device=dev, dtype=dtype, name=f"path-{mode}", mode=mode)
+                x = torch.randn(rows, fin, device=dev, dtype=dtype)
+                with torch.no_grad():
+                    y, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+                scale = float(ref.abs().max()) or 1.0
+                expect(float((y.double() - ref.double()).abs().max()) <= tol * scale,
+                       f"{dtype} {mode} {rows}x{fin}->{fout} on path {path}")
 cg.check()
 if dev == "cuda":
     torch.cuda.synchronize()

@@ -50,7 +50,7 @@
 # Exit status: 0 when every test step passed (benchmark misses do not fail it), else 1.
 #
 # Overrides: GPU_CHECK_WORKERS (xdist workers, 8), GPU_CHECK_TEST_TIMEOUT_S (per test, 90),
-# GPU_CHECK_SCALE (multiplies every budget; tests use 0.1), PYTHON.
+# GPU_CHECK_SCALE (multiplies every budget and total: a shortened rehearsal), PYTHON.
 set -u -o pipefail
 
 RUN1_LIMIT_S=420

@@ -3,7 +3,8 @@ the GEMM alone. Writes summary.md, results.json and overhead.png, updates RESULT
 and prints PASS/MISS for each target of issue 5.
 
     python benchmarks/run.py --preset cpu      # this 2-core CPU machine (< 10 minutes)
-    python benchmarks/run.py --preset gpu      # an H200 (~4 minutes; see gpu/gpu_check.sh)
+    python benchmarks/run.py --preset gpu      # an H200 (~4 minutes)
+    python benchmarks/run.py --preset gpu-check  # the GPU check's target rows (gpu/gpu_check.sh --run 1)
     python benchmarks/run.py --preset quick    # a fast look, either device
     python benchmarks/run.py --preset gpu --dry-run   # list the cases, measure nothing
 """

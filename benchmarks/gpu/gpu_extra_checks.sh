@@ -7,6 +7,7 @@
 #     bash benchmarks/gpu/gpu_extra_checks.sh                  # both tools, ~90 s budget
 #     bash benchmarks/gpu/gpu_extra_checks.sh --workload-only  # the workload alone, no sanitizer
 #     WORKLOAD_DEVICE=cpu bash benchmarks/gpu/gpu_extra_checks.sh --workload-only   # smoke test, no GPU
+#     WORKLOAD_SIZE=small ...                                  # each CUDA path once (gpu_check.sh)
 #
 # Called by benchmarks/gpu/gpu_check.sh with GPU_EXTRA_BUDGET_S (seconds for everything, default 90),
 # OUT_EXTRA (where logs go; else $OUT/gpu_extra_checks when OUT is set, else a temp dir) and
@@ -53,6 +54,10 @@ import torch.nn.functional as F
 import cublas_guard_ext as cg
 
 dev = os.environ.get("WORKLOAD_DEVICE", "cuda")
+# WORKLOAD_SIZE=small (the GPU check's memcheck, after torch's slow start under the tool): each
+# CUDA path once -- single- and multi-block, contiguous, misaligned and strided scans, every
+# dtype's GEMM in each mode -- instead of every size.
+SMALL = os.environ.get("WORKLOAD_SIZE") == "small"
 if dev == "cuda":
     if not (torch.cuda.is_available()
             and torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")):
@@ -98,14 +103,14 @@ def plant(x):
 
 
 # 1. the scan: contiguous, single-block (<= 32768) and multi-block sizes, clean and planted
-for n in (0, 1, 3, 4, 5, 17, 1023, 32768, 32769, 100_003, (1 << 18) + 3):
+for n in (0, 5, 32769) if SMALL else (0, 1, 3, 4, 5, 17, 1023, 32768, 32769, 100_003, (1 << 18) + 3):
     x = torch.randn(n, device=dev)
     check_scan(x, f"clean n={n}")
     check_scan(plant(x), f"planted n={n}")
 # misaligned starts (the scalar head before 16-byte vector loads) and odd tails
 base = torch.randn(40_000 + 8, device=dev)
-for off in (1, 2, 3):
-    for n in (1, 5, 7, 4099, 40_000):
+for off in (1,) if SMALL else (1, 2, 3):
+    for n in (7, 40_000) if SMALL else (1, 5, 7, 4099, 40_000):
         v = base[off:off + n]
         check_scan(v, f"offset {off} n={n}")
         w = v.clone()
@@ -124,7 +129,8 @@ views = {
     "big-strided": plant(torch.randn(600, 1000, device=dev))[:, ::3],
 }
 for name, v in views.items():
-    check_scan(v, name)
+    if not SMALL or name in ("transposed", "big-strided"):
+        check_scan(v, name)
 
 # 2. the guarded GEMM, forward + backward (+ double backward once), against F.linear
 def check_linear(batch, fin, fout, bias=True, view=None, mode="sync"):
@@ -143,7 +149,7 @@ def check_linear(batch, fin, fout, bias=True, view=None, mode="sync"):
             expect(torch.allclose(a, b, rtol=1e-4, atol=1e-4), f"backward {batch} {fin}->{fout}")
 
 
-for batch, fin, fout in (((1,), 1, 1), ((7,), 13, 5), ((64,), 256, 128), ((3, 5), 33, 17), ((0,), 8, 4)):
+for batch, fin, fout in (((7,), 13, 5),) if SMALL else (((1,), 1, 1), ((7,), 13, 5), ((64,), 256, 128), ((3, 5), 33, 17), ((0,), 8, 4)):
     check_linear(batch, fin, fout)
     check_linear(batch, fin, fout, bias=False)
 check_linear(None, 40, 24, view=torch.randn(40, 50, device=dev).t())              # transposed input
@@ -189,17 +195,23 @@ except cg.NonFiniteInputError:
     pass
 # Every mode and dtype on the run's GEMM path (CUBLAS_GUARD_GEMM_PATH: with lt, cuBLASLt's bias
 # epilogue for bfloat16/float16 and the bias prefill fused into the input's scan, or alone in off
-# mode, for float32/float64); outputs past one block's prefill (> 32768 elements).
-for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
-    for mode in ("off", "async", "sync"):
-        for rows, fin, fout in ((7, 24, 40), (700, 48, 96)):
-            layer = cg.SafeLinear(fin, fout, device=dev, dtype=dtype, name=f"path-{mode}", mode=mode)
-            x = torch.randn(rows, fin, device=dev, dtype=dtype)
-            with torch.no_grad():
-                y, ref = layer(x), F.linear(x, layer.weight, layer.bias)
-            scale = float(ref.abs().max()) or 1.0
-            expect(float((y.double() - ref.double()).abs().max()) <= tol * scale,
-                   f"{dtype} {mode} {rows}x{fin}->{fout} on path {os.environ.get('CUBLAS_GUARD_GEMM_PATH', 'legacy')}")
+# mode, for float32/float64); outputs past one block's prefill (> 32768 elements). With the test
+# hooks on (CUBLAS_GUARD_EXT_TESTING=1, as gpu_check.sh sets it) on both paths, one after the other.
+testing = os.environ.get("CUBLAS_GUARD_EXT_TESTING") == "1"
+paths = ("legacy", "lt") if testing else (os.environ.get("CUBLAS_GUARD_GEMM_PATH") or "legacy",)
+for path in paths:
+    if testing:
+        torch.ops.cublas_guard_testing.set_gemm_path(path)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)):
+        for mode in ("off", "async", "sync"):
+            for rows, fin, fout in ((700, 48, 96),) if SMALL else ((7, 24, 40), (700, 48, 96)):
+                layer = cg.SafeLinear(fin, fout, device=dev, dtype=dtype, name=f"path-{mode}", mode=mode)
+                x = torch.randn(rows, fin, device=dev, dtype=dtype)
+                with torch.no_grad():
+                    y, ref = layer(x), F.linear(x, layer.weight, layer.bias)
+                scale = float(ref.abs().max()) or 1.0
+                expect(float((y.double() - ref.double()).abs().max()) <= tol * scale,
+                       f"{dtype} {mode} {rows}x{fin}->{fout} on path {path}")
 cg.check()
 if dev == "cuda":
     torch.cuda.synchronize()

@@ -107,6 +107,13 @@ def environment(device: torch.device) -> dict:
             env["nvidia_smi"] = smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else ""
         except (OSError, subprocess.SubprocessError):
             env["nvidia_smi"] = ""
+        # cuBLAS as loaded at run time (the extension's build facts; "?" when it cannot say).
+        try:
+            from cublas_guard_ext._native import facts
+
+            env["cublas"] = facts.native_build_info().get("cublas_runtime_version") or "?"
+        except Exception:  # noqa: BLE001 (a report line, never a failure)
+            env["cublas"] = "?"
         try:
             import triton
 

@@ -119,6 +119,30 @@ def preset(name: str) -> Preset:
             note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
             "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
         )
+    if name == "gpu-check":
+        # The GPU check's target rows only (benchmarks/gpu/gpu_check.sh --run 1, about 15 s per
+        # GEMM path on an H200): the forward at M=8192, K=N=4096 in every dtype against nn.Linear,
+        # and the fixed cost per forward at M=32, K=N=1024.
+        return Preset(
+            name="gpu-check",
+            device="cuda",
+            linear_shapes=[(8192, 4096, 4096)],
+            directions=["fwd"],
+            tf32=[False],
+            scan_sizes=[],
+            slow_baseline_max=0,
+            rounds=5,
+            min_run_time=0.05,
+            budget_s=40.0,
+            target_shapes=[(8192, 4096, 4096)],
+            dtype_shapes=[(8192, 4096, 4096)],
+            dtype_scan_sizes=[],
+            fixed_shapes=[(32, 1024, 1024)],
+            fixed_dtypes=["float32"],
+            fixed_directions=["fwd"],
+            note="The GPU check's targets: forward at M=8192, K=N=4096 (float32 TF32 off, bfloat16, "
+            "float16, float64) and the fixed cost per fp32 forward at M=32, K=N=1024.",
+        )
     if name == "quick":
         return Preset(
             name="quick",
@@ -164,7 +188,7 @@ def preset(name: str) -> Preset:
     raise ValueError(f"unknown preset {name!r}")
 
 
-PRESETS = ("cpu", "gpu", "quick", "smoke")
+PRESETS = ("cpu", "gpu", "gpu-check", "quick", "smoke")
 
 
 def resolve_device(p: Preset, override: str | None) -> torch.device:

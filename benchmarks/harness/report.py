@@ -37,6 +37,7 @@ def env_lines(env: dict, command: str, preset_note: str, wall_s: float) -> str:
         lines.append(
             f"- GPU: {env['gpu']} (cc {env['gpu_cc']}, {env['gpu_memory']}, L2 {env['gpu_l2']}); "
             f"nvidia-smi driver/max SM clock/max mem clock: {env.get('nvidia_smi') or '?'}"
+            + (f"; cuBLAS {env['cublas']}" if env.get("cublas") else "")
         )
     lines.append(
         f"- Python {env['python']}, torch {env['torch']}"

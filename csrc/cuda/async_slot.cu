@@ -36,6 +36,19 @@ std::array<DeviceRecord, 64>& device_slots() {
   return slots;
 }
 
+// Zeroes `bytes` at `device_memory` on a stream of its own, created
+// non-blocking (it never waits for, nor holds up, any other stream), and
+// waits for it.
+void zero_on_private_stream(void* device_memory, size_t bytes) {
+  cudaStream_t stream = nullptr;
+  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaError_t err = cudaMemsetAsync(device_memory, 0, bytes, stream);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+  const cudaError_t destroyed = cudaStreamDestroy(stream);
+  C10_CUDA_CHECK(err);
+  C10_CUDA_CHECK(destroyed);
+}
+
 }  // namespace
 
 void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
@@ -55,12 +68,15 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
     // With unified addressing (every 64-bit platform CUDA supports) both are one address.
     TORCH_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
     // The claim word, then the replay counters (8-byte aligned), all zero. The
-    // zeroing is waited for: no later stream is ordered after this one.
+    // zeroing runs on a private non-blocking stream and is waited for there:
+    // no later stream is ordered after it. Not cudaMemset and the legacy
+    // stream: the legacy stream synchronizes with every blocking stream, and a
+    // capture running on one (this very call may be the first of a capture)
+    // would be invalidated.
     const size_t bytes = sizeof(int64_t) * (1 + kReplayCounters);
     void* device_memory = nullptr;
     C10_CUDA_CHECK(cudaMalloc(&device_memory, bytes));
-    C10_CUDA_CHECK(cudaMemset(device_memory, 0, bytes));
-    C10_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+    zero_on_private_stream(device_memory, bytes);
     slot.record = static_cast<AsyncRecord*>(host);
     slot.claim = static_cast<int*>(device_memory);
     slot.replay_counters = static_cast<int64_t*>(device_memory) + 1;

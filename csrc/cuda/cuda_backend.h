@@ -1,6 +1,7 @@
 // Declarations shared by the CUDA translation units (scan.cu, linear.cu, lt_gemm.cu).
 #pragma once
 
+#include "cuda/launch_limits.h"
 #include "guard.h"
 #include "linear/gemm_route.h"
 
@@ -47,6 +48,13 @@ bool capture_replay_counter_cuda(c10::Device device, int64_t** counter);
 // Before our first launch of a call: clears a stale non-sticky error (it is
 // not ours and would be blamed on the launch), reports a sticky one.
 void clear_stale_launch_error(const std::string& layer);
+
+// Before every launch of ours: the grid, block and dynamic shared memory
+// against the current device's limits (launch_limits.h, lowered by tests'
+// set_launch_limits); one that does not fit raises a CudaLaunchError naming
+// the kernel and its sizes instead of launching.
+void check_launch_fits(const char* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+                       const std::string& layer);
 
 // After every launch: turns cudaGetLastError() into a report. An error that
 // belongs to an earlier kernel (a sticky context error) is reported as such.

@@ -61,12 +61,15 @@ static_assert(cuda_code::kNotReady == cudaErrorNotReady && cuda_code::kAssert ==
               "pending_errors.h's cuda_code values must match cudaError_t");
 
 namespace {
-// How the forward's bias reaches the output (guard.h's BiasHandling): the
-// legacy path copies it; the lt path adds it in cuBLASLt's epilogue
-// (bfloat16/float16) or prefills it in the input's scan (float32/float64).
+// How the forward's bias reaches the output (guard.h's BiasHandling): the lt
+// path adds it in cuBLASLt's epilogue (bfloat16/float16); otherwise (the
+// legacy path's GEMMs, and float32/float64 on both paths) our prefill writes
+// it, fused into the input's scan when one runs (one launch of ours before
+// the GEMM, beta = 1), alone in off mode: no full-size broadcast copy.
 BiasHandling bias_handling_cuda(at::ScalarType dtype) {
-  if (gemm_path() == GemmPath::kLegacy) return BiasHandling::kBiasByCopy;
-  if ((dtype == at::kBFloat16 || dtype == at::kHalf) && lt_available()) return BiasHandling::kBiasInGemm;
+  if (gemm_path() == GemmPath::kLt && (dtype == at::kBFloat16 || dtype == at::kHalf) && lt_available()) {
+    return BiasHandling::kBiasInGemm;
+  }
   return BiasHandling::kBiasByBackend;
 }
 
@@ -110,6 +113,45 @@ void clear_stale_launch_error(const std::string& layer) {
   const int stale = take_pending_error(cuda_probe());
   if (stale != cuda_code::kSuccess) {
     raise_pending_cuda_error(static_cast<cudaError_t>(stale), "before a guard kernel's launch", layer);
+  }
+}
+
+static_assert(cudaErrorInvalidConfiguration == 9, "gemm_route.cpp's raise_launch_limit code");
+
+namespace {
+// The current device's launch limits, read once per thread and device.
+const LaunchLimits& device_launch_limits() {
+  static thread_local int cached_device = -1;
+  static thread_local LaunchLimits limits;
+  const int device = c10::cuda::current_device();
+  if (device != cached_device) {
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+    for (int i = 0; i < 3; ++i) {
+      limits.max_grid[i] = props->maxGridSize[i];
+      limits.max_block[i] = props->maxThreadsDim[i];
+    }
+    limits.max_threads_per_block = props->maxThreadsPerBlock;
+    limits.max_shared_bytes =
+        static_cast<int64_t>(std::max(props->sharedMemPerBlock, props->sharedMemPerBlockOptin));
+    cached_device = device;
+  }
+  return limits;
+}
+}  // namespace
+
+void check_launch_fits(const char* kernel, dim3 grid, dim3 block, size_t shared_bytes,
+                       const std::string& layer) {
+  LaunchShape shape;
+  shape.grid[0] = grid.x;
+  shape.grid[1] = grid.y;
+  shape.grid[2] = grid.z;
+  shape.block[0] = block.x;
+  shape.block[1] = block.y;
+  shape.block[2] = block.z;
+  shape.shared_bytes = static_cast<int64_t>(shared_bytes);
+  std::string rule;
+  if (launch_limit_broken(shape, launch_limits_for_testing(device_launch_limits()), rule) != nullptr) {
+    raise_launch_limit(kernel, shape, rule, layer);
   }
 }
 
@@ -210,12 +252,10 @@ GemmNames gemm_names_cuda(at::ScalarType dtype) {
 
 // The math mode torch's own half-precision GEMMs use: reduced-precision
 // reductions only when the user allows them (the default allows them).
+// DisallowReducedPrecisionDisallowSplitK never gets here: cublasGemmEx cannot
+// honour it and gemm_cuda refuses it first (gemm_ex_refused_reduction).
 cublasMath_t half_math_mode(at::ScalarType dtype) {
-  const at::CuBLASReductionOption option = dtype == at::kBFloat16
-                                               ? at::globalContext().allowBF16ReductionCuBLAS()
-                                               : at::globalContext().allowFP16ReductionCuBLAS();
-  // DisallowReducedPrecisionDisallowSplitK has no cublasGemmEx equivalent
-  // (torch needs cuBLASLt for it): reduced precision is disallowed here too.
+  const auto option = static_cast<at::CuBLASReductionOption>(torch_reduction_option(static_cast<int>(dtype)));
   if (option == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) return CUBLAS_DEFAULT_MATH;
   return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
 }
@@ -382,6 +422,12 @@ int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
       return lt.status;
     }
     // cuBLASLt refused the case: cublasGemmEx on the bias prefilled into C.
+  }
+  if (call.dtype == at::kBFloat16 || call.dtype == at::kHalf) {
+    // As torch: split-K off needs cuBLASLt, which cublasGemmEx is not.
+    const int dtype = static_cast<int>(call.dtype);
+    const char* refused = gemm_ex_refused_reduction(dtype, torch_reduction_option(dtype));
+    if (refused != nullptr) raise_gemm_ex_reduction_refused(call, refused, ctx.layer);
   }
   if (call.bias != nullptr) {
     prefill_columns_cuda(call.c, call.bias, call.m, call.n, call.ldc,

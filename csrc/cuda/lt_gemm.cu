@@ -9,11 +9,16 @@
 // torch.backends.cuda.matmul.allow_fp16_accumulation is set, as torch does on
 // sm_70+.
 //
-// Every status is checked. cuBLASLt refusing the case (no algorithm, or
-// CUBLAS_STATUS_NOT_SUPPORTED: gemm_route.h's lt_verdict) sends the call back
-// to cublasGemmEx with the bias prefilled; any other failure is reported with
-// the step that failed and the descriptors it was given. Used only under
-// CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h).
+// Every status is checked. cuBLASLt refusing the case (no algorithm,
+// CUBLAS_STATUS_NOT_SUPPORTED, or INVALID_VALUE from the heuristic query:
+// gemm_route.h's lt_verdict) sends the call back to cublasGemmEx with the bias
+// prefilled; any other failure is reported with the step that failed and the
+// descriptors it was given. The descriptors and the heuristic's algorithm (or
+// its refusal) are kept per thread by LtPlanKey (shape, dtype, layouts,
+// alignments, torch's flags): a repeated call sets the bias pointer and runs.
+// D declares the smaller of C's and the bias's alignment (a split piece's C
+// is offset). Used only under CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h). Never
+// run on a GPU yet: the GPU check (benchmarks/gpu/) is its first test.
 #include "cuda_backend.h"
 #include "linear/gemm_route.h"
 
@@ -23,7 +28,10 @@
 #include <cuda_fp16.h>
 #include <torch/version.h>
 
+#include <c10/cuda/CUDAFunctions.h>
+
 #include <cstdint>
+#include <memory>
 #include <string>
 
 // torch's separate cuBLASLt workspace and allowFP16AccumulationCuBLAS (torch 2.7+).
@@ -35,7 +43,8 @@
 
 namespace cublas_guard {
 
-static_assert(CUBLAS_STATUS_NOT_SUPPORTED == 15, "gemm_route.cpp's NOT_SUPPORTED code");
+static_assert(CUBLAS_STATUS_NOT_SUPPORTED == 15 && CUBLAS_STATUS_INVALID_VALUE == 7,
+              "gemm_route.cpp's NOT_SUPPORTED and INVALID_VALUE codes");
 
 bool lt_available() { return CUBLAS_GUARD_HAS_LT != 0; }
 
@@ -43,19 +52,14 @@ bool lt_available() { return CUBLAS_GUARD_HAS_LT != 0; }
 
 namespace {
 
-// As torch's _getAlignment: the largest power of two up to 256 dividing the address.
-uint32_t alignment_of(const void* p) {
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  uint32_t alignment = 256;
-  while (alignment > 1 && address % alignment != 0) alignment /= 2;
-  return alignment;
-}
-
-// The descriptors of one call, destroyed whatever happens.
+// The descriptors of one plan, destroyed with it (evicted, or a failed set-up).
 struct LtDescriptors {
   cublasLtMatmulDesc_t matmul = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulPreference_t preference = nullptr;
+  LtDescriptors() = default;
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
   ~LtDescriptors() {
     if (preference != nullptr) (void)cublasLtMatmulPreferenceDestroy(preference);
     if (c != nullptr) (void)cublasLtMatrixLayoutDestroy(c);
@@ -64,6 +68,22 @@ struct LtDescriptors {
     if (matmul != nullptr) (void)cublasLtMatmulDescDestroy(matmul);
   }
 };
+
+// What a call of one LtPlanKey needs: its descriptors and the heuristic's
+// algorithm, or the knowledge that cuBLASLt refused the case (the call then
+// goes straight to cublasGemmEx without asking again).
+struct LtPlan {
+  std::unique_ptr<LtDescriptors> descriptors;
+  cublasLtMatmulHeuristicResult_t heuristic{};
+  int refused_status = 0;  // != 0: cuBLASLt's answer when it refused
+  std::string refused_step;
+};
+
+// Per thread, as torch's cuBLASLt handle.
+LtPlanCache<LtPlan>& plan_cache() {
+  static thread_local LtPlanCache<LtPlan> cache(kLtPlanCacheCapacity);
+  return cache;
+}
 
 const char* compute_name(cublasComputeType_t t) {
   return t == CUBLAS_COMPUTE_16F ? "CUBLAS_COMPUTE_16F" : "CUBLAS_COMPUTE_32F";
@@ -111,8 +131,10 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
-  const uint32_t align_a = alignment_of(call.a), align_b = alignment_of(call.b);
-  const uint32_t align_c = alignment_of(call.c), align_d = alignment_of(call.bias);  // as torch
+  // D is C here: a split piece's C and bias are offset, so D takes the smaller alignment (gemm_route.h).
+  const LtAlignments align =
+      lt_alignments(reinterpret_cast<uintptr_t>(call.a), reinterpret_cast<uintptr_t>(call.b),
+                    reinterpret_cast<uintptr_t>(call.c), reinterpret_cast<uintptr_t>(call.bias));
 
   // The report's text, built only for a failure.
   auto describe = [&] {
@@ -123,14 +145,15 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
     };
     return std::string("matmul desc(") + compute_name(compute) + ", scale " + type_name(scale) + ", TRANSA " +
            (call.trans_a ? "T" : "N") + ", TRANSB " + (call.trans_b ? "T" : "N") +
-           ", EPILOGUE CUBLASLT_EPILOGUE_BIAS, BIAS_POINTER alignment " + std::to_string(align_d) + "); " +
+           ", EPILOGUE CUBLASLT_EPILOGUE_BIAS, BIAS_POINTER alignment " +
+           std::to_string(pointer_alignment(reinterpret_cast<uintptr_t>(call.bias))) + "); " +
            layout("A", call.trans_a, call.m, call.k, call.lda) + "; " +
            layout("B", call.trans_b, call.k, call.n, call.ldb) + "; C=D layout(" + type_name(ab_type) +
            ", rows " + std::to_string(call.m) + ", cols " + std::to_string(call.n) + ", ld " +
            std::to_string(call.ldc) + "); preference(MAX_WORKSPACE_BYTES " + std::to_string(workspace_size) +
            ", REDUCTION_SCHEME_MASK " + (set_mask ? mask_name(mask) : "not set") +
-           ", MIN_ALIGNMENT A/B/C/D " + std::to_string(align_a) + "/" + std::to_string(align_b) + "/" +
-           std::to_string(align_c) + "/" + std::to_string(align_d) + " bytes)";
+           ", MIN_ALIGNMENT A/B/C/D " + std::to_string(align.a) + "/" + std::to_string(align.b) + "/" +
+           std::to_string(align.c) + "/" + std::to_string(align.d) + " bytes)";
   };
   // One step: its status decides (gemm_route.h) whether to go on.
   auto step = [&](const char* name, cublasStatus_t status, bool heuristic = false, int found = 1) {
@@ -145,66 +168,108 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
     return true;
   };
 
-  LtDescriptors d;
-  const auto rows_a = static_cast<uint64_t>(call.trans_a ? call.k : call.m);
-  const auto cols_a = static_cast<uint64_t>(call.trans_a ? call.m : call.k);
-  const auto rows_b = static_cast<uint64_t>(call.trans_b ? call.n : call.k);
-  const auto cols_b = static_cast<uint64_t>(call.trans_b ? call.k : call.n);
-  if (!step("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&d.matmul, compute, scale)) ||
-      !step(
-          "cublasLtMatmulDescSetAttribute(TRANSA)",
-          cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a))) ||
-      !step(
-          "cublasLtMatmulDescSetAttribute(TRANSB)",
-          cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b))) ||
-      !step("cublasLtMatmulDescSetAttribute(EPILOGUE)",
-            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
-                                           sizeof(epilogue))) ||
-      !step("cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
-            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias,
-                                           sizeof(call.bias))) ||
-      !step("cublasLtMatrixLayoutCreate(A)",
-            cublasLtMatrixLayoutCreate(&d.a, ab_type, rows_a, cols_a, call.lda)) ||
-      !step("cublasLtMatrixLayoutCreate(B)",
-            cublasLtMatrixLayoutCreate(&d.b, ab_type, rows_b, cols_b, call.ldb)) ||
-      !step("cublasLtMatrixLayoutCreate(C)",
-            cublasLtMatrixLayoutCreate(&d.c, ab_type, static_cast<uint64_t>(call.m),
-                                       static_cast<uint64_t>(call.n), call.ldc)) ||
-      !step("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&d.preference))) {
-    return result;
-  }
-  if (set_mask && !step("cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)",
-                        cublasLtMatmulPreferenceSetAttribute(
-                            d.preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)))) {
-    return result;
-  }
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
-  if (!step("cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
-            cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                 &workspace_size, sizeof(workspace_size)))) {
-    return result;
-  }
-  for (const auto& a : alignments) {
-    if (!step("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)",
-              cublasLtMatmulPreferenceSetAttribute(d.preference, a.first, &a.second, sizeof(a.second)))) {
+  LtPlanKey key;
+  key.device = c10::cuda::current_device();
+  key.dtype = static_cast<int>(call.dtype);
+  key.accumulate16 = compute == CUBLAS_COMPUTE_16F;
+  key.reduction = static_cast<int>(reduction);
+  key.trans_a = call.trans_a;
+  key.trans_b = call.trans_b;
+  key.m = call.m;
+  key.n = call.n;
+  key.k = call.k;
+  key.lda = call.lda;
+  key.ldb = call.ldb;
+  key.ldc = call.ldc;
+  key.align = align;
+  key.workspace_size = workspace_size;
+  LtPlanCache<LtPlan>& cache = plan_cache();
+  LtPlan* plan = cache.find(key);
+  if (plan == nullptr) {
+    // Five descriptors and a heuristic query, once per key (then cached, a refusal too).
+    LtPlan fresh;
+    fresh.descriptors = std::make_unique<LtDescriptors>();
+    LtDescriptors& d = *fresh.descriptors;
+    const auto rows_a = static_cast<uint64_t>(call.trans_a ? call.k : call.m);
+    const auto cols_a = static_cast<uint64_t>(call.trans_a ? call.m : call.k);
+    const auto rows_b = static_cast<uint64_t>(call.trans_b ? call.n : call.k);
+    const auto cols_b = static_cast<uint64_t>(call.trans_b ? call.k : call.n);
+    if (!step("cublasLtMatmulDescCreate", cublasLtMatmulDescCreate(&d.matmul, compute, scale)) ||
+        !step("cublasLtMatmulDescSetAttribute(TRANSA)",
+              cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a,
+                                             sizeof(trans_a))) ||
+        !step("cublasLtMatmulDescSetAttribute(TRANSB)",
+              cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b,
+                                             sizeof(trans_b))) ||
+        !step("cublasLtMatmulDescSetAttribute(EPILOGUE)",
+              cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                             sizeof(epilogue))) ||
+        !step("cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
+              cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias,
+                                             sizeof(call.bias))) ||
+        !step("cublasLtMatrixLayoutCreate(A)",
+              cublasLtMatrixLayoutCreate(&d.a, ab_type, rows_a, cols_a, call.lda)) ||
+        !step("cublasLtMatrixLayoutCreate(B)",
+              cublasLtMatrixLayoutCreate(&d.b, ab_type, rows_b, cols_b, call.ldb)) ||
+        !step("cublasLtMatrixLayoutCreate(C)",
+              cublasLtMatrixLayoutCreate(&d.c, ab_type, static_cast<uint64_t>(call.m),
+                                         static_cast<uint64_t>(call.n), call.ldc)) ||
+        !step("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&d.preference))) {
       return result;
     }
+    if (set_mask &&
+        !step("cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)",
+              cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                                   &mask, sizeof(mask)))) {
+      return result;
+    }
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.a},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.b},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.c},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d}};
+    if (!step("cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)",
+              cublasLtMatmulPreferenceSetAttribute(d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                   &workspace_size, sizeof(workspace_size)))) {
+      return result;
+    }
+    for (const auto& a : alignments) {
+      if (!step("cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)",
+                cublasLtMatmulPreferenceSetAttribute(d.preference, a.first, &a.second, sizeof(a.second)))) {
+        return result;
+      }
+    }
+    int found = 0;
+    const cublasStatus_t query =
+        cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), d.matmul, d.a, d.b, d.c, d.c,
+                                       d.preference, 1, &fresh.heuristic, &found);
+    if (!step("cublasLtMatmulAlgoGetHeuristic", query, /*heuristic=*/true, found)) {
+      if (result.verdict != LtVerdict::kFallBack) return result;  // reported, not cached
+      fresh.refused_status = result.status;
+      fresh.refused_step = result.step;
+      fresh.descriptors.reset();
+      cache.insert(key, std::move(fresh));
+      return result;
+    }
+    plan = &cache.insert(key, std::move(fresh));
   }
-  cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  const cublasStatus_t query = cublasLtMatmulAlgoGetHeuristic(handle, d.matmul, d.a, d.b, d.c, d.c,
-                                                              d.preference, 1, &heuristic, &found);
-  if (!step("cublasLtMatmulAlgoGetHeuristic", query, /*heuristic=*/true, found)) return result;
-  step("cublasLtMatmul", injected != 0
-                             ? static_cast<cublasStatus_t>(injected)
-                             : cublasLtMatmul(handle, d.matmul, alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr,
-                                              call.c, d.c, call.c, d.c, &heuristic.algo, workspace,
-                                              workspace_size, at::cuda::getCurrentCUDAStream()));
+  if (plan->refused_status != 0) {  // refused before, for this very key
+    result.status = plan->refused_status;
+    result.verdict = LtVerdict::kFallBack;
+    result.step = plan->refused_step;
+    return result;
+  }
+  LtDescriptors& d = *plan->descriptors;
+  if (!step("cublasLtMatmulDescSetAttribute(BIAS_POINTER)",
+            cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias,
+                                           sizeof(call.bias)))) {
+    return result;
+  }
+  step("cublasLtMatmul", injected != 0 ? static_cast<cublasStatus_t>(injected)
+                                       : cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), d.matmul,
+                                                        alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr, call.c,
+                                                        d.c, call.c, d.c, &plan->heuristic.algo, workspace,
+                                                        workspace_size, at::cuda::getCurrentCUDAStream()));
   return result;
 }
 

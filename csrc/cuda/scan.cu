@@ -10,7 +10,9 @@
 //    scalar tail), a grid-stride loop with kUnroll
 //    independent loads in flight per thread;
 //  * strided input (views, slices, expand): dims merged on the host, then one
-//    index -> offset conversion per element; no copy;
+//    index -> offset conversion per element (scan/strided_index.h: below 2^31
+//    elements a multiply-high per dim with divisors precomputed on the host,
+//    no 64-bit division); no copy;
 //  * the hot path tests only "is any exponent all ones"; classification runs
 //    in the rare branch;
 //  * each block reduces (warp shuffles, then shared memory) and writes one
@@ -31,6 +33,7 @@
 //    block to finish reduces them (a ticket in that buffer): one launch.
 #include "cuda_backend.h"
 #include "linear/gemm_route.h"
+#include "scan/strided_index.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -60,12 +63,7 @@ struct Partial {
   long long first;
 };
 
-// Kernel argument: ScanGeometry's dims, outermost first.
-struct Geometry {
-  int ndim;
-  long long sizes[kMaxScanDims];
-  long long strides[kMaxScanDims];
-};
+static_assert(kStridedIndexMaxDims == kMaxScanDims, "strided_index.h holds ScanGeometry's dims");
 
 // The bias prefill a scan kernel does besides its scan (out == nullptr: none).
 template <typename Bits>
@@ -248,10 +246,12 @@ __device__ __forceinline__ void finish_block(Partial p, Partial* partials, unsig
   }
 }
 
+// Every scan kernel is launched with kThreads or kSmallThreads threads.
 template <typename F>
-__global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n, long long head,
-                                       Partial* partials, unsigned* ticket, long long* out,
-                                       AsyncTarget target, Prefill<typename F::Bits> prefill) {
+__global__ void __launch_bounds__(kSmallThreads)
+    scan_contiguous_kernel(const typename F::Bits* __restrict__ data, long long n, long long head,
+                           Partial* partials, unsigned* ticket, long long* out, AsyncTarget target,
+                           Prefill<typename F::Bits> prefill) {
   constexpr int kPerVector = 16 / sizeof(typename F::Bits);
   run_prefill(prefill);
   Partial p = empty_partial();
@@ -283,30 +283,26 @@ __global__ void scan_contiguous_kernel(const typename F::Bits* __restrict__ data
 }
 
 template <typename F>
-__global__ void scan_strided_kernel(const typename F::Bits* __restrict__ data, long long n, Geometry g,
-                                    Partial* partials, unsigned* ticket, long long* out, AsyncTarget target,
-                                    Prefill<typename F::Bits> prefill) {
+__global__ void __launch_bounds__(kSmallThreads)
+    scan_strided_kernel(const typename F::Bits* __restrict__ data, long long n, StridedIndex g,
+                        Partial* partials, unsigned* ticket, long long* out, AsyncTarget target,
+                        Prefill<typename F::Bits> prefill) {
   run_prefill(prefill);
   Partial p = empty_partial();
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    long long rest = i, offset = 0;
-    for (int d = g.ndim - 1; d >= 0; --d) {
-      const long long size = g.sizes[d];
-      offset += (rest % size) * g.strides[d];
-      rest /= size;
-    }
-    classify<F>(__ldg(data + offset), i, p);
+    classify<F>(__ldg(data + strided_offset(g, i)), i, p);
   }
   finish_block(p, partials, ticket, out, target);
 }
 
 template <typename Bits>
-__global__ void prefill_kernel(Prefill<Bits> prefill) {
+__global__ void __launch_bounds__(kSmallThreads) prefill_kernel(Prefill<Bits> prefill) {
   run_prefill(prefill);
 }
 
-__global__ void scan_finish_kernel(const Partial* partials, int count, long long* out, AsyncTarget target) {
+__global__ void __launch_bounds__(kThreads)
+    scan_finish_kernel(const Partial* partials, int count, long long* out, AsyncTarget target) {
   Partial p = empty_partial();
   for (int i = threadIdx.x; i < count; i += blockDim.x) p = combine(p, partials[i]);
   p = block_reduce(p);
@@ -440,21 +436,20 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
     }
   }
   if (geometry.contiguous) {
+    check_launch_fits("cublas_guard scan_contiguous_kernel", dim3(grid), dim3(threads), 0, layer);
     scan_contiguous_kernel<F>
         <<<grid, threads, 0, stream>>>(data, n, head, partials_ptr, ticket, out, target, prefill);
     check_launch("cublas_guard scan_contiguous_kernel", layer);
   } else {
-    Geometry g{};
-    g.ndim = geometry.ndim;
-    for (int d = 0; d < geometry.ndim; ++d) {
-      g.sizes[d] = geometry.sizes[d];
-      g.strides[d] = geometry.strides[d];
-    }
+    StridedIndex g{};
+    make_strided_index(g, geometry.ndim, geometry.sizes, geometry.strides, n);
+    check_launch_fits("cublas_guard scan_strided_kernel", dim3(grid), dim3(threads), 0, layer);
     scan_strided_kernel<F>
         <<<grid, threads, 0, stream>>>(data, n, g, partials_ptr, ticket, out, target, prefill);
     check_launch("cublas_guard scan_strided_kernel", layer);
   }
   if (grid > 1 && ticket == nullptr) {
+    check_launch_fits("cublas_guard scan_finish_kernel", dim3(1), dim3(kThreads), 0, layer);
     scan_finish_kernel<<<1, kThreads, 0, stream>>>(partials_ptr, grid, out, target);
     check_launch("cublas_guard scan_finish_kernel", layer);
   }
@@ -521,8 +516,9 @@ void scan_impl(const at::Tensor& t, const at::Tensor& out_slot, const AsyncTarge
 template <typename Bits>
 void launch_prefill(const Prefill<Bits>& pf, const std::string& layer) {
   const int grid = prefill_grid(pf.m, pf.n);
-  prefill_kernel<Bits>
-      <<<grid, grid == 1 ? kSmallThreads : kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
+  const int threads = grid == 1 ? kSmallThreads : kThreads;
+  check_launch_fits("cublas_guard prefill_kernel", dim3(grid), dim3(threads), 0, layer);
+  prefill_kernel<Bits><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
   check_launch("cublas_guard prefill_kernel", layer);
 }
 

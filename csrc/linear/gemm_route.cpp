@@ -1,13 +1,21 @@
-// The GEMM route decisions and the bias prefill's CPU twin (gemm_route.h),
-// with their test hooks in torch.ops.cublas_guard_testing: any build runs them.
+// The CUDA backend's decisions that need no CUDA header, with their test
+// hooks in torch.ops.cublas_guard_testing, so any build runs them: the GEMM
+// route, cuBLASLt's verdicts, alignments and plan cache, cublasGemmEx's
+// refusal of split-K off (gemm_route.h), the bias prefill's CPU twin, the
+// strided scan's index walk (scan/strided_index.h), and the launch-limit
+// check's error and lowered limits (cuda/launch_limits.h).
 #include "linear/gemm_route.h"
 
+#include "cuda/launch_limits.h"
 #include "guard.h"
+#include "scan/strided_index.h"
 
+#include <ATen/Context.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +24,10 @@
 
 namespace cublas_guard {
 
+static_assert(static_cast<int>(at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) == 0 &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK) == 1 &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK) == 2,
+              "gemm_ex_refused_reduction takes at::CuBLASReductionOption's values");
 static_assert(dtype_code::kHalf == static_cast<int>(at::kHalf) &&
                   dtype_code::kFloat == static_cast<int>(at::kFloat) &&
                   dtype_code::kDouble == static_cast<int>(at::kDouble) &&
@@ -23,7 +35,9 @@ static_assert(dtype_code::kHalf == static_cast<int>(at::kHalf) &&
               "gemm_route.h's dtype codes must be at::ScalarType's");
 
 namespace {
+constexpr int kStatusInvalidValue = 7;   // CUBLAS_STATUS_INVALID_VALUE (cuda/lt_gemm.cu asserts it)
 constexpr int kStatusNotSupported = 15;  // CUBLAS_STATUS_NOT_SUPPORTED (cuda/lt_gemm.cu asserts it)
+constexpr int kReductionDisallowSplitK = 2;
 constexpr const char* kPathVariable = "CUBLAS_GUARD_GEMM_PATH";
 }  // namespace
 
@@ -77,9 +91,92 @@ GemmRoute first_route(int dtype, GemmPath path, bool has_bias, bool use_64bit, b
 
 LtVerdict lt_verdict(int status, bool heuristic_step, int algorithms_found) {
   if (status == kStatusNotSupported) return LtVerdict::kFallBack;
+  if (heuristic_step && status == kStatusInvalidValue) return LtVerdict::kFallBack;
   if (status != 0) return LtVerdict::kReport;
   if (heuristic_step && algorithms_found <= 0) return LtVerdict::kFallBack;
   return LtVerdict::kContinue;
+}
+
+uint32_t pointer_alignment(uintptr_t address) {
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+LtAlignments lt_alignments(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t bias) {
+  const uint32_t align_c = pointer_alignment(c), align_bias = pointer_alignment(bias);
+  return LtAlignments{pointer_alignment(a), pointer_alignment(b), align_c, std::min(align_c, align_bias)};
+}
+
+const char* gemm_ex_refused_reduction(int dtype, int reduction) {
+  if (reduction != kReductionDisallowSplitK) return nullptr;
+  if (dtype == dtype_code::kBFloat16)
+    return "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction";
+  if (dtype == dtype_code::kHalf) return "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction";
+  return nullptr;  // float32/float64 have no such setting
+}
+
+int torch_reduction_option(int dtype) {
+  const at::CuBLASReductionOption option = dtype == dtype_code::kBFloat16
+                                               ? at::globalContext().allowBF16ReductionCuBLAS()
+                                               : at::globalContext().allowFP16ReductionCuBLAS();
+  return static_cast<int>(option);
+}
+
+void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting, const std::string& layer) {
+  const std::string rule = std::string(setting) +
+                           " = (False, False) turns split-K off, which cublasGemmEx cannot do (torch's own "
+                           "cuBLAS GEMMs refuse it too); allow split-K: " +
+                           setting + " = (False, True)";
+  ErrorReport report("cublas");
+  report.add("layer", layer).add("status", int64_t{kStatusNotSupported});
+  report.add("status_name", "CUBLAS_STATUS_NOT_SUPPORTED").add("rule", rule);
+  report.add("precheck", true).add("purpose", call.purpose);
+  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
+  report.add("m", call.m).add("n", call.n).add("k", call.k);
+  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+  report.add("api", call.routine).add("data_type", call.data_type);
+  report.add("compute_type", call.compute_type);
+  report.raise_runtime_error("layer '" + layer + "': " + call.routine + " refused: " + rule);
+}
+
+namespace {
+// Lowered launch limits (tests only): 0 keeps the device's.
+std::atomic<bool> launch_limits_lowered{false};
+std::atomic<int64_t> lowered_grid_x{0}, lowered_grid_yz{0}, lowered_threads{0}, lowered_shared{0};
+}  // namespace
+
+LaunchLimits launch_limits_for_testing(const LaunchLimits& device_limits) {
+  if (!launch_limits_lowered.load(std::memory_order_relaxed)) return device_limits;
+  LaunchLimits limits = device_limits;
+  const auto lower = [](int64_t& limit, const std::atomic<int64_t>& lowered) {
+    const int64_t value = lowered.load(std::memory_order_relaxed);
+    if (value > 0 && value < limit) limit = value;
+  };
+  lower(limits.max_grid[0], lowered_grid_x);
+  lower(limits.max_grid[1], lowered_grid_yz);
+  lower(limits.max_grid[2], lowered_grid_yz);
+  lower(limits.max_block[0], lowered_threads);
+  lower(limits.max_threads_per_block, lowered_threads);
+  lower(limits.max_shared_bytes, lowered_shared);
+  return limits;
+}
+
+void raise_launch_limit(const char* kernel, const LaunchShape& shape, const std::string& rule,
+                        const std::string& layer) {
+  constexpr int64_t kInvalidConfiguration = 9;  // cudaErrorInvalidConfiguration (cuda/linear.cu asserts it)
+  ErrorReport report("cuda_launch");
+  report.add("layer", layer).add("kernel", kernel);
+  report.add("cuda_error", "cudaErrorInvalidConfiguration").add("cuda_error_code", kInvalidConfiguration);
+  report.add("cuda_error_string", "invalid configuration argument");
+  report.add("precheck", true).add("rule", rule);
+  report.add("grid", c10::IntArrayRef(shape.grid, 3)).add("block", c10::IntArrayRef(shape.block, 3));
+  report.add("shared_memory_bytes", shape.shared_bytes);
+  report.raise_runtime_error("layer '" + layer + "': " + kernel + " was not launched: grid (" +
+                             std::to_string(shape.grid[0]) + ", " + std::to_string(shape.grid[1]) + ", " +
+                             std::to_string(shape.grid[2]) + "), block (" + std::to_string(shape.block[0]) +
+                             ", " + std::to_string(shape.block[1]) + ", " + std::to_string(shape.block[2]) +
+                             ") breaks " + rule);
 }
 
 namespace {
@@ -140,6 +237,140 @@ void prefill_bias_twin_op(at::Tensor c, const at::Tensor& bias, int64_t m, int64
   }
 }
 
+std::vector<int64_t> lt_alignments_op(int64_t a, int64_t b, int64_t c, int64_t bias) {
+  require_testing_env("lt_alignments");
+  const LtAlignments al = lt_alignments(static_cast<uintptr_t>(a), static_cast<uintptr_t>(b),
+                                        static_cast<uintptr_t>(c), static_cast<uintptr_t>(bias));
+  return {al.a, al.b, al.c, al.d};
+}
+
+// The key's fields in the order lt_plan_cache_trace takes them.
+const std::vector<std::string>& lt_plan_key_fields() {
+  static const std::vector<std::string> fields{
+      "device",  "dtype",   "accumulate16",  "reduction", "trans_a", "trans_b", "m",
+      "n",       "k",       "lda",           "ldb",       "ldc",     "align_a", "align_b",
+      "align_c", "align_d", "workspace_size"};
+  return fields;
+}
+
+// Looks each key up in a cache of `capacity` plans (inserting it on a miss),
+// as the cuBLASLt path does per call: "miss", or "hit i" where i is the
+// lookup whose miss stored the plan found.
+std::vector<std::string> lt_plan_cache_trace_op(int64_t capacity, std::vector<int64_t> keys) {
+  require_testing_env("lt_plan_cache_trace");
+  const size_t width = lt_plan_key_fields().size();
+  TORCH_CHECK_VALUE(capacity > 0 && keys.size() % width == 0, "cublas_guard_ext: lt_plan_cache_trace takes ",
+                    width, " ints per key and a capacity > 0");
+  LtPlanCache<int64_t> cache(static_cast<size_t>(capacity));
+  std::vector<std::string> out;
+  for (size_t i = 0; i < keys.size(); i += width) {
+    const int64_t* f = keys.data() + i;
+    LtPlanKey key;
+    key.device = static_cast<int>(f[0]);
+    key.dtype = static_cast<int>(f[1]);
+    key.accumulate16 = f[2] != 0;
+    key.reduction = static_cast<int>(f[3]);
+    key.trans_a = f[4] != 0;
+    key.trans_b = f[5] != 0;
+    key.m = f[6];
+    key.n = f[7];
+    key.k = f[8];
+    key.lda = f[9];
+    key.ldb = f[10];
+    key.ldc = f[11];
+    key.align = LtAlignments{static_cast<uint32_t>(f[12]), static_cast<uint32_t>(f[13]),
+                             static_cast<uint32_t>(f[14]), static_cast<uint32_t>(f[15])};
+    key.workspace_size = static_cast<uint64_t>(f[16]);
+    if (const int64_t* plan = cache.find(key)) {
+      out.push_back("hit " + std::to_string(*plan));  // the lookup that stored the plan
+    } else {
+      cache.insert(key, static_cast<int64_t>(i / width));
+      out.emplace_back("miss");
+    }
+  }
+  TORCH_CHECK(cache.size() <= static_cast<size_t>(capacity),
+              "cublas_guard_ext: the plan cache outgrew its capacity");
+  return out;
+}
+
+// What cublasGemmEx does for a half-precision GEMM under torch's reduction
+// option (0, 1, 2: at::CuBLASReductionOption; -1: torch's current setting,
+// as the CUDA path reads it): nothing, or the error the CUDA path raises.
+void gemm_ex_reduction_check_op(c10::string_view dtype, int64_t reduction, c10::string_view layer) {
+  require_testing_env("gemm_ex_reduction_check");
+  const int code = dtype_from_name(std::string(dtype));
+  const int option = reduction < 0 ? torch_reduction_option(code) : static_cast<int>(reduction);
+  const char* setting = gemm_ex_refused_reduction(code, option);
+  if (setting == nullptr) return;
+  GemmCall call;
+  call.dtype = static_cast<at::ScalarType>(code);
+  call.m = 48;
+  call.n = 16;
+  call.k = 64;
+  call.lda = 64;
+  call.ldb = 64;
+  call.ldc = 48;
+  call.trans_a = true;
+  call.routine = "cublasGemmEx";
+  call.data_type = code == dtype_code::kBFloat16 ? "CUDA_R_16BF" : "CUDA_R_16F";
+  call.compute_type = "CUBLAS_COMPUTE_32F";
+  raise_gemm_ex_reduction_refused(call, setting, std::string(layer));
+}
+
+// The strided scan kernel's index -> offset (scan/strided_index.h) on the
+// CPU: merged dims (outermost first) of a tensor of `numel` elements (the
+// product of the sizes when 0; a larger one forces the 64-bit walk), and the
+// offset of each logical index.
+std::vector<int64_t> strided_offsets_op(std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                                        int64_t numel, std::vector<int64_t> indices) {
+  require_testing_env("strided_offsets");
+  const auto ndim = static_cast<int>(sizes.size());
+  int64_t product = 1;
+  for (const int64_t s : sizes) product *= s;
+  TORCH_CHECK_VALUE(ndim >= 1 && ndim <= kStridedIndexMaxDims && strides.size() == sizes.size() &&
+                        product > 0 && (numel == 0 || numel >= product),
+                    "cublas_guard_ext: strided_offsets takes 1 to ", kStridedIndexMaxDims,
+                    " positive sizes, as many strides, and numel 0 or >= their product");
+  StridedIndex g;
+  make_strided_index(g, ndim, sizes.data(), strides.data(), numel == 0 ? product : numel);
+  std::vector<int64_t> out;
+  out.reserve(indices.size());
+  for (const int64_t i : indices) {
+    TORCH_CHECK_VALUE(i >= 0 && i < product, "cublas_guard_ext: strided_offsets: index ", i, " out of range");
+    out.push_back(strided_offset(g, i));
+  }
+  return out;
+}
+
+// Lowers the launch limits every kernel of ours is checked against (0: the device's).
+void set_launch_limits_op(int64_t max_grid_x, int64_t max_grid_yz, int64_t max_threads, int64_t max_shared) {
+  require_testing_env("set_launch_limits");
+  lowered_grid_x.store(max_grid_x);
+  lowered_grid_yz.store(max_grid_yz);
+  lowered_threads.store(max_threads);
+  lowered_shared.store(max_shared);
+  launch_limits_lowered.store(max_grid_x > 0 || max_grid_yz > 0 || max_threads > 0 || max_shared > 0);
+}
+
+// The check and the error of a launch (launch_limits.h) against the default
+// limits, lowered as set_launch_limits says: what check_launch_fits does on a GPU.
+void launch_limits_check_op(c10::string_view kernel, std::vector<int64_t> grid, std::vector<int64_t> block,
+                            int64_t shared_bytes, c10::string_view layer) {
+  require_testing_env("launch_limits_check");
+  TORCH_CHECK_VALUE(grid.size() == 3 && block.size() == 3,
+                    "cublas_guard_ext: launch_limits_check takes grid and block as 3 ints each");
+  LaunchShape shape;
+  for (int i = 0; i < 3; ++i) {
+    shape.grid[i] = grid[i];
+    shape.block[i] = block[i];
+  }
+  shape.shared_bytes = shared_bytes;
+  std::string rule;
+  if (launch_limit_broken(shape, launch_limits_for_testing(LaunchLimits{}), rule) != nullptr) {
+    raise_launch_limit(std::string(kernel).c_str(), shape, rule, std::string(layer));
+  }
+}
+
 std::string set_gemm_path_op(c10::string_view path) {
   require_testing_env("set_gemm_path");
   GemmPath parsed = GemmPath::kLegacy;
@@ -161,6 +392,17 @@ TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
       &cublas_guard::gemm_route_op);
   m.def("prefill_bias_twin(Tensor(a!) c, Tensor bias, int m, int n, int ldc, int workers, int lanes) -> ()",
         &cublas_guard::prefill_bias_twin_op);
+  m.def("lt_alignments(int a, int b, int c, int bias) -> int[]", &cublas_guard::lt_alignments_op);
+  m.def("lt_plan_key_fields() -> str[]", [] { return cublas_guard::lt_plan_key_fields(); });
+  m.def("lt_plan_cache_trace(int capacity, int[] keys) -> str[]", &cublas_guard::lt_plan_cache_trace_op);
+  m.def("gemm_ex_reduction_check(str dtype, int reduction, str layer) -> ()",
+        &cublas_guard::gemm_ex_reduction_check_op);
+  m.def("strided_offsets(int[] sizes, int[] strides, int numel, int[] indices) -> int[]",
+        &cublas_guard::strided_offsets_op);
+  m.def("set_launch_limits(int max_grid_x, int max_grid_yz, int max_threads, int max_shared) -> ()",
+        &cublas_guard::set_launch_limits_op);
+  m.def("launch_limits_check(str kernel, int[] grid, int[] block, int shared_bytes, str layer) -> ()",
+        &cublas_guard::launch_limits_check_op);
   m.def("gemm_path() -> str",
         [] { return std::string(cublas_guard::gemm_path_name(cublas_guard::gemm_path())); });
   // Switches the process's path (CUBLAS_GUARD_GEMM_PATH's value) for a test; returns the previous one.

@@ -150,6 +150,11 @@ class CudaLaunchError(GuardError, RuntimeError):
 
     def _headline(self) -> str:
         f = self.fields
+        if f.get("precheck"):  # refused before the launch: its sizes break a device limit
+            return (
+                f"layer {_layer(f.get('layer'))}: {f.get('kernel')} was not launched: "
+                f"its sizes break the device limit {f.get('rule')}"
+            )
         return (
             f"layer {_layer(f.get('layer'))}: launching {f.get('kernel')} failed: "
             f"{f.get('cuda_error')} ({f.get('cuda_error_string')})"
@@ -158,6 +163,12 @@ class CudaLaunchError(GuardError, RuntimeError):
     def _details(self) -> list[str]:
         f = self.fields
         lines = []
+        if f.get("grid"):
+            lines.append(
+                f"grid {tuple(f['grid'])}, block {tuple(f.get('block') or ())}, "
+                f"{f.get('shared_memory_bytes', 0)} bytes of dynamic shared memory "
+                f"(the launch would fail with {f.get('cuda_error')})"
+            )
         if f.get("built_archs"):
             lines.append(f"this extension was built for compute capabilities {f.get('built_archs')} (x100)")
         if f.get("device_name"):
@@ -168,6 +179,11 @@ class CudaLaunchError(GuardError, RuntimeError):
         if self.fields.get("cuda_error") == "cudaErrorNoKernelImageForDevice":
             cc = str(self.fields.get("compute_capability", "X.Y"))
             return [f"rebuild for this GPU: TORCH_CUDA_ARCH_LIST={cc} pip install --no-build-isolation -e ."]
+        if self.fields.get("precheck"):
+            return [
+                "the guard sizes its launches to the device: this is a bug of cublas_guard_ext; report it "
+                "with this message and the output of `python -m cublas_guard_ext doctor`"
+            ]
         return ["run `python -m cublas_guard_ext doctor`"]
 
 

@@ -8,6 +8,7 @@ Public API::
     watch                                        # which op/module first produced NaN/Inf
     replay                                       # run a failure capsule's GEMM alone
     TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
+    TrainingDivergedError                        # too many bad steps in a row
     GuardError and its subclasses                # errors with fields
 """
 
@@ -34,7 +35,7 @@ from .errors import (
 from .modes import guard
 from .nn import SafeLinear, name_layers, replace_linear
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
-from .training import NonFiniteStepError, TrainingGuard
+from .training import NonFiniteStepError, TrainingDivergedError, TrainingGuard
 from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ __all__ = [
     "replay",
     "TrainingGuard",
     "NonFiniteStepError",
+    "TrainingDivergedError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

@@ -519,9 +519,19 @@ def _conv1d_class() -> type:
         _CONV1D_CLASS = type(
             "SafeConv1D",
             (_GuardedConv1D, Conv1D, SafeConv1D),
-            {"__module__": __name__, "__qualname__": "SafeConv1D", "__doc__": SafeConv1D.__doc__},
+            {"__module__": __name__, "__qualname__": _CONV1D_CLASS_NAME, "__doc__": SafeConv1D.__doc__},
         )
     return _CONV1D_CLASS
+
+
+# The name pickle finds the class under (a model saved whole): resolved by __getattr__ below.
+_CONV1D_CLASS_NAME = "_SafeConv1DOverTransformers"
+
+
+def __getattr__(name: str) -> Any:
+    if name == _CONV1D_CLASS_NAME:
+        return _conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_conv1d(module: Any) -> bool:

@@ -359,3 +359,18 @@ def test_peft_lora_on_gpt2_wraps_the_guarded_conv1d_and_merges_into_it():
     with pytest.raises(cg.NonFiniteInputError) as info, torch.no_grad():
         merged(IDS)
     assert info.value.layer == "transformer.h.0.attn.c_attn" and info.value.role == "weight"
+
+
+def test_a_guarded_gpt2_saved_whole_loads_and_deep_copies(tmp_path):
+    model = gpt2()
+    cg.replace_linear(model)
+    with torch.no_grad():
+        ref = model(IDS).logits
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    twin = copy.deepcopy(model)
+    for other in (loaded, twin):
+        conv = other.transformer.h[0].attn.c_attn
+        assert isinstance(conv, cg.SafeConv1D) and conv.guard_name == "transformer.h.0.attn.c_attn"
+        with torch.no_grad():
+            assert torch.equal(other(IDS).logits, ref)

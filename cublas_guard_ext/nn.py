@@ -359,8 +359,8 @@ def _with_current_names(err: GuardError) -> GuardError | None:
     when an error is raised, its layer is looked up in the modules running on the stack: if
     one of them holds it under the name it has, the name is current (a LightningModule
     holding ``net.0`` while ``net`` runs; a DDP or compile wrapper around the named model);
-    so it is when the outermost one holds it under a suffix of that name (a block of the
-    named model, called by itself). Otherwise the auto-given names of the outermost model (inside its wrappers) are
+    so it is when one holds it under a suffix of that name (a block of the named model
+    called by itself; a prefix given to name_layers). Otherwise the auto-given names of the outermost model (inside its wrappers) are
     refreshed (name_layers), and the error is rewritten with the layer's new name."""
     label = err.fields.get("layer")
     if not label:
@@ -374,8 +374,10 @@ def _with_current_names(err: GuardError) -> GuardError | None:
                 if name:  # (the layer itself, called alone, cannot tell where it sits)
                     holders.append((root, module, name))
                 break
-    if not holders or label.endswith("." + holders[0][2]):
-        return None  # no holder running, or a block of the named model called by itself
+    if not holders or any(label.endswith("." + name) for _, _, name in holders):
+        # no holder running; or a block of the named model called by itself, or a model named
+        # with a prefix (name_layers(model, prefix="rank1")), maybe inside a wrapper
+        return None
     root, layer, _ = holders[0]
     if layer.__dict__.get("_auto_guard_name") != label:
         return None  # a name set by hand is kept

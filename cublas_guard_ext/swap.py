@@ -68,6 +68,11 @@ _NOT_MATMULS = (
 )
 
 
+# Parameters of 2 or more dims that are added or looked up, not multiplied: ViT's pos_embed
+# and cls_token, Swin's relative_position_bias_table, learned scales.
+_NOT_WEIGHT_WORDS = ("embed", "pos", "token", "bias", "table", "scale", "norm")
+
+
 def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
     """Why this module's matmul is not guarded (None: guarded, or it holds none)."""
     if is_guarded(module):
@@ -99,7 +104,11 @@ def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
         )
     if isinstance(module, _NOT_MATMULS):
         return None
-    own = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 2]
+    own = [
+        (n, p)
+        for n, p in module._parameters.items()
+        if p is not None and p.dim() >= 2 and not any(word in n.lower() for word in _NOT_WEIGHT_WORDS)
+    ]
     if not own:
         return None
     shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own)

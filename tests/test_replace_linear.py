@@ -374,3 +374,20 @@ def test_a_guarded_gpt2_saved_whole_loads_and_deep_copies(tmp_path):
         assert isinstance(conv, cg.SafeConv1D) and conv.guard_name == "transformer.h.0.attn.c_attn"
         with torch.no_grad():
             assert torch.equal(other(IDS).logits, ref)
+
+
+def test_added_or_looked_up_parameters_are_not_reported_as_matmuls():
+    class ViTLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, 8))
+            self.pos_embed = nn.Parameter(torch.zeros(1, 5, 8))
+            self.relative_position_bias_table = nn.Parameter(torch.zeros(9, 2))
+            self.text_projection = nn.Parameter(torch.zeros(8, 8))  # x @ text_projection: a matmul
+            self.head = nn.Linear(8, 2)
+
+    model = ViTLike()
+    with pytest.warns(UserWarning, match="left 1 matmul-bearing modules unguarded"):
+        cg.replace_linear(model)
+    ((name, kind, why),) = cg.coverage(model).left
+    assert (name, kind) == ("", "ViTLike") and "text_projection [8, 8]" in why and "pos_embed" not in why

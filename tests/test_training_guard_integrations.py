@@ -111,6 +111,26 @@ def test_transformers_trainer_skip_drops_the_optimizer_step_and_trains_on(tmp_pa
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_transformers_trainer_skips_a_step_a_guarded_conv1d_refuses(tmp_path):
+    trainer, model = gpt2_trainer(tmp_path, "skip", steps=4)
+    cg.replace_linear(model)  # GPT-2's Conv1D projections are guarded too
+    calls = {"n": 0}
+
+    def third_forward_only():
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    plant(model.transformer.h[0].mlp.act, third_forward_only)  # NaN into mlp.c_proj's input
+    with pytest.warns(RuntimeWarning, match="layer 'transformer.h.0.mlp.c_proj' refused a non-finite input"):
+        trainer.train()
+    (err,) = trainer.guard.skipped
+    assert err.step == 3 and err.refused_by == "transformer.h.0.mlp.c_proj"
+    assert isinstance(err.__cause__, cg.NonFiniteInputError)
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert {int(s["step"]) for s in optimizer.state.values()} == {3}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_transformers_trainer_skip_with_accumulation_drops_the_whole_optimizer_step(tmp_path):
     # 2 micro-batches per optimizer step: the first of step 2 is bad (forward call 3, one-shot);
     # the second (call 5, after the replay) is fine but its step must still be dropped

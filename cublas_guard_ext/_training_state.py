@@ -210,6 +210,27 @@ def _param_absmax(model: torch.nn.Module) -> tuple[float | None, str | None, str
     return best
 
 
+def _loss_value(loss: Any) -> float | None:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item())
+    if isinstance(loss, (int, float)):
+        return float(loss)
+    return None
+
+
+def _refusal_layer(refusal: BaseException) -> str | None:
+    """The guarded layer (or module) a refusal names."""
+    f = getattr(refusal, "fields", {})
+    return f.get("layer") or f.get("module") or f.get("name")
+
+
+def _refusal_fields(refusal: BaseException) -> dict[str, Any]:
+    """The refusal's fields a step's message uses (plain values: they cross ranks)."""
+    f = getattr(refusal, "fields", {})
+    keys = ("role", "nan_count", "posinf_count", "neginf_count", "zero_count", "op", "phase")
+    return {"error": type(refusal).__name__, **{k: f[k] for k in keys if f.get(k) is not None}}
+
+
 def _default_group() -> Any:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:

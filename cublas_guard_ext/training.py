@@ -58,7 +58,10 @@ from ._training_state import (
     _fsdp_modules,
     _grad_norm,
     _is_ddp,
+    _loss_value,
     _param_absmax,
+    _refusal_fields,
+    _refusal_layer,
     _RngState,
     _StepHistory,
     _unwrap,
@@ -80,14 +83,6 @@ NON_FINITE_REFUSALS: tuple[type[BaseException], ...] = (
 )
 
 _ON_NAN = ("raise", "skip")
-
-
-def _loss_value(loss: Any) -> float | None:
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return float(loss.detach().float().item())
-    if isinstance(loss, (int, float)):
-        return float(loss)
-    return None
 
 
 class TrainingGuard:
@@ -594,16 +589,3 @@ class TrainingGuard:
             refusal=origin["refusal"],
             history=history,
         )
-
-
-def _refusal_layer(refusal: BaseException) -> str | None:
-    """The guarded layer (or module) a refusal names."""
-    f = getattr(refusal, "fields", {})
-    return f.get("layer") or f.get("module") or f.get("name")
-
-
-def _refusal_fields(refusal: BaseException) -> dict[str, Any]:
-    """The refusal's fields a step's message uses (plain values: they cross ranks)."""
-    f = getattr(refusal, "fields", {})
-    keys = ("role", "nan_count", "posinf_count", "neginf_count", "zero_count", "op", "phase")
-    return {"error": type(refusal).__name__, **{k: f[k] for k in keys if f.get(k) is not None}}

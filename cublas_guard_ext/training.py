@@ -457,8 +457,7 @@ class TrainingGuard:
             skipped_steps = [e.step for e in self.skipped[-self.consecutive_skips :]]
             absmax, where, dtype = _param_absmax(self.inner)
             diverged = TrainingDivergedError(
-                **{k: v for k, v in err.fields.items() if k not in ("rank", "world_size")},
-                **({"rank": rank, "world_size": world} if world is not None else {}),
+                **err.fields,
                 consecutive_skips=self.consecutive_skips,
                 skipped_steps=skipped_steps,
                 param_absmax=absmax,
@@ -580,7 +579,7 @@ class TrainingGuard:
             phase=origin["phase"],
             classification="persistent" if reproduced else "transient",
             rank=origin["rank"],
-            **({"world_size": world} if world is not None else {}),
+            world_size=world,  # None outside distributed runs, like rank
             bad_gradients=origin["bad"][:8],
             bad_gradient_count=len(origin["bad"]),
             finding=origin["finding"],

@@ -320,3 +320,22 @@ def test_help_shows_a_real_docstring_whose_example_output_is_the_real_output():
     for line in lines[1:]:
         if not line.strip().startswith(("replayed under watch:", "finding:")):  # watch's own words
             assert line.strip() in doc, line
+
+
+def test_every_documented_field_exists_on_every_instance():
+    model, optimizer, guard, data = diverging_run()
+    with pytest.warns(RuntimeWarning), pytest.raises(cg.TrainingDivergedError) as info:
+        train(model, optimizer, data, guard)
+    step_fields = (
+        "step loss module op phase classification rank world_size bad_gradients bad_gradient_count "
+        "finding note refused_by refusal history"
+    ).split()
+    diverged_fields = "consecutive_skips skipped_steps param_absmax param_absmax_name param_dtype".split()
+    for err in [*guard.skipped, info.value]:
+        for name in step_fields:
+            getattr(err, name)  # None when not known, never AttributeError
+        assert err.rank is None and err.world_size is None and err.refused_by is None
+    for name in diverged_fields:
+        getattr(info.value, name)
+    for name in step_fields + diverged_fields:
+        assert f"``{name}``" in (cg.NonFiniteStepError.__doc__ + cg.TrainingDivergedError.__doc__), name

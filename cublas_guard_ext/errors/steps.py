@@ -44,10 +44,11 @@ class NonFiniteStepError(GuardError, ValueError):
     (from the replay's finding; None when the replay named nothing), ``classification``
     (``"persistent"``: the replay is non-finite again; ``"transient"``: it is finite), ``rank``
     (the rank whose replay found it, or whose step was bad; None outside distributed runs),
-    ``world_size``, ``bad_gradients`` (names of the parameters whose gradients were non-finite,
+    ``world_size`` (None outside distributed runs), ``bad_gradients`` (names of the parameters whose gradients were non-finite,
     at most 8), ``bad_gradient_count``, ``finding`` (the replay's message), ``note``,
     ``refused_by`` (the guarded layer whose check raised inside the step, its error being the
-    ``__cause__``; None otherwise), ``history`` (the last steps: dicts with ``step``, ``loss``,
+    ``__cause__``; None otherwise), ``refusal`` (that error's class name, role and counts, as a
+    dict; None otherwise), ``history`` (the last steps: dicts with ``step``, ``loss``,
     ``grad_norm``, ``skipped``, ``refused_by``; oldest first).
     """
 

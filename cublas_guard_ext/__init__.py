@@ -2,12 +2,14 @@
 
 Public API::
 
-    SafeLinear, replace_linear, name_layers      # the drop-in nn.Linear
+    SafeLinear, SafeConv1D, name_layers          # the drop-in nn.Linear (and GPT-2's Conv1D)
+    replace_linear, restore_linear, coverage     # swap them into a model and back
     scan, ScanResult, check_features, linear     # the ops
     check, guard                                 # async-mode reporting
     watch                                        # which op/module first produced NaN/Inf
     replay                                       # run a failure capsule's GEMM alone
     TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
+    TrainingDivergedError                        # too many bad steps in a row
     GuardError and its subclasses                # errors with fields
 """
 
@@ -32,16 +34,21 @@ from .errors import (
     SizeLimitError,
 )
 from .modes import guard
-from .nn import SafeLinear, name_layers, replace_linear
+from .nn import SafeConv1D, SafeLinear, name_layers
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
-from .training import NonFiniteStepError, TrainingGuard
+from .swap import Coverage, coverage, replace_linear, restore_linear
+from .training import NonFiniteStepError, TrainingDivergedError, TrainingGuard
 from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SafeLinear",
+    "SafeConv1D",
     "replace_linear",
+    "restore_linear",
+    "coverage",
+    "Coverage",
     "name_layers",
     "scan",
     "ScanResult",
@@ -55,6 +62,7 @@ __all__ = [
     "replay",
     "TrainingGuard",
     "NonFiniteStepError",
+    "TrainingDivergedError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

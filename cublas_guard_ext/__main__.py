@@ -8,6 +8,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cublas_guard_ext", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"cublas_guard_ext {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a guarded model, show the guard catching bad inputs, time it")
     demo.add_argument("--steps", type=int, default=60)
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return replay_module.main(args.capsule, as_json=args.json)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 if __name__ == "__main__":

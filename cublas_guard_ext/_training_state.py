@@ -6,6 +6,7 @@ collectives. Split from training.py to keep each file under ~600 lines.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import random
@@ -136,6 +137,98 @@ def _bad_flag(loss: Any, grads: list[torch.Tensor], check_grads: bool) -> torch.
         return found[0].reshape(())
     device = found[0].device
     return torch.cat([f.to(device, non_blocking=True) for f in found]).max()
+
+
+def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The global 2-norm of ``grads`` as a float32 0-d tensor (NaN/Inf when they hold one), or
+    None without gradients. No host sync: one ``_foreach_norm`` per device and dtype (computed
+    in float32, so float16 gradients do not overflow the norm) and a few small kernels."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if hasattr(g, "to_local"):
+            g = g.to_local()
+        if g.is_sparse:
+            g = g.coalesce().values()
+        if g.numel():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    if not groups:
+        return None
+    norms = [n.reshape(1) for ts in groups.values() for n in torch._foreach_norm(ts, 2, dtype=torch.float32)]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.cat([n.to(device, non_blocking=True) for n in norms]))
+
+
+class _StepHistory:
+    """The last ``size`` steps: step number, loss and gradient norm as kept (tensors, read only
+    when a message needs them: no host sync on a healthy step), skipped, refused by."""
+
+    def __init__(self, size: int) -> None:
+        self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(size, 0))
+
+    def add(self, step: int, loss: Any, grad_norm: torch.Tensor | None) -> None:
+        if self.entries.maxlen:
+            if isinstance(loss, torch.Tensor):
+                loss = loss.detach() if loss.numel() == 1 else None
+            self.entries.append(
+                {"step": step, "loss": loss, "grad_norm": grad_norm, "skipped": False, "refused_by": None}
+            )
+
+    def mark(self, step: int, **changes: Any) -> None:
+        """Mark the entry of ``step`` (skipped=True, refused_by=...), adding it if missing."""
+        if not self.entries.maxlen:
+            return
+        for entry in self.entries:
+            if entry["step"] == step:
+                entry.update(changes)
+                return
+        self.add(step, None, None)
+        self.entries[-1].update(changes)
+
+    def read(self) -> list[dict[str, Any]]:
+        """The entries with plain floats (a host read per tensor: only for a message)."""
+
+        def value(v: Any) -> float | None:
+            if isinstance(v, torch.Tensor):
+                return float(v.float().item())
+            return float(v) if isinstance(v, (int, float)) else None
+
+        return [{**e, "loss": value(e["loss"]), "grad_norm": value(e["grad_norm"])} for e in self.entries]
+
+
+def _param_absmax(model: torch.nn.Module) -> tuple[float | None, str | None, str | None]:
+    """The parameters' largest finite absolute value, the parameter's name and dtype."""
+    best: tuple[float | None, str | None, str | None] = (None, None, None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if not t.is_floating_point() or not t.numel():
+                continue
+            finite = t.detach().abs().nan_to_num(nan=0.0, posinf=0.0)
+            value = float(finite.max().float().item())
+            if best[0] is None or value > best[0]:
+                best = (value, name, str(t.dtype))
+    return best
+
+
+def _loss_value(loss: Any) -> float | None:
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().float().item())
+    if isinstance(loss, (int, float)):
+        return float(loss)
+    return None
+
+
+def _refusal_layer(refusal: BaseException) -> str | None:
+    """The guarded layer (or module) a refusal names."""
+    f = getattr(refusal, "fields", {})
+    return f.get("layer") or f.get("module") or f.get("name")
+
+
+def _refusal_fields(refusal: BaseException) -> dict[str, Any]:
+    """The refusal's fields a step's message uses (plain values: they cross ranks)."""
+    f = getattr(refusal, "fields", {})
+    keys = ("role", "nan_count", "posinf_count", "neginf_count", "zero_count", "op", "phase")
+    return {"error": type(refusal).__name__, **{k: f[k] for k in keys if f.get(k) is not None}}
 
 
 def _default_group() -> Any:

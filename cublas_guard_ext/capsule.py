@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from . import _capsule_file
+from ._capsule_file import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
 from ._native import facts
 
 FORMAT = "cublas_guard_ext capsule"
@@ -588,8 +590,13 @@ def capture(err: BaseException, native: dict[str, Any] | None = None) -> tuple[s
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
-    """A capsule's contents, read with ``weights_only=True`` (no code runs)."""
-    data = torch.load(path, weights_only=True, map_location="cpu")
+    """A capsule's contents, read with ``weights_only=True`` (no code runs).
+
+    Raises :class:`CapsuleFileError` for a missing file, a file that is not a capsule, and
+    a pickle that names a callable to run when loaded (which is never run): its message is
+    one line, never torch's advice to load with ``weights_only=False``."""
+    name = os.fspath(path)
+    data = _capsule_file.read(name)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"cublas_guard_ext: {path} is not a cublas_guard_ext capsule")
+        raise CapsuleFileError(name, NOT_A_CAPSULE)
     return data

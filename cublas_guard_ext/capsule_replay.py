@@ -256,6 +256,9 @@ def render(result: dict[str, Any]) -> str:
 def main(path: str, as_json: bool = False) -> int:
     try:
         result = replay(path)
+    except _capsule.CapsuleFileError as err:
+        print(f"cublas_guard_ext replay: cannot read {err}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, RuntimeError) as err:
         print(f"cublas_guard_ext replay: cannot read {path}: {err}", file=sys.stderr)
         return 2

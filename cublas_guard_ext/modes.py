@@ -77,9 +77,15 @@ def _current() -> Mode:
     return _env_default()
 
 
-@torch._dynamo.assume_constant_result
 def _current_when_traced() -> Mode:
     return _current()
+
+
+# What ``torch._dynamo.assume_constant_result`` does (Dynamo calls the function once while tracing
+# and puts its result in the graph as a constant), without importing torch._dynamo here: that
+# import alone costs over a second, at every ``import cublas_guard_ext``. tests/test_modes.py
+# checks that the decorator still sets exactly this.
+_current_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
-"""``SafeLinear``, a drop-in ``nn.Linear``, and the helpers that swap it in."""
+"""``SafeLinear``, a drop-in ``nn.Linear``; ``SafeConv1D``, the same for transformers'
+``Conv1D`` (GPT-2's projections); and naming them. Swapping them into a model and back:
+:mod:`cublas_guard_ext.swap`."""
 
 from __future__ import annotations
 
 import itertools
-import warnings
-from collections.abc import Iterable
+import sys
 from typing import Any, Optional
 
 import torch
@@ -14,10 +15,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
 from . import ops as _ops_module
-from .ops import DTYPE_POLICIES, validate_dtype_policy
+from .errors import GuardError
 from .ops import linear as _guarded_linear
+from .ops import validate_dtype_policy
 
-__all__ = ["SafeLinear", "replace_linear", "name_layers"]
+__all__ = ["SafeLinear", "SafeConv1D", "name_layers", "GUARD_ATTRIBUTES"]
+
+# The attributes a guarded layer adds to the module it replaces (restore_linear drops them).
+GUARD_ATTRIBUTES = ("mode", "guard_name", "scan_grad", "dtype_policy", "_unnamed_number", "_auto_guard_name")
 
 
 _UNNAMED_NUMBERS = itertools.count(1)
@@ -32,9 +37,11 @@ def _reset_calls(name: str) -> None:
 class SafeLinear(nn.Linear):
     """``nn.Linear`` whose forward runs through the guard.
 
-    Same constructor, parameters, initialisation, ``state_dict`` keys and
-    ``repr`` as ``nn.Linear`` (it is a subclass, so ``isinstance(m, nn.Linear)``
-    still holds). Extra keyword-only arguments:
+    Same constructor, parameters, initialisation and ``state_dict`` keys as
+    ``nn.Linear`` (it is a subclass, so ``isinstance(m, nn.Linear)`` still holds);
+    its ``repr`` is nn.Linear's under its own class name, plus the options that
+    differ from the defaults: ``SafeLinear(in_features=8, out_features=16,
+    bias=True, mode='async')``. Extra keyword-only arguments:
 
     * ``mode``: ``"sync"``, ``"async"`` or ``"off"``; None follows the default
       (see :mod:`cublas_guard_ext.modes`).
@@ -126,19 +133,25 @@ class SafeLinear(nn.Linear):
         # is computed at each read, and spectral_norm's power iteration moves its buffers
         # at each one in training, so a second read would make a different layer.
         weight, bias = self.weight, self.bias
-        if self.dtype_policy == "strict":
-            out = _fast_linear(input, weight, bias, self.guard_label, self.mode, self.scan_grad)
-            if out is not None:
-                return out
-        return _guarded_linear(
-            input,
-            weight,
-            bias,
-            layer=self.guard_label,
-            mode=self.mode,
-            scan_grad=self.scan_grad,
-            dtype_policy=self.dtype_policy,
-        )
+        try:
+            if self.dtype_policy == "strict":
+                out = _fast_linear(input, weight, bias, self.guard_label, self.mode, self.scan_grad)
+                if out is not None:
+                    return out
+            return _guarded_linear(
+                input,
+                weight,
+                bias,
+                layer=self.guard_label,
+                mode=self.mode,
+                scan_grad=self.scan_grad,
+                dtype_policy=self.dtype_policy,
+            )
+        except GuardError as err:
+            renamed = _with_current_names(err)
+            if renamed is None:
+                raise
+            raise renamed.with_traceback(err.__traceback__) from None
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -242,21 +255,48 @@ def _guard_transformer_layers(model: nn.Module) -> None:
         if isinstance(module, nn.TransformerEncoderLayer) and any(
             isinstance(m, SafeLinear) for m in (module.linear1, module.linear2)
         ):
-            module.activation_relu_or_gelu = 0
+            _set_keeping_original(module, "activation_relu_or_gelu", 0)
     for module in model.modules():
         if isinstance(module, nn.TransformerEncoder) and any(
             isinstance(m, SafeLinear) for m in module.modules()
         ):
-            module.use_nested_tensor = False
+            _set_keeping_original(module, "use_nested_tensor", False)
+
+
+# Where _guard_transformer_layers keeps the values it changed (restore_linear puts them back).
+FAST_PATH_ORIGINALS = "_cublas_guard_fast_path_originals"
+
+
+def _set_keeping_original(module: nn.Module, attr: str, value: Any) -> None:
+    originals = module.__dict__.setdefault(FAST_PATH_ORIGINALS, {})
+    originals.setdefault(attr, getattr(module, attr))
+    setattr(module, attr, value)
 
 
 def _after_optimizer_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     # Fused optimizers write parameters without bumping their version counters:
     # after any torch.optim step, no parameter is known clean any more.
+    if torch.compiler.is_compiling():
+        # a compiled optimizer step: an op the graph keeps and runs at every step (the native
+        # op takes no tensor, so the tracer would run it once while tracing and record nothing)
+        _parameters_changed_in_graph(torch.empty(0))
+    else:
+        torch.ops.cublas_guard_internal.parameters_changed.default()
+
+
+@torch.library.custom_op("cublas_guard_internal::parameters_changed_in_graph", mutates_args=())
+def _parameters_changed_in_graph(token: torch.Tensor) -> None:
     torch.ops.cublas_guard_internal.parameters_changed.default()
 
 
-_OPTIMIZER_HOOK = register_optimizer_step_post_hook(torch.compiler.disable(_after_optimizer_step))
+@_parameters_changed_in_graph.register_fake
+def _(token: torch.Tensor) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.cublas_guard_internal.parameters_changed_in_graph.default)
+# (Not torch.compiler.disable: that imports torch._dynamo, over a second at every import.)
+_OPTIMIZER_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> nn.Module:
@@ -267,7 +307,7 @@ def name_layers(model: nn.Module, prefix: str = "") -> nn.Module:
     function gave earlier are updated.
     """
     for name, module in model.named_modules(prefix=prefix):
-        if isinstance(module, SafeLinear) and (
+        if is_guarded(module) and (
             module.guard_name is None or module.guard_name == module.__dict__.get("_auto_guard_name")
         ):
             _set_auto_name(module, name or type(model).__name__)
@@ -275,139 +315,245 @@ def name_layers(model: nn.Module, prefix: str = "") -> nn.Module:
     return model
 
 
-def _set_auto_name(module: SafeLinear, name: str) -> None:
+def _set_auto_name(module: nn.Module, name: str) -> None:
     if module.guard_name != name:
         _reset_calls(name)
     module.guard_name = name
     module._auto_guard_name = name
 
 
-def _first_called(model: nn.Module, candidates: list[nn.Module], example_inputs: tuple) -> int | None:
-    """The index of the first of ``candidates`` that a forward on ``example_inputs`` calls.
+def _modules_on_stack() -> list[nn.Module]:
+    """The modules whose methods are running on this thread's stack (``self`` of each frame),
+    outermost first: the model the user called, a LightningModule's training_step, wrappers.
+    Read only when an error is being raised."""
+    frame = sys._getframe(1)
+    found: list[nn.Module] = []
+    while frame is not None:
+        candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
+            found.append(candidate)
+        frame = frame.f_back
+    return found[::-1]
 
-    The forward runs in eval mode under no_grad, and every training flag and
-    buffer is restored afterwards: it leaves no trace (BatchNorm statistics,
-    spectral_norm's vectors).
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside torch.compile / DDP-style wrappers (``_orig_mod``, ``module``)."""
+    seen: set[int] = set()
+    while id(module) not in seen:
+        seen.add(id(module))
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
+            inner = getattr(module, "module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        module = inner
+    return module
+
+
+def _with_current_names(err: GuardError) -> GuardError | None:
+    """The error naming its layer by where it sits now, or None when the name is current.
+
+    A name given by replace_linear/name_layers is the module's path when it was given; a
+    model rebuilt since (PEFT's merge_and_unload puts the base layer where its LoRA wrapper
+    was, and returns the inner model) would otherwise be reported under the old path. So
+    when an error is raised, its layer is looked up in the modules running on the stack: if
+    one of them holds it under the name it has, the name is current (a LightningModule
+    holding ``net.0`` while ``net`` runs; a DDP or compile wrapper around the named model);
+    so it is when one holds it under a suffix of that name (a block of the named model
+    called by itself; a prefix given to name_layers). Otherwise the auto-given names of the outermost model (inside its wrappers) are
+    refreshed (name_layers), and the error is rewritten with the layer's new name."""
+    label = err.fields.get("layer")
+    if not label:
+        return None
+    holders: list[tuple[nn.Module, nn.Module, str]] = []  # (model, the layer, its name there)
+    for root in _modules_on_stack():
+        for name, module in root.named_modules():
+            if is_guarded(module) and module.guard_name == label:
+                if label == name:
+                    return None  # current, seen from this model
+                if name:  # (the layer itself, called alone, cannot tell where it sits)
+                    holders.append((root, module, name))
+                break
+    if not holders or any(label.endswith("." + name) for _, _, name in holders):
+        # no holder running; or a block of the named model called by itself, or a model named
+        # with a prefix (name_layers(model, prefix="rank1")), maybe inside a wrapper
+        return None
+    root, layer, _ = holders[0]
+    if layer.__dict__.get("_auto_guard_name") != label:
+        return None  # a name set by hand is kept
+    name_layers(_unwrapped(root))
+    new_label = layer.guard_name
+    if new_label == label:
+        return None
+    renamed = type(err)(**{**err.fields, "layer": new_label})
+    renamed.capsule, renamed.capsule_note = err.capsule, err.capsule_note
+    return renamed
+
+
+class SafeConv1D(nn.Module):
+    """transformers' ``Conv1D`` (GPT-2's attention and MLP projections: ``y = x W + b`` with
+    ``W`` stored ``[in, out]``, a Linear with a transposed weight) through the guard.
+
+    Made by :func:`cublas_guard_ext.replace_linear` from a model's ``Conv1D`` modules with
+    :meth:`from_conv1d`; its class is made on first use as a subclass of transformers'
+    ``Conv1D`` (``isinstance(m, Conv1D)`` still holds, so PEFT and transformers' pruning treat
+    it as one). The forward is the guarded linear of ``x`` with ``W.t()`` (a view, no copy):
+    the same checks, scans and typed errors as SafeLinear's, and on the CPU bitwise the
+    output of Conv1D's ``addmm`` (tests/test_replace_linear.py). Parameters, ``state_dict``
+    keys and hooks are Conv1D's own (shared with the module it replaced). Options: ``mode``,
+    ``guard_name``, ``scan_grad``, ``dtype_policy`` as SafeLinear's.
     """
-    order: list[int] = []
-    handles = [
-        module.register_forward_pre_hook(lambda _m, _a, i=i: order.append(i))
-        for i, module in enumerate(candidates)
-    ]
-    flags = [(m, m.training) for m in model.modules()]
-    with torch.no_grad():
-        buffers = [(b, b.clone()) for b in model.buffers()]
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(*example_inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, training in flags:
-            module.training = training
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
-    return order[0] if order else None
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # SafeConv1D(nf, nx, ...): an instance of the class built on transformers' Conv1D
+        # (Python then runs that class's __init__)
+        return super().__new__(_conv1d_class() if cls is SafeConv1D else cls)
 
-def replace_linear(
-    model: nn.Module,
-    which: str | Iterable[str] = "all",
-    *,
-    mode: str | None = None,
-    scan_grad: bool = False,
-    dtype_policy: str = "strict",
-    example_inputs: tuple | torch.Tensor | None = None,
-) -> nn.Module:
-    """Swap ``nn.Linear`` modules for ``SafeLinear`` in place; return the model.
-
-    ``which``: ``"all"``, ``"first"``, or qualified names. ``"first"`` means the
-    first one a forward pass calls when ``example_inputs`` is given (a tensor
-    or a tuple of positional arguments; run in eval mode under no_grad, leaving
-    the model as it was), else the first registered (usually, not always, the
-    first called). A Linear registered under several names (``Sequential(lin,
-    ReLU(), lin)``) is one module: it is swapped in every slot by the same
-    SafeLinear, and any of its names selects it. Swapped: exact ``nn.Linear``
-    instances, also reparametrized ones (weight_norm, spectral_norm, prune,
-    torch.nn.utils.parametrize); hooks and attributes are taken over (see
-    :meth:`SafeLinear.from_linear`). Subclasses (e.g. the out_proj of
-    ``nn.MultiheadAttention``, whose weight is used without calling forward)
-    keep their type. Transformer encoder layers holding a swapped Linear are
-    routed through their guarded slow path (see docs/guarantees.md). Parameters are
-    shared, not copied. Everything is checked and built before the first swap:
-    an error leaves the model untouched. If ``model`` itself is an
-    ``nn.Linear``, the new SafeLinear is returned.
-    """
-    if mode is not None:
-        modes.validate(mode)
-    if dtype_policy not in DTYPE_POLICIES:
-        raise ValueError(f"dtype_policy must be one of {DTYPE_POLICIES}, got {dtype_policy!r}")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    elif example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        raise TypeError(
-            "cublas_guard_ext: example_inputs must be a tensor or a tuple of the model's positional "
-            f"arguments, got {type(example_inputs).__name__}"
-        )
-    options = {"mode": mode, "scan_grad": scan_grad, "dtype_policy": dtype_policy}
-    if isinstance(model, nn.Linear) and _swappable_type(model):
-        safe = SafeLinear.from_linear(model, **options)
-        _set_auto_name(safe, type(model).__name__)
+    @classmethod
+    def from_conv1d(
+        cls,
+        conv: nn.Module,
+        *,
+        mode: str | None = None,
+        name: str | None = None,
+        scan_grad: bool = False,
+        dtype_policy: str = "strict",
+    ) -> nn.Module:
+        """A guarded Conv1D taking over ``conv``'s state, sharing it (no copy, no re-init): the
+        Parameter objects, buffers, hooks and attributes, as :meth:`SafeLinear.from_linear`."""
+        if not is_conv1d(conv):
+            raise TypeError(f"from_conv1d expects a transformers Conv1D, got {type(conv).__name__}")
+        if "forward" in conv.__dict__:
+            raise TypeError(
+                "cublas_guard_ext: cannot swap this Conv1D: its forward was replaced by an instance "
+                "attribute (a wrapper such as accelerate's hooks)"
+            )
+        options = _checked_options(mode, name, scan_grad, dtype_policy)
+        safe = retyped(conv, _conv1d_class())
+        safe.__dict__.update(options)
         return safe
 
-    # Every slot of every swappable Linear, by module (a module may have several names).
-    modules: list[nn.Module] = []
-    slots: list[list[str]] = []
-    position: dict[int, int] = {}
-    for qualified, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, nn.Linear) and _swappable_type(module):
-            if id(module) not in position:
-                position[id(module)] = len(modules)
-                modules.append(module)
-                slots.append([])
-            slots[position[id(module)]].append(qualified)
-    by_name = {name: i for i, names in enumerate(slots) for name in names}
 
-    explicit = not isinstance(which, str)
-    if isinstance(which, str):
-        if which == "all":
-            chosen = list(range(len(modules)))
-        elif which == "first":
-            if not modules:
-                chosen = []
-            elif example_inputs is not None:
-                first = _first_called(model, modules, tuple(example_inputs))
-                chosen = [first] if first is not None else []
-            else:
-                chosen = [0]
-        else:
-            raise ValueError(f"which must be 'all', 'first' or a list of names, got {which!r}")
-    else:
-        names = list(which)
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise ValueError(f"not nn.Linear modules of this model: {unknown}")
-        chosen = list(dict.fromkeys(by_name[n] for n in names))
+def _checked_options(
+    mode: str | None, name: str | None, scan_grad: bool, dtype_policy: str
+) -> dict[str, Any]:
+    """A guarded layer's own attributes (GUARD_ATTRIBUTES), checked."""
+    validate_dtype_policy(dtype_policy, stacklevel=4)
+    if name:
+        _reset_calls(name)
+    return {
+        "mode": modes.validate(mode) if mode is not None else None,
+        "guard_name": name,
+        "scan_grad": bool(scan_grad),
+        "dtype_policy": dtype_policy,
+        "_unnamed_number": next(_UNNAMED_NUMBERS),
+    }
 
-    # Plan: refuse or skip what cannot be swapped, build every SafeLinear; then swap.
-    built: list[tuple[int, SafeLinear]] = []
-    for i in chosen:
-        reason = _why_not_swappable(modules[i])
-        if reason is not None:
-            if explicit:
-                raise TypeError(f"cublas_guard_ext: cannot swap {slots[i][0]!r}: {reason}")
-            warnings.warn(
-                f"cublas_guard_ext: {slots[i][0]!r} stays an unguarded nn.Linear: {reason}",
-                stacklevel=2,
+
+class _GuardedConv1D:
+    """The guarded forward of SafeConv1D (mixed in before transformers' Conv1D)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    nf: int
+    nx: int
+
+    @property
+    def guard_label(self) -> str:
+        name = self.guard_name
+        if name is not None and name != "":
+            return name
+        return f"<unnamed SafeConv1D({self.nx}->{self.nf}) #{self._unnamed_number}>"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t()  # [out, in], a view: the guarded linear takes strided weights
+        try:
+            if self.dtype_policy == "strict":
+                out = _fast_linear(x, weight, self.bias, self.guard_label, self.mode, self.scan_grad)
+                if out is not None:
+                    return out
+            return _guarded_linear(
+                x,
+                weight,
+                self.bias,
+                layer=self.guard_label,
+                mode=self.mode,
+                scan_grad=self.scan_grad,
+                dtype_policy=self.dtype_policy,
             )
+        except GuardError as err:
+            renamed = _with_current_names(err)
+            if renamed is None:
+                raise
+            raise renamed.with_traceback(err.__traceback__) from None
+
+    def __repr__(self) -> str:
+        text = f"SafeConv1D(nf={self.nf}, nx={self.nx}"
+        text += f", mode={self.mode!r}" if self.mode is not None else ""
+        text += ", scan_grad=True" if self.scan_grad else ""
+        text += f", dtype_policy={self.dtype_policy!r}" if self.dtype_policy != "strict" else ""
+        return text + ")"
+
+    def __init__(
+        self,
+        nf: int,
+        nx: int,
+        *,
+        mode: str | None = None,
+        name: str | None = None,
+        scan_grad: bool = False,
+        dtype_policy: str = "strict",
+    ) -> None:
+        super().__init__(nf, nx)  # type: ignore[call-arg]  (transformers' Conv1D)
+        self.__dict__.update(_checked_options(mode, name, scan_grad, dtype_policy))
+
+
+_CONV1D_CLASS: type | None = None
+
+
+def _conv1d_class() -> type:
+    """SafeConv1D's real class: _GuardedConv1D over transformers' Conv1D (imported here, when a
+    Conv1D is first guarded; the package never imports transformers by itself)."""
+    global _CONV1D_CLASS
+    if _CONV1D_CLASS is None:
+        from transformers.pytorch_utils import Conv1D
+
+        _CONV1D_CLASS = type(
+            "SafeConv1D",
+            (_GuardedConv1D, Conv1D, SafeConv1D),
+            {"__module__": __name__, "__qualname__": _CONV1D_CLASS_NAME, "__doc__": SafeConv1D.__doc__},
+        )
+    return _CONV1D_CLASS
+
+
+# The name pickle finds the class under (a model saved whole): resolved by __getattr__ below.
+_CONV1D_CLASS_NAME = "_SafeConv1DOverTransformers"
+
+
+def __getattr__(name: str) -> Any:
+    if name == _CONV1D_CLASS_NAME:
+        return _conv1d_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_conv1d(module: Any) -> bool:
+    """Exactly transformers' ``Conv1D`` (not a subclass, not already guarded)."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def is_guarded(module: Any) -> bool:
+    """A SafeLinear or a SafeConv1D."""
+    return isinstance(module, (SafeLinear, SafeConv1D))
+
+
+def retyped(module: nn.Module, cls: type, drop: tuple[str, ...] = ()) -> Any:
+    """A module of class ``cls`` holding ``module``'s state: the same Parameter objects,
+    buffers, submodules and hook dicts (new containers for the containers), minus ``drop``."""
+    new = cls.__new__(cls)
+    own = new.__dict__
+    for key, value in module.__dict__.items():
+        if key in drop:
             continue
-        built.append((i, SafeLinear.from_linear(modules[i], **options)))
-    for i, safe in built:
-        for qualified in slots[i]:
-            parent_name, _, child = qualified.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, safe)
-    return name_layers(model)
+        own[key] = value.copy() if key in _COPIED_STATE else value
+    return new

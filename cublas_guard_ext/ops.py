@@ -191,6 +191,8 @@ def linear(
         if out is not None:
             return out
     _require_tensor(x, "x")
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing()) and _onnx_exporting():
+        return _exported_linear(x, weight, bias)
     code = modes.MODE_CODES[modes.validate(mode) if mode is not None else modes.current()]
     if x.layout != torch.strided:
         # nn.Linear accepts sparse input and returns a dense output; so do we, from
@@ -210,6 +212,35 @@ def linear(
             out = op(x.float(), weight, bias, layer, code, scan_grad)
             return out.to(x.dtype)
     return op(x, weight, bias, layer, code, scan_grad)
+
+
+ONNX_EXPORT_WARNING = (
+    "cublas_guard_ext: exported to ONNX as a plain linear (MatMul/Gemm): the guard's runtime "
+    "checks (the NaN/Inf scans, the shape/dtype/device checks with typed errors, the checked "
+    "cuBLAS call) are not part of the exported graph"
+)
+_onnx_warned = False
+
+
+def _onnx_exporting() -> bool:
+    """Whether torch.onnx.export (either exporter) is tracing now. torch.onnx is never imported
+    here: when it is not loaded, no export runs."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and bool(onnx.is_in_onnx_export())
+
+
+# Read once while Dynamo traces (what torch._dynamo.assume_constant_result sets; see modes.py).
+_onnx_exporting._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _exported_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What an ONNX export records for a guarded linear: F.linear (ONNX has no op for the
+    checks), after a warning once per process that the checks are not exported."""
+    global _onnx_warned
+    if not _onnx_warned:
+        _onnx_warned = True
+        warnings.warn(ONNX_EXPORT_WARNING, UserWarning, stacklevel=4)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -> None:

@@ -56,117 +56,94 @@ from ._training_state import (
     _eager_if,
     _fsdp_local,
     _fsdp_modules,
+    _grad_norm,
     _is_ddp,
+    _loss_value,
+    _param_absmax,
+    _refusal_fields,
+    _refusal_layer,
     _RngState,
+    _StepHistory,
     _unwrap,
     _wrappers,
 )
-from .errors import GuardError, NonFiniteEntryError, NonFiniteOutputError
+from .errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
+from .errors.steps import NonFiniteStepError, TrainingDivergedError
 from .watch import watch
 
-__all__ = ["TrainingGuard", "NonFiniteStepError"]
+__all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
+
+# What a guarded layer (SafeLinear's checks) or a watch block of the user's raises about a
+# NaN/Inf inside the closure: the step is non-finite, handled like a non-finite loss. Every
+# other error (a wrong shape, a cuBLAS failure) is a bug, not a bad step, and propagates.
+NON_FINITE_REFUSALS: tuple[type[BaseException], ...] = (
+    NonFiniteInputError,
+    NonFiniteOutputError,
+    NonFiniteEntryError,
+)
 
 _ON_NAN = ("raise", "skip")
 
 
-def _loss_value(loss: Any) -> float | None:
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return float(loss.detach().float().item())
-    if isinstance(loss, (int, float)):
-        return float(loss)
-    return None
-
-
-def _fmt_loss(value: Any) -> str:
-    return "none returned" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-class NonFiniteStepError(GuardError, ValueError):
-    """A training step whose loss or gradients were NaN/Inf; no optimizer step was taken.
-
-    Fields: ``step`` (1-based count of ``guard.step`` calls), ``loss`` (the bad step's loss as a
-    float, None if the closure returned none), ``module``, ``op``, ``phase`` (from the replay's
-    finding; None when the replay named nothing), ``classification`` (``"persistent"``: the
-    replay is non-finite again; ``"transient"``: it is finite), ``rank`` (the rank whose replay
-    found it, or whose step was bad; None outside distributed runs), ``world_size``,
-    ``bad_gradients`` (names of the parameters whose gradients were non-finite, at most 8),
-    ``bad_gradient_count``, ``finding`` (the replay's message) and ``note``.
-    """
-
-    kind = "non_finite_step"
-
-    def _headline(self) -> str:
-        f = self.fields
-        what = []
-        loss = f.get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss):
-            what.append(f"loss {loss}")
-        if f.get("bad_gradient_count"):
-            what.append(f"non-finite gradients in {f['bad_gradient_count']} parameters")
-        if not what:
-            what.append("non-finite loss or gradients")
-        return f"training step {f.get('step')}: {', '.join(what)}; no optimizer step was taken"
-
-    def _details(self) -> list[str]:
-        f = self.fields
-        lines = []
-        if f.get("op"):
-            lines.append(
-                f"replayed under watch: {f['op']} in module '{f.get('module') or ''}' "
-                f"({f.get('phase')}) produced it"
-            )
-        elif f.get("phase") == "entry":
-            lines.append(f"replayed under watch: {f.get('finding', '').splitlines()[0]}")
-        if f.get("classification") == "persistent":
-            lines.append("persistent: the replay (same batch, same RNG states) is non-finite again")
-        else:
-            lines.append(
-                "transient: the replay (same batch, same RNG states) is finite; a one-off "
-                "(hardware, a race, a non-deterministic kernel, state outside the model)"
-            )
-        if f.get("finding") and f.get("phase") != "entry":
-            lines.append("finding: " + f["finding"].splitlines()[0])
-        if f.get("bad_gradients"):
-            more = f["bad_gradient_count"] - len(f["bad_gradients"])
-            lines.append(
-                "non-finite gradients: "
-                + ", ".join(f["bad_gradients"])
-                + (f" and {more} more" if more > 0 else "")
-            )
-        lines.append(f"loss: {_fmt_loss(f.get('loss'))}")
-        if f.get("note"):
-            lines.append(f["note"])
-        lines.append(
-            f"parameters, buffers, optimizer state and RNG states are as before step {f.get('step')}"
-        )
-        return lines
-
-    def _next_steps(self) -> list[str]:
-        if self.fields.get("classification") == "transient":
-            return [
-                "rerun from here: a transient step that returns often points at the hardware "
-                "(run `python -m cublas_guard_ext doctor`) or a race"
-            ]
-        if self.fields.get("op"):
-            return [
-                "fix the op named above (clamp its input, add an epsilon, lower the learning rate); "
-                "on_nan='skip' drops such steps and goes on"
-            ]
-        return ["look at the batch of this step (it reproduces); on_nan='skip' drops such steps and goes on"]
-
-
 class TrainingGuard:
-    """See the module docstring. ``step(closure)`` per optimizer step.
+    """Guard every optimizer step: take it only when the loss and every gradient are finite;
+    replay a bad one under ``watch`` to name the op; never let it touch the model.
 
-    ``model``: the module trained (DDP / ``torch.compile`` wrappers are fine). ``optimizer``:
-    the one ``step`` steps (None: the guard only checks; see the integrations). ``on_nan``:
-    ``"raise"`` or ``"skip"``. ``scaler``: a ``torch.amp.GradScaler`` the closure scales the loss
-    with (``scaler.scale(loss).backward()``, returning the unscaled loss); the guard unscales,
-    steps and updates it, and a step the scaler skips for Inf/NaN gradients is not a finding (a
-    non-finite *loss* is). ``deferred``: no host sync; the flag is read at the next ``step`` /
-    :meth:`check` (needs an optimizer that skips on the device). ``allow``: passed to ``watch``
-    for the replay. ``process_group``: ``"auto"`` (the default group when more than one rank),
-    None (no collective) or a group.
+    Call :meth:`step` with a closure (zero_grad, forward, backward; returns the loss) instead
+    of ``optimizer.step()``. A healthy step is the closure plus one fused finite check of the
+    loss and gradients and ``optimizer.step()``. A bad step (a NaN/Inf loss or gradient, or a
+    guarded layer such as SafeLinear refusing a NaN/Inf inside the closure) is not applied:
+    RNG states and buffers are restored, the closure runs again under ``watch`` to name the
+    producing op, module and phase, then everything is restored once more, so parameters,
+    buffers, optimizer state and RNG streams are exactly as before the step.
+
+    Arguments:
+
+    * ``model``: the module trained (DDP / ``torch.compile`` wrappers are fine).
+    * ``optimizer``: the one ``step`` steps (None: only check; the integrations use that).
+    * ``on_nan``: ``"raise"`` a :class:`NonFiniteStepError` (a guarded layer's error is its
+      ``__cause__``), or ``"skip"``: warn (``RuntimeWarning``, same text), append the error to
+      ``guard.skipped``, return None, go on as if the batch had never been drawn.
+    * ``max_consecutive_skips`` (3): that many skipped steps in a row raise
+      :class:`TrainingDivergedError` with the loss and gradient-norm history (None: never).
+    * ``history`` (6): steps whose loss and gradient norm the messages show (0: none, and no
+      norm is computed).
+    * ``scaler``: a ``torch.amp.GradScaler`` the closure scales with
+      (``scaler.scale(loss).backward()``, returning the unscaled loss); the guard unscales,
+      steps and updates it; a step it skips for Inf gradients is not a finding.
+    * ``deferred``: no host sync in the step (needs a ``fused=True`` Adam/AdamW/SGD, which
+      skips on the device); the flag is read at the next ``step`` or :meth:`check`.
+    * ``allow``: passed to the replay's ``watch`` (ops or modules where NaN/Inf is intended).
+    * ``process_group``: ``"auto"`` (the default group when more than one rank), None, or a group.
+
+    Example (the guard's real output)::
+
+        >>> model = cg.replace_linear(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = cg.TrainingGuard(model, opt, on_nan="raise")
+        >>> def closure():
+        ...     opt.zero_grad(); loss = F.mse_loss(model(x), y); loss.backward(); return loss
+        >>> guard.step(closure)
+        tensor(2.3982, grad_fn=<MseLossBackward0>)
+        >>> x[1, 3] = float("nan"); guard.step(closure)
+        NonFiniteStepError: training step 2: layer '0' refused a non-finite input (NaN 1, +Inf 0, -Inf 0); no optimizer step was taken
+          replayed under watch: watch: the model's argument 'input' has 1 NaN, 0 +Inf, 0 -Inf on entry (it came into the model non-finite; no op inside produced it)
+          persistent: the replay (same batch, same RNG states) is non-finite again
+          loss: not computed (the layer's error interrupted the step)
+          recent steps (loss, gradient norm):
+            step 1: loss 2.39825, gradient norm 4.00866
+            step 2: refused by layer '0' before a loss was computed
+          parameters, buffers, optimizer state and RNG states are as before step 2
+        Next: look at the batch of this step: a guarded layer refused it (it reproduces); on_nan='skip' drops such steps and goes on
+
+    Costs: a healthy step adds one pass over the gradients for the finite check
+    (GradScaler's fused kernel), one for the gradient norm of the history (``history=0``
+    drops it), a copy of the RNG states and of every buffer, and one host read of the flag
+    (none with ``deferred=True``); measured ~1% of an all-MiniLM-L6-v2 AdamW step on a CPU
+    (docs/training-guard.md, "Costs"). A bad step costs one more forward and backward under
+    ``watch`` (~1.1x a step). Distributed: one 4-byte all-reduce per step.
+
+    More: docs/training-guard.md; the module docstring of :mod:`cublas_guard_ext.training`.
     """
 
     def __init__(
@@ -179,6 +156,8 @@ class TrainingGuard:
         deferred: bool = False,
         allow: Iterable[Any] = (),
         process_group: Any = "auto",
+        max_consecutive_skips: int | None = 3,
+        history: int = 6,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingGuard: model must be an nn.Module, got {type(model).__name__}")
@@ -188,6 +167,19 @@ class TrainingGuard:
             )
         if on_nan not in _ON_NAN:
             raise ValueError(f"TrainingGuard: on_nan must be 'raise' or 'skip', got {on_nan!r}")
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                "TrainingGuard: max_consecutive_skips must be a positive int (the skipped steps in a "
+                f"row that mean training diverged) or None (never raise), got {max_consecutive_skips!r}"
+            )
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(
+                f"TrainingGuard: history must be an int >= 0 (steps kept for messages), got {history!r}"
+            )
         if deferred:
             if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
                 raise ValueError(
@@ -210,6 +202,9 @@ class TrainingGuard:
         self.group = _default_group() if process_group == "auto" else process_group
         self.steps = 0
         self.skipped: list[NonFiniteStepError] = []
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
+        self._history = _StepHistory(history)
         self.scaler_skips = 0
         self.stepped = False  # whether the last step() took the optimizer step (for a scheduler)
         self._buffers = _Buffers(self.inner)
@@ -278,10 +273,15 @@ class TrainingGuard:
         if self.deferred:
             self.check()
         rng = self._begin()
-        loss = closure()
+        try:
+            loss = closure()
+        except NON_FINITE_REFUSALS as refusal:
+            return self._refused_step(closure, rng, refusal)
         if self.scaler is not None:
             return self._step_scaled(closure, rng, loss)
-        flag = _bad_flag(loss, self._grads(), True)
+        grads = self._grads()
+        flag = _bad_flag(loss, grads, True)
+        self._note(loss, grads)
         if flag is None:  # nothing to check: no loss, no gradient
             return self._take(loss)
         if self.deferred:
@@ -306,16 +306,37 @@ class TrainingGuard:
         return flag.item() != 0.0
 
     def _is_bad(self, loss: Any) -> bool:
-        flag = _bad_flag(loss, self._grads(), True)
+        grads = self._grads()
+        flag = _bad_flag(loss, grads, True)
+        self._note(loss, grads)
         if flag is None:
             flag = torch.zeros(())
-        return self._read(flag)
+        bad = self._read(flag)
+        if not bad:
+            self.consecutive_skips = 0
+        return bad
+
+    def _note(self, loss: Any, grads: list[torch.Tensor]) -> None:
+        """Keep this step's loss and gradient norm for the messages (device tensors, no sync)."""
+        if self._history.entries.maxlen:
+            self._history.add(self.steps, loss, _grad_norm(grads))
 
     def _take(self, loss: Any) -> Any:
+        self.consecutive_skips = 0
         if self.optimizer is not None:
             self.optimizer.step()
             self.stepped = True
         return loss
+
+    def _refused_step(self, closure: Callable[[], Any], rng: _RngState, refusal: BaseException) -> None:
+        """A guarded layer (or the user's watch) raised about a NaN/Inf inside the closure: a
+        non-finite step like any other (replayed, nothing applied), the error its cause."""
+        if self.group is not None:
+            # the other ranks' steps reach the flag's all-reduce: meet them there
+            self._read(torch.ones(()))
+        refused_by = _refusal_layer(refusal)
+        self._history.mark(self.steps, refused_by=refused_by or "?")
+        return self._bad_step(closure, rng, None, self.steps, refusal=refusal)
 
     def _step_scaled(self, closure: Callable[[], Any], rng: _RngState, loss: Any) -> Any:
         scaler, opt = self.scaler, self.optimizer
@@ -323,6 +344,7 @@ class TrainingGuard:
         state = scaler._per_optimizer_states[id(opt)]
         if scaler.is_enabled() and state["stage"].name == "READY":
             scaler.unscale_(opt)  # the scaler's own fused Inf check (found_inf per device)
+        self._note(loss, self._grads())
         found = list(state["found_inf_per_device"].values()) if scaler.is_enabled() else []
         loss_flag = _bad_flag(loss, [], False)
         parts = [f.reshape(()).float().to(found[0].device) for f in found]
@@ -379,21 +401,42 @@ class TrainingGuard:
         if event is not None:
             event.synchronize()
         if host.item() == 0.0:
+            self.consecutive_skips = 0
             return
         # the fused optimizer skipped the step; buffers and RNG go back to before it
         self._buffers.kept = kept
         self._bad_step(closure, rng, loss, step)
 
     # -- the bad step ------------------------------------------------------------------------
-    def _bad_step(self, closure: Callable[[], Any], rng: _RngState, loss: Any, step: int) -> None:
+    def _bad_step(
+        self,
+        closure: Callable[[], Any],
+        rng: _RngState,
+        loss: Any,
+        step: int,
+        refusal: BaseException | None = None,
+    ) -> None:
         loss_value = _loss_value(loss)
         bad_grads = self._bad_gradients()
         self._zero_grads()
-        local_bad = (loss_value is not None and not math.isfinite(loss_value)) or bool(bad_grads)
+        local_bad = (
+            (loss_value is not None and not math.isfinite(loss_value))
+            or bool(bad_grads)
+            or refusal is not None
+        )
         result = self._replay(closure, rng)
-        cause = result.pop("exception")
+        cause = refusal if refusal is not None else result.pop("exception")
+        result.pop("exception", None)
         rank, world = self._rank_world()
-        report = {"rank": rank, "local_bad": local_bad, "loss": loss_value, "bad": bad_grads, **result}
+        report = {
+            "rank": rank,
+            "local_bad": local_bad,
+            "loss": loss_value,
+            "bad": bad_grads,
+            "refused_by": _refusal_layer(refusal) if refusal is not None else None,
+            "refusal": _refusal_fields(refusal) if refusal is not None else None,
+            **result,
+        }
         reports = self._gather(report)
         # restore once more: the replay drew random numbers and wrote buffers
         rng.restore()
@@ -401,11 +444,29 @@ class TrainingGuard:
         self._zero_grads()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        err = self._error(step, reports, rank, world)
+        if self.on_nan == "skip":
+            self._history.mark(step, skipped=True)
+        history = self._history.read()
+        err = self._error(step, reports, rank, world, history)
         if self.on_nan == "raise":
             raise err from cause
-        warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+        err.__cause__ = cause  # as a raise ... from cause would set it
+        self.consecutive_skips += 1
         self.skipped.append(err)
+        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            skipped_steps = [e.step for e in self.skipped[-self.consecutive_skips :]]
+            absmax, where, dtype = _param_absmax(self.inner)
+            diverged = TrainingDivergedError(
+                **err.fields,
+                consecutive_skips=self.consecutive_skips,
+                skipped_steps=skipped_steps,
+                param_absmax=absmax,
+                param_absmax_name=where,
+                param_dtype=dtype,
+            )
+            self.consecutive_skips = 0
+            raise diverged from cause
+        warnings.warn(str(err), RuntimeWarning, stacklevel=3)
         return None
 
     def _replay(self, closure: Callable[[], Any], rng: _RngState) -> dict[str, Any]:
@@ -444,13 +505,20 @@ class TrainingGuard:
             out["reproduced"] = bool(flag is not None and flag.item())
             if out["reproduced"]:
                 out["note"] = "the replay under watch is non-finite again, but watch named no producer"
-        except (NonFiniteOutputError, NonFiniteEntryError) as finding:
+        except NON_FINITE_REFUSALS as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
+            f = getattr(finding, "fields", {})
             if isinstance(finding, NonFiniteOutputError):
-                f = finding.fields
                 out.update(op=f.get("op"), module=f.get("module"), phase=f.get("phase", "forward"))
-            else:
-                out.update(phase="entry", module=finding.fields.get("name"))
+            elif isinstance(finding, NonFiniteEntryError):
+                out.update(phase="entry", module=f.get("name"))
+            else:  # a guarded layer refused a value in the replay as well
+                backward = f.get("role") == "grad_output" or f.get("pass") == "backward"
+                out.update(
+                    op="cublas_guard::linear",
+                    module=f.get("layer"),
+                    phase="backward" if backward else "forward",
+                )
         if compiled and not out["reproduced"]:
             # eager found nothing: does the compiled code reproduce it?
             rng.restore()
@@ -486,13 +554,19 @@ class TrainingGuard:
             yield
 
     def _error(
-        self, step: int, reports: list[dict], rank: int | None, world: int | None
+        self,
+        step: int,
+        reports: list[dict],
+        rank: int | None,
+        world: int | None,
+        history: list[dict[str, Any]],
     ) -> NonFiniteStepError:
+        refused = [r for r in reports if r["refused_by"] is not None]
         named = [r for r in reports if r["finding"] is not None]
         reproduced = [r for r in reports if r["reproduced"]]
         loss_bad = [r for r in reports if r["loss"] is not None and not math.isfinite(r["loss"])]
         local = [r for r in reports if r["local_bad"]]
-        origin = (named or reproduced or loss_bad or local or reports)[0]
+        origin = (refused or named or reproduced or loss_bad or local or reports)[0]
         note = origin.get("note")
         if len(reports) > 1 and len(reproduced) > 1:
             extra = f"reproduced on ranks {[r['rank'] for r in reproduced]}"
@@ -505,9 +579,12 @@ class TrainingGuard:
             phase=origin["phase"],
             classification="persistent" if reproduced else "transient",
             rank=origin["rank"],
-            **({"world_size": world} if world is not None else {}),
+            world_size=world,  # None outside distributed runs, like rank
             bad_gradients=origin["bad"][:8],
             bad_gradient_count=len(origin["bad"]),
             finding=origin["finding"],
             note=note,
+            refused_by=origin["refused_by"],
+            refusal=origin["refusal"],
+            history=history,
         )

@@ -156,7 +156,7 @@ def test_device_mismatch(direction: str) -> None:
 def test_meta_device_mismatch_is_typed() -> None:
     """Without a GPU, a meta-device weight shows the same check (no crash, typed error)."""
     safe = cg.SafeLinear(8, 4, device="meta", name="m")
-    with pytest.raises(cg.DeviceMismatchError, match="input is on cpu but the layer's weight is on meta"):
+    with pytest.raises(cg.DeviceMismatchError, match="layer 'm': its weight is on the meta device"):
         cg.linear(torch.randn(2, 8), safe.weight, safe.bias, layer="m")
 
 

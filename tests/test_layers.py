@@ -35,11 +35,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "capsule: the failing call written to a file, and its replay",
-        ("cublas_guard_ext.capsule", "cublas_guard_ext.capsule_replay"),
+        ("cublas_guard_ext.capsule", "cublas_guard_ext._capsule_file", "cublas_guard_ext.capsule_replay"),
     ),
     ("errors: every user-facing message", ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*")),
     ("ops and modes", ("cublas_guard_ext.ops", "cublas_guard_ext.modes", "cublas_guard_ext._transforms")),
-    ("nn and watch", ("cublas_guard_ext.nn", "cublas_guard_ext.watch", "cublas_guard_ext._watch_patches")),
+    (
+        "nn and watch",
+        (
+            "cublas_guard_ext.nn",
+            "cublas_guard_ext.swap",
+            "cublas_guard_ext.watch",
+            "cublas_guard_ext._watch_patches",
+        ),
+    ),
     ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext._training_state")),
     ("the public API", ("cublas_guard_ext",)),
     (

@@ -111,6 +111,26 @@ def test_transformers_trainer_skip_drops_the_optimizer_step_and_trains_on(tmp_pa
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_transformers_trainer_skips_a_step_a_guarded_conv1d_refuses(tmp_path):
+    trainer, model = gpt2_trainer(tmp_path, "skip", steps=4)
+    cg.replace_linear(model)  # GPT-2's Conv1D projections are guarded too
+    calls = {"n": 0}
+
+    def third_forward_only():
+        calls["n"] += 1
+        return calls["n"] == 3
+
+    plant(model.transformer.h[0].mlp.act, third_forward_only)  # NaN into mlp.c_proj's input
+    with pytest.warns(RuntimeWarning, match="layer 'transformer.h.0.mlp.c_proj' refused a non-finite input"):
+        trainer.train()
+    (err,) = trainer.guard.skipped
+    assert err.step == 3 and err.refused_by == "transformer.h.0.mlp.c_proj"
+    assert isinstance(err.__cause__, cg.NonFiniteInputError)
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert {int(s["step"]) for s in optimizer.state.values()} == {3}
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_transformers_trainer_skip_with_accumulation_drops_the_whole_optimizer_step(tmp_path):
     # 2 micro-batches per optimizer step: the first of step 2 is bad (forward call 3, one-shot);
     # the second (call 5, after the replay) is fine but its step must still be dropped
@@ -233,3 +253,63 @@ def test_lightning_callback_skip_with_accumulation_equals_a_run_without_that_opt
     ref_trainer.fit(ref, loader(data[:2] + data[4:]))
     for (k, a), (_, b) in zip(module.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def lightning_guarded_run(on_nan: str, nan_batch: int | None, batches: int = 5):
+    """A replace_linear'd module; batch ``nan_batch`` (0-based) holds one NaN."""
+    pl = lightning()
+    from cublas_guard_ext.integrations.lightning import TrainingGuardCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+            cg.replace_linear(self)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    module = Module()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(batches)]
+    if nan_batch is not None:
+        data[nan_batch][0][1, 2] = float("nan")
+    callback = TrainingGuardCallback(on_nan=on_nan)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    return trainer, module, data, callback
+
+
+def test_lightning_fit_skips_a_batch_a_safelinear_refuses_and_finishes():
+    trainer, module, data, callback = lightning_guarded_run("skip", nan_batch=2)
+    with pytest.warns(RuntimeWarning, match=r"training step 3: layer 'net.0' refused a non-finite input"):
+        trainer.fit(module, loader(data))
+    assert trainer.state.finished and trainer.fit_loop.epoch_loop.batch_progress.total.completed == 5
+    (err,) = callback.guard.skipped
+    assert err.refused_by == "net.0" and isinstance(err.__cause__, cg.NonFiniteInputError)
+    assert "training_step" not in module.__dict__ and "backward" not in module.__dict__  # unwrapped
+    ref_trainer, ref, _, _ = lightning_guarded_run("skip", nan_batch=None, batches=4)
+    ref_trainer.fit(ref, loader(data[:2] + data[3:]))
+    for (k, a), (_, b) in zip(module.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_lightning_fit_raise_on_a_refused_batch_names_the_layer():
+    trainer, module, data, callback = lightning_guarded_run("raise", nan_batch=2)
+    with pytest.raises(cg.NonFiniteStepError) as info:
+        trainer.fit(module, loader(data))
+    assert info.value.refused_by == "net.0" and info.value.step == 3
+    assert isinstance(info.value.__cause__, cg.NonFiniteInputError)
+    assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {2}

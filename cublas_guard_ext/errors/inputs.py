@@ -123,21 +123,58 @@ class ShapeMismatchError(GuardError, ValueError, RuntimeError):
 
 
 class DeviceMismatchError(GuardError, ValueError, RuntimeError):
-    """An operand is on another device than the layer's weight."""
+    """An operand is on another device than the layer's weight.
+
+    A weight (or bias) on the ``meta`` device has a shape and no values: the model was built
+    under accelerate's ``init_empty_weights`` (or with ``device="meta"``) and its weights were
+    never loaded; the message says so and how to load them, instead of moving tensors.
+    """
 
     kind = "device_mismatch"
 
+    def _meta_operand(self) -> str | None:
+        """'weight'/'bias' when the layer's parameter is on meta; 'input' when the input is."""
+        f = self.fields
+        role, anchor = f.get("role", "input"), f.get("anchor", "weight")
+        if f.get("weight_device") == "meta":
+            return anchor
+        if f.get("input_device") == "meta":
+            return role
+        return None
+
     def _headline(self) -> str:
+        f = self.fields
+        meta = self._meta_operand()
+        if meta in ("weight", "bias"):
+            return (
+                f"layer {_layer(f.get('layer'))}: its {meta} is on the meta device (a shape, no values): "
+                "the model's weights were never loaded (built under init_empty_weights or with "
+                "device='meta')"
+            )
         return (
-            f"layer {_layer(self.fields.get('layer'))}: {self.fields.get('role', 'input')} is on "
-            f"{self.fields.get('input_device')} but the layer's {self.fields.get('anchor', 'weight')} "
-            f"is on {self.fields.get('weight_device')}"
+            f"layer {_layer(f.get('layer'))}: {f.get('role', 'input')} is on "
+            f"{f.get('input_device')} but the layer's {f.get('anchor', 'weight')} "
+            f"is on {f.get('weight_device')}"
         )
 
     def _details(self) -> list[str]:
         return [f"{self.fields.get('role', 'input')} shape: {_shape(self.fields.get('shape'))}"]
 
     def _next_steps(self) -> list[str]:
+        meta = self._meta_operand()
+        if meta in ("weight", "bias"):
+            return [
+                "load the weights: model.load_state_dict(state_dict, assign=True), "
+                "accelerate.load_checkpoint_and_dispatch(model, checkpoint), or build the model with "
+                "from_pretrained(...)",
+                f"for fresh weights: model.to_empty(device='{self.fields.get('input_device')}'), then "
+                "initialise them (each layer's reset_parameters(), or the model's own init)",
+            ]
+        if meta is not None:
+            return [
+                f"the {meta} is a meta tensor (no values): make it on "
+                f"'{self.fields.get('weight_device')}', where the layer's weights are"
+            ]
         target = self.fields.get("weight_device")
         return [
             f"move the input: x = x.to('{target}')",

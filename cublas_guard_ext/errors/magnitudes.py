@@ -92,3 +92,10 @@ def counts_line(f: dict[str, Any]) -> str | None:
     if all(f.get(k) is None for k, _ in keys):
         return None
     return ", ".join(f"{label} {f[k]}" for k, label in keys if f.get(k) is not None)
+
+
+def format_number(value: float) -> str:
+    """A magnitude as the lines above write it: 0.5213, 65504, 1.600e+10, nan, inf."""
+    if not math.isfinite(value):
+        return str(value)
+    return _number(value)

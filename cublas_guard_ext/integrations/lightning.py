@@ -13,6 +13,13 @@ loss and the gradients (one host read per micro-batch) and on a bad one replays
 leaves ``trainer.fit`` (Lightning calls ``on_exception`` first) before the optimizer steps.
 ``"skip"``: the gradients are set to None and stay None up to the optimizer step, which
 then changes nothing; with ``accumulate_grad_batches`` the whole accumulated step is dropped.
+
+A guarded layer (SafeLinear) that refuses a NaN/Inf inside ``training_step`` or its backward
+makes a bad step like any other: the callback wraps the module's ``training_step`` and
+``backward`` for the fit (as instance attributes, removed when the fit ends), replays the
+step, and raises :class:`~cublas_guard_ext.NonFiniteStepError` (the layer's error as its
+``__cause__``) or skips it (``training_step`` returns None: Lightning then skips the
+optimizer step, and says so in a warning of its own).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 
 from .._training_state import _RngState
-from ..training import TrainingGuard
+from ..training import NON_FINITE_REFUSALS, TrainingGuard
 
 
 def _callback_base() -> type:
@@ -54,9 +61,61 @@ class TrainingGuardCallback(_callback_base()):  # type: ignore[misc]
         self._batch: tuple[Any, int] | None = None
         self._loss: Any = None
         self._drop = False
+        self._refused = False  # this micro-batch's step was already handled as refused
+        self._originals: dict[str, Any] = {}
 
     def on_fit_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self.guard = TrainingGuard(pl_module, None, on_nan=self.on_nan, allow=self.allow)
+        self._wrap(pl_module)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unwrap(pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._unwrap(pl_module)
+
+    # -- a guarded layer's refusal inside training_step or backward -------------------------
+    def _wrap(self, pl_module: Any) -> None:
+        if self._originals:
+            return
+        # the bound methods, or instance attributes the user set (kept and put back)
+        saved = {name: pl_module.__dict__.get(name) for name in ("training_step", "backward")}
+        self._originals = {"saved": saved, "training_step": pl_module.training_step}
+        original_step, original_backward = pl_module.training_step, pl_module.backward
+
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original_step(*args, **kwargs)
+            except NON_FINITE_REFUSALS as refusal:
+                self._on_refusal(pl_module, refusal)  # raises, or records the skip
+                return None  # Lightning skips the optimizer step
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            try:
+                original_backward(loss, *args, **kwargs)
+            except NON_FINITE_REFUSALS as refusal:
+                self._on_refusal(pl_module, refusal)
+
+        pl_module.training_step = training_step
+        pl_module.backward = backward
+
+    def _unwrap(self, pl_module: Any) -> None:
+        if not self._originals:
+            return
+        for name, value in self._originals["saved"].items():
+            if value is None:
+                pl_module.__dict__.pop(name, None)
+            else:
+                pl_module.__dict__[name] = value
+        self._originals = {}
+
+    def _on_refusal(self, pl_module: Any, refusal: BaseException) -> None:
+        guard, rng = self.guard, self._rng
+        if guard is None or rng is None or self._batch is None:
+            raise refusal
+        self._refused = True
+        self._drop = True
+        guard._refused_step(self._replay_closure(pl_module), rng, refusal)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.guard is None:
@@ -64,31 +123,38 @@ class TrainingGuardCallback(_callback_base()):  # type: ignore[misc]
         assert self.guard is not None
         self._rng = self.guard._begin()
         self._batch = (batch, batch_idx)
+        self._refused = False
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         guard, rng, kept = self.guard, self._rng, self._batch
-        if guard is None or rng is None or kept is None or not guard._is_bad(self._loss):
+        if self._refused or guard is None or rng is None or kept is None or not guard._is_bad(self._loss):
             return
-        batch, batch_idx = kept
+        self._drop = True
+        guard._bad_step(self._replay_closure(pl_module), rng, self._loss, guard.steps)  # or raises
+
+    def _replay_closure(self, pl_module: Any) -> Any:
+        """The micro-batch again: the module's own training_step (not the wrapper) and backward."""
+        assert self._batch is not None
+        batch, batch_idx = self._batch
+        step = self._originals.get("training_step", pl_module.training_step)
 
         def replay() -> torch.Tensor:
-            out = pl_module.training_step(batch, batch_idx)
+            name = getattr(pl_module, "_current_fx_name", None)
+            try:
+                if name is not None:
+                    pl_module._current_fx_name = "training_step"
+                out = step(batch, batch_idx)
+            finally:
+                if name is not None:
+                    pl_module._current_fx_name = name
             loss = out["loss"] if isinstance(out, dict) else out
             loss.backward()
             return loss
 
-        name = getattr(pl_module, "_current_fx_name", None)
-        try:
-            if name is not None:
-                pl_module._current_fx_name = "training_step"
-            guard._bad_step(replay, rng, self._loss, guard.steps)  # raises, or records the skip
-        finally:
-            if name is not None:
-                pl_module._current_fx_name = name
-        self._drop = True
+        return replay
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._drop:

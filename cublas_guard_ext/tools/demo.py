@@ -15,7 +15,7 @@ from torch import nn
 from .. import modes, ops
 from .._native import loader as _loader
 from ..errors import GuardError
-from ..nn import replace_linear
+from ..swap import replace_linear
 from . import bench
 
 

@@ -341,6 +341,12 @@ def render(items: list[Check], env: dict) -> str:
 
 
 def main(as_json: bool = False, probe: bool = True, capsule: str | None = None) -> int:
+    if capsule is not None:
+        try:
+            _capsule.load(capsule)  # read first: a file that is no capsule is one line, no report
+        except _capsule.CapsuleFileError as err:
+            print(f"cublas_guard_ext doctor --capsule: cannot read {err}", file=sys.stderr)
+            return 2
     env = facts.environment()
     env.setdefault("cublas", cublas_facts())
     env.setdefault("env", {})

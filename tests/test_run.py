@@ -462,3 +462,61 @@ def test_without_step_options_a_nan_step_runs_as_it_would(tmp_path: Path) -> Non
     out = run_script(tmp_path, script, "--mode", "off")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["1 updated", "2 updated"]
+
+
+def test_compile_traces_the_guarded_layers_without_a_graph_break(tmp_path: Path) -> None:
+    """No dispatch mode, no per-call hook: Dynamo traces the guarded op in one graph, the layers
+    keep their names (torch.compile names them), and the result is F.linear's."""
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import json
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+        from torch._dynamo.utils import counters
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        x = torch.randn(3, 8)
+        y = torch.compile(model, backend="eager")(x)
+        w = [p.double() for p in model.parameters()]
+        ref = F.linear(F.linear(x.double(), w[0], w[1]).relu(), w[2], w[3])
+        print(json.dumps({
+            "breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "names": [m._cublas_guard_run_name for m in model if isinstance(m, nn.Linear)],
+            "error": float((y.double() - ref).abs().max()),
+        }))
+        """,
+    )
+    out = run_script(tmp_path, script)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["breaks"] == 0 and seen["graphs"] == 1 and seen["names"] == ["0", "2"]
+    assert seen["error"] < 1e-5
+
+
+def test_async_mode_reports_the_layer_before_the_optimizer_step(tmp_path: Path) -> None:
+    """async: no host read in the forward; the finding is raised at the latest before the step."""
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.rand(4, 8)
+        x[1, 3] = float("inf")
+        loss = model(x).sum()
+        print("forward returned", flush=True)
+        opt.step()
+        print("stepped")
+        """,
+    )
+    out = run_script(tmp_path, script, "--mode", "async")
+    assert out.returncode == 1 and out.stdout.split("\n")[0] == "forward returned", out.stderr
+    the_error_comes_last(out.stderr, "NonFiniteInputError: layer '0'")
+    (data,) = reports(tmp_path)
+    assert data["error"]["class"] == "NonFiniteInputError" and data["where"]["layer"] == "0"
+    assert data["statistics"]["posinf_count"] == 1 and data["statistics"]["nan_count"] == 0

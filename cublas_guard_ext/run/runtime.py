@@ -185,10 +185,30 @@ def _async_check_before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
 
 
 def install(text: str) -> None:
-    """Install the guard in this process, per the options ``run`` encoded in ``text``."""
+    """Install the guard in this process, per the options ``run`` encoded in ``text``; all of it
+    or, when a part fails, none of it (the bootstrap then says the script runs unguarded)."""
     if _installed:
         return
-    opts = RunOptions.decode(text)
+    try:
+        _install(RunOptions.decode(text))
+    except BaseException:
+        _uninstall()
+        raise
+
+
+def _uninstall() -> None:
+    if _installed.pop("watch", None):
+        from . import watching
+
+        watching.uninstall()
+    steps.uninstall()
+    linear.uninstall()
+    if getattr(sys.excepthook, "__name__", "") == "hook" and sys.excepthook.__module__ == __name__:
+        sys.excepthook = _installed.get("previous_excepthook", sys.__excepthook__)
+    _installed.clear()
+
+
+def _install(opts: RunOptions) -> None:
     _installed["options"] = opts
     if opts.capsules_in_report:
         os.environ[CAPSULE_DIR_ENV] = os.path.join(opts.report_dir, "capsules", ranks.file_stem())
@@ -201,13 +221,13 @@ def install(text: str) -> None:
         _installed["watch"] = True
     if opts.mode == "async":
         import torch
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        torch.optim.optimizer.register_optimizer_step_pre_hook(
-            torch.compiler.disable(_async_check_before_step)
-        )
+        steps.keep(register_optimizer_step_pre_hook(torch.compiler.disable(_async_check_before_step)))
         atexit.register(_check_async_at_exit)
     previous = sys.excepthook
     if getattr(previous, "__name__", "") == "_before_torch_excepthook":
         previous = sys.__excepthook__
+    _installed["previous_excepthook"] = previous
     sys.excepthook = _excepthook(previous)
     ranks.start_watchdog(_on_peer_failure)

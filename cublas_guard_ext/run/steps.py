@@ -161,6 +161,17 @@ def on_step(callback: Any) -> None:
     _after_step_callbacks.append(callback)
 
 
+def keep(handle: Any) -> None:
+    """A hook handle to remove at :func:`uninstall`."""
+    _handles.append(handle)
+
+
+def uninstall() -> None:
+    while _handles:
+        _handles.pop().remove()
+    _after_step_callbacks.clear()
+
+
 def install(policy: str | None) -> None:
     if _handles:
         return

@@ -34,6 +34,7 @@ from . import steps
 _local = threading.local()
 _original_call: list[Any] = []
 _mode = ["sync"]
+_registered: list[bool] = []  # the atexit and fork handlers (they cannot be unregistered)
 
 
 def _state() -> Any:
@@ -111,6 +112,13 @@ def _forget_in_child() -> None:
             pass
 
 
+def uninstall() -> None:
+    """Undo :func:`install` (a failed install; the atexit and fork handlers find nothing open)."""
+    if _original_call:
+        nn.Module.__call__ = _original_call.pop()  # type: ignore[method-assign]
+        torch.compiler.set_stance("default")
+
+
 def install(mode: str) -> None:
     if _original_call:
         return
@@ -119,5 +127,7 @@ def install(mode: str) -> None:
     nn.Module.__call__ = _watched_call  # type: ignore[method-assign]
     torch.compiler.set_stance("force_eager")
     steps.on_step(_after_step)
-    atexit.register(_close_at_exit)
-    os.register_at_fork(after_in_child=_forget_in_child)
+    if not _registered:
+        _registered.append(True)
+        atexit.register(_close_at_exit)
+        os.register_at_fork(after_in_child=_forget_in_child)

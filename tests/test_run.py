@@ -520,3 +520,34 @@ def test_async_mode_reports_the_layer_before_the_optimizer_step(tmp_path: Path) 
     (data,) = reports(tmp_path)
     assert data["error"]["class"] == "NonFiniteInputError" and data["where"]["layer"] == "0"
     assert data["statistics"]["posinf_count"] == 1 and data["statistics"]["nan_count"] == 0
+
+
+def test_watch_names_a_nan_born_in_backward(tmp_path: Path) -> None:
+    """sqrt at 0: finite forward, an infinite gradient born in backward in module 'act'."""
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import torch
+        from torch import nn
+
+        class SqrtAct(nn.Module):
+            def forward(self, x):
+                return torch.sqrt(torch.relu(x))
+
+        model = nn.Sequential()
+        model.add_module("fc", nn.Linear(8, 8))
+        model.add_module("act", SqrtAct())
+        model.add_module("out", nn.Linear(8, 1))
+        with torch.no_grad():
+            model.fc.weight.zero_(); model.fc.bias.zero_()  # relu(0) = 0: sqrt's gradient there is Inf
+        model(torch.rand(2, 8)).sum().backward()
+        """,
+    )
+    out = run_script(tmp_path, script, "--watch")
+    assert out.returncode == 1, out.stderr
+    (data,) = reports(tmp_path)
+    assert data["error"]["class"] == "NonFiniteOutputError"
+    assert data["where"]["phase"] == "backward" and data["where"]["module"] == "act"
+    assert data["path"]["steps"][0].endswith("(born here, backward)")
+    assert data["statistics"]["posinf_count"] + data["statistics"]["nan_count"] > 0

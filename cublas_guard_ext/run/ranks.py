@@ -27,7 +27,6 @@ worker exits) ends them.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
 import sys
@@ -50,11 +49,11 @@ def identity() -> dict[str, Any]:
         value = os.environ.get(name, "")
         return int(value) if value.isdigit() else None
 
-    rank = number("RANK")
+    rank, world = number("RANK"), number("WORLD_SIZE")
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
+            rank, world = dist.get_rank(), dist.get_world_size()
     except Exception:
         pass
     return {
@@ -62,7 +61,7 @@ def identity() -> dict[str, Any]:
         "pid": os.getpid(),
         "rank": rank,
         "local_rank": number("LOCAL_RANK"),
-        "world_size": number("WORLD_SIZE"),
+        "world_size": world,
     }
 
 
@@ -79,9 +78,18 @@ def file_stem(who: dict[str, Any] | None = None) -> str:
 
 
 def distributed() -> bool:
-    """Whether this process is one rank of several (by the launcher's environment)."""
+    """Whether this process is one rank of several: by the launcher's environment (torchrun),
+    or by its initialised process group (mp.spawn and other launchers that set no WORLD_SIZE)."""
     world = os.environ.get("WORLD_SIZE", "")
-    return world.isdigit() and int(world) > 1
+    if world.isdigit() and int(world) > 1:
+        return True
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(
+            dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
+    except Exception:
+        return False
 
 
 def _store() -> Any:
@@ -134,7 +142,7 @@ def announce_failure(record: dict[str, Any]) -> None:
     try:
         number = store.add(PREFIX + "failed_count", 1)
         store.set(PREFIX + f"failed/{number}", json.dumps(record, default=str))
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _world_size()
         deadline = time.monotonic() + ACK_WAIT_S
         while time.monotonic() < deadline:
             acked = store.add(PREFIX + "acks", 0)
@@ -165,6 +173,14 @@ def wait_for_the_failed_rank_to_end(store: Any = None) -> None:
     except Exception:  # the store is gone: the failed rank has ended
         return
     time.sleep(ENDING_GRACE_S)
+
+
+def _world_size() -> int:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return int(dist.get_world_size())  # type: ignore[union-attr]
+    except Exception:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def acknowledge() -> None:
@@ -201,15 +217,15 @@ def abort_process_group() -> None:
 
 def start_watchdog(on_peer_failure: Callable[[dict[str, Any]], None]) -> None:
     """Poll for another rank's failure (a daemon thread); ``on_peer_failure(record)`` runs once."""
-    if _watchdog or not distributed() or multiprocessing.parent_process() is not None:
-        return  # one per process; a DataLoader worker or other child is no rank
+    if _watchdog:
+        return  # one per process (a DataLoader worker's never sees a process group: it only sleeps)
 
     def loop() -> None:
         store = None
         while True:
             time.sleep(POLL_S)
             if store is None:
-                store = _store()
+                store = _store() if distributed() else None
                 if store is None:
                     continue
             dist = sys.modules.get("torch.distributed")

@@ -466,7 +466,8 @@ def test_without_step_options_a_nan_step_runs_as_it_would(tmp_path: Path) -> Non
 
 def test_compile_traces_the_guarded_layers_without_a_graph_break(tmp_path: Path) -> None:
     """No dispatch mode, no per-call hook: Dynamo traces the guarded op in one graph, the layers
-    keep their names (torch.compile names them), and the result is F.linear's."""
+    keep their names (torch.compile names them), and the result is F.linear's; torch.jit.script
+    still scripts the model."""
     script = write(
         tmp_path,
         "s.py",
@@ -483,6 +484,8 @@ def test_compile_traces_the_guarded_layers_without_a_graph_break(tmp_path: Path)
         y = torch.compile(model, backend="eager")(x)
         w = [p.double() for p in model.parameters()]
         ref = F.linear(F.linear(x.double(), w[0], w[1]).relu(), w[2], w[3])
+        scripted = torch.jit.script(model)  # TorchScript compiles the patched forward's scripted branch
+        assert torch.allclose(scripted(x), y, atol=1e-6)
         print(json.dumps({
             "breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
             "names": [m._cublas_guard_run_name for m in model if isinstance(m, nn.Linear)],

@@ -92,7 +92,17 @@ def _name_on_first_call(linear: nn.Linear) -> str:
 
 
 def guarded_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's)
-    """``nn.Linear.forward`` under ``run``: the guarded op, by the layer's qualified name."""
+    """``nn.Linear.forward`` under ``run``: the guarded op, by the layer's qualified name.
+
+    In a ``torch.jit.script``-ed model it is nn.Linear's own ``F.linear``: TorchScript compiles
+    only this branch, and scripted code can read neither the run's mode nor the layer names."""
+    if torch.jit.is_scripting():
+        return torch.nn.functional.linear(input, self.weight, self.bias)
+    return _eager_forward(self, input)
+
+
+@torch.jit.unused
+def _eager_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     name = getattr(self, NAME_ATTR, None)
     if name is None:
         name = _name_on_first_call(self)

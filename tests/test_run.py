@@ -554,3 +554,34 @@ def test_watch_names_a_nan_born_in_backward(tmp_path: Path) -> None:
     assert data["where"]["phase"] == "backward" and data["where"]["module"] == "act"
     assert data["path"]["steps"][0].endswith("(born here, backward)")
     assert data["statistics"]["posinf_count"] + data["statistics"]["nan_count"] > 0
+
+
+def test_watch_looks_through_ddp(tmp_path: Path) -> None:
+    """A DDP-wrapped model (one gloo rank): the modules are named as the model's own ('act', not
+    'module.act'), and the block still ends at each step."""
+    script = write(
+        tmp_path,
+        "s.py",
+        MODEL
+        + """
+import tempfile, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = DDP(Model())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(1, 4):
+    with torch.no_grad():
+        model.module.encoder[0].bias.fill_(10.0 if step < 3 else -10.0)
+    loss = model(torch.rand(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+""",
+    )
+    out = run_script(tmp_path, script, "--watch")
+    assert out.returncode == 1, out.stderr
+    (data,) = reports(tmp_path)
+    assert (data["where"]["op"], data["where"]["module"], data["where"]["step"]) == (
+        "aten.log.default",
+        "act",
+        3,
+    )
+    assert [n["name"] for n in data["module_tree"]["nodes"]][:2] == ["", "encoder"]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._training_state import _unwrap
 from ..watch import watch
 from . import steps
 
@@ -43,6 +44,7 @@ def _state() -> Any:
         st.depth = 0
         st.block = None
         st.root = None
+        st.opener = None
     return st
 
 
@@ -64,18 +66,22 @@ def close(exc: BaseException | None = None) -> None:
 
 
 def _open(module: nn.Module) -> None:
+    """A block over ``module`` (looked through DDP / compile wrappers: watch names the modules
+    inside them as the model's own)."""
     st = _state()
-    block = watch(module, mode=_mode[0])
+    model = _unwrap(module)
+    block = watch(model, mode=_mode[0])
     block.__enter__()
     st.block = block
-    st.root = weakref.ref(module)
+    st.root = weakref.ref(model)
+    st.opener = weakref.ref(module)
 
 
 def _watched_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     st = _state()
     depth = st.depth
     if depth == 0:
-        if st.block is not None and st.root is not None and st.root() is self:
+        if st.block is not None and st.opener is not None and st.opener() is self:
             close()  # the model's next forward: the last one's block is done
         if st.block is None:
             _open(self)

@@ -183,7 +183,10 @@ def _where_section(data: dict[str, Any]) -> str:
         return ""
     left = ""
     if tree:
-        left = f'<div><p class="muted">{_e(tree["root_type"])}: the modules on the value\'s way in red</p>'
+        what = (
+            "the modules on the value's way in red" if path else "the failing module and its parents in red"
+        )
+        left = f'<div><p class="muted">{_e(tree["root_type"])}: {_e(what)}</p>'
         left += _tree_svg(tree, where.get("op") if path else None)
         if tree.get("hidden"):
             left += f'<p class="muted">{tree["hidden"]} modules off the path are folded away</p>'
@@ -203,13 +206,37 @@ def _where_section(data: dict[str, Any]) -> str:
 
 
 def _call_section(data: dict[str, Any]) -> str:
-    call, capsule = data.get("cublas_call"), data.get("capsule")
+    call, capsule = dict(data.get("cublas_call") or {}), data.get("capsule")
     if not call and not capsule and not data.get("capsule_note"):
         return ""
-    rows = "".join(f'<tr><th>{_e(k)}</th><td class="mono">{_e(v)}</td></tr>' for k, v in (call or {}).items())
     out = ['<section id="cublas"><h2>The call as cuBLAS got it</h2>']
-    if rows:
-        out.append(f"<table>{rows}</table>")
+    if call.get("status_name"):
+        out.append(f"<p><b>{_e(call.pop('status_name'))}</b> {_e(call.pop('meaning', ''))}</p>")
+    if "m" in call:
+        args = ", ".join(
+            f"{k}={call.pop(k)}"
+            for k in ("transa", "transb", "m", "n", "k", "alpha", "lda", "ldb", "beta", "ldc")
+            if k in call
+        )
+        out.append(f"<pre>{_e(call.pop('api', 'gemm'))}({_e(args)})</pre>")
+    operands = []
+    for op in ("a", "b", "c"):
+        if f"{op}_shape" in call:
+            cells = [call.pop(f"{op}_{part}", None) for part in ("role", "shape", "strides", "dtype")]
+            operands.append(
+                f'<tr><td class="mono">{op.upper()}</td>'
+                + "".join(f'<td class="mono">{_e(c)}</td>' for c in cells)
+                + "</tr>"
+            )
+    if operands:
+        out.append(
+            "<table><tr><th>operand</th><th>role</th><th>shape</th><th>strides</th><th>dtype</th></tr>"
+            + "".join(operands)
+            + "</table>"
+        )
+    rest = "".join(f'<tr><th>{_e(k)}</th><td class="mono">{_e(v)}</td></tr>' for k, v in call.items())
+    if rest:
+        out.append(f"<table>{rest}</table>")
     if capsule:
         out.append(f'<p>capsule: <span class="mono">{_e(capsule)}</span></p>')
         out.append(f"<pre>python -m cublas_guard_ext replay {_e(capsule)}</pre>")

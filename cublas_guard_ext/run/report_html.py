@@ -54,6 +54,8 @@ th{color:#6b7487;font-weight:600;font-size:12px;width:170px}
 details summary{cursor:pointer;color:#3a4357;font-weight:600}
 svg text{font-family:ui-monospace,"DejaVu Sans Mono",Menlo,monospace;font-size:12px}
 a{color:#2557c5}
+table.index th{width:auto}
+table.index td.err{width:55%}
 """
 
 
@@ -303,14 +305,23 @@ def render(data: dict[str, Any]) -> str:
             + (f" (local {data.get('local_rank')})" if data.get("local_rank") is not None else ""),
         )
     title = f"{error['class']}" + (f" on rank {rank}" if rank is not None else "")
-    cards = [
-        _card("op", where.get("op"), hot=bool(where.get("op"))),
-        _card("module", where.get("module"), hot=where.get("module") not in (None, "")),
-        _card("layer", where.get("layer")),
-        _card("phase", where.get("phase")),
-        _card("step", where.get("step")),
-        _card("rank", rank),
-    ]
+    if peer:  # this rank did nothing wrong: say whose failure stopped it
+        cards = [
+            _card("stopped because of rank", peer.get("rank"), hot=True),
+            _card("its error", str(peer.get("error") or "").split(":")[0], hot=True),
+            _card("its host / pid", f"{peer.get('host')} / {peer.get('pid')}"),
+            _card("this rank's step", where.get("step")),
+            _card("rank", rank),
+        ]
+    else:
+        cards = [
+            _card("op", where.get("op"), hot=bool(where.get("op"))),
+            _card("module", where.get("module"), hot=where.get("module") not in (None, "")),
+            _card("layer", where.get("layer")),
+            _card("phase", where.get("phase")),
+            _card("step", where.get("step")),
+            _card("rank", rank),
+        ]
     raised = (
         f' <span class="muted">(raised as {_e(error["raised_as"])})</span>' if error.get("raised_as") else ""
     )
@@ -356,7 +367,7 @@ def render_index(reports: list[dict[str, Any]]) -> str:
         first = (error.get("message") or "").splitlines()[0] if error.get("message") else ""
         rows.append(
             f'<tr><td class="mono">{_e(r.get("rank"))}</td><td class="mono">{_e(r.get("host"))}</td>'
-            f'<td class="mono">{_e(r.get("pid"))}</td><td><b>{_e(error.get("class"))}</b><br>'
+            f'<td class="mono">{_e(r.get("pid"))}</td><td class="err"><b>{_e(error.get("class"))}</b><br>'
             f'<span class="muted">{_e(first[:200])}</span></td><td class="mono">{_e(place)}</td>'
             f'<td><a href="{_e(os.path.basename(str(r.get("report") or r.get("stem", "") + ".html")))}">report</a></td></tr>'
         )
@@ -364,7 +375,7 @@ def render_index(reports: list[dict[str, Any]]) -> str:
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>cublas_guard_ext incident reports'
         f'</title><style>{_CSS}</style></head><body><header><div class="inner"><div class="kicker">'
         f'cublas_guard_ext</div><h1>{len(reports)} incident reports</h1><p class="headline">the first failure '
-        "is listed first; the others stopped because of it</p></div></header><main><section><table>"
+        'is listed first; the others stopped because of it</p></div></header><main><section><table class="index">'
         "<tr><th>rank</th><th>host</th><th>pid</th><th>error</th><th>where</th><th></th></tr>"
         + "".join(rows)
         + "</table></section></main></body></html>\n"

@@ -115,6 +115,7 @@ def _excepthook(previous: Any) -> Any:
                 if peer is not None:  # this rank's error is a consequence of the peer's
                     path, _ = _write(_peer_error(peer, exc), peer)
                     ranks.acknowledge()
+                    ranks.wait_for_the_failed_rank_to_end()  # the launcher names it first
                 else:
                     path, data = _write(exc, None)
                     if ranks.distributed():

@@ -143,21 +143,57 @@ def test_a_bad_command_line_is_refused_with_its_reason(argv: list[str], message:
 
 
 def test_bad_input_through_the_command(tmp_path: Path) -> None:
-    """An unknown option and a missing script: exit 2, the usage and one reason; nothing runs."""
-    for argv, message in (
-        (["--frobnicate", "x.py"], "error: unknown option '--frobnicate'"),
-        (["missing.py"], "error: the script 'missing.py' does not exist"),
+    """`python -m cublas_guard_ext run` hands its command line to run: exit 2, the usage and one
+    reason; nothing runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "run", "--frobnicate", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines()[0].startswith("usage: python -m cublas_guard_ext run")
+    assert out.stderr.strip().splitlines()[-1] == (
+        "python -m cublas_guard_ext run: error: unknown option '--frobnicate' (the script's own options go "
+        "after SCRIPT)"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["missing.py"], "the script 'missing.py' does not exist"),
+        (["."], "the script '.' is a folder, not a script"),
+        (["-"], "reading the script from stdin is not supported"),
+    ],
+)
+def test_a_script_that_is_not_there_is_refused_before_anything_runs(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2  # (an exec would have replaced this process)
+    err = capsys.readouterr().err
+    assert f"python -m cublas_guard_ext run: error: {message}" in err
+
+
+def test_help_lists_the_options(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--mode",
+        "--watch",
+        "--skip-nonfinite-steps",
+        "--raise-on-nonfinite-steps",
+        "--report",
+        "-m MODULE",
     ):
-        out = subprocess.run(
-            [sys.executable, "-m", "cublas_guard_ext", "run", *argv],
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            env=_env(),
-            cwd=str(tmp_path),
-        )
-        assert out.returncode == 2, out.stderr
-        assert "usage: python -m cublas_guard_ext run" in out.stderr and message in out.stderr
+        assert option in text
 
 
 # -- the script runs as python would run it ---------------------------------------------------

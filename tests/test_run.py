@@ -109,6 +109,16 @@ class Model(nn.Module):
 
 
 # -- the command line -------------------------------------------------------------------------
+def test_the_mode_defaults_to_the_environments_then_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_GUARD_MODE", raising=False)
+    assert options.parse(["x.py"]).mode == "sync"
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "async")
+    assert options.parse(["x.py"]).mode == "async"
+    assert options.parse(["--mode", "off", "x.py"]).mode == "off"
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "bogus")  # not a mode: run's own default
+    assert options.parse(["x.py"]).mode == "sync"
+
+
 def test_options_after_the_script_belong_to_the_script() -> None:
     opts = options.parse(["--mode=async", "--watch", "train.py", "--watch", "-m", "x"])
     assert (opts.mode, opts.watch, opts.script, opts.args) == (

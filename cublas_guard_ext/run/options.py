@@ -32,8 +32,9 @@ workers, subprocesses). When the script dies, each process writes an incident re
 JSON) to the report folder and, in a distributed run, stops the other ranks within seconds.
 
 options:
-  --mode {sync,async,off}     every nn.Linear runs the guarded op in this mode (default: sync;
-                              off keeps the checks and the checked cuBLAS call, no value scan)
+  --mode {sync,async,off}     every nn.Linear runs the guarded op in this mode (default:
+                              $CUBLAS_GUARD_MODE if set, else sync; off keeps the checks and
+                              the checked cuBLAS call, no value scan)
   --watch                     name the op and module where a NaN/Inf is born, in every forward
                               and backward (compiled code runs eagerly to be watched)
   --skip-nonfinite-steps      every optimizer.step() checks the gradients first and skips a
@@ -136,6 +137,10 @@ def parse(argv: list[str]) -> RunOptions | None:
     Everything after SCRIPT (or after ``-m MODULE``) belongs to the script, even when it looks
     like one of run's options: ``run train.py --watch`` passes ``--watch`` to train.py."""
     options = RunOptions(command=["run", *argv])
+    # Without --mode: the mode the environment already chose (CUBLAS_GUARD_MODE), else sync.
+    inherited = os.environ.get("CUBLAS_GUARD_MODE", "").strip().lower()
+    if inherited in MODES:
+        options.mode = inherited
     i = 0
     while i < len(argv):
         token = argv[i]

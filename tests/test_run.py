@@ -394,9 +394,10 @@ def test_watch_names_a_planted_log_of_a_negative(tmp_path: Path) -> None:
         + """
 torch.manual_seed(0)
 model = Model()
+prep = nn.Identity()  # called first each step: a module without parameters is not the model
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for step in range(3):
-    x = torch.rand(4, 8)
+    x = prep(torch.rand(4, 8))
     with torch.no_grad():
         model.encoder[0].bias.fill_(10.0 if step < 2 else -10.0)
     loss = model(x).pow(2).mean()

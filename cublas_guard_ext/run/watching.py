@@ -7,7 +7,8 @@ rest of that forward, the loss, the backward and the optimizer step, and closes
 * after each ``optimizer.step()`` (the step's writes to the parameters are watched too);
 * when the same model's next outermost call begins (a loop without an optimizer: each forward
   and whatever follows it is one block); another module called at the top (a loss module)
-  is watched inside the open block, as code outside the model;
+  is watched inside the open block, as code outside the model, except that a block begun at a
+  module without parameters gives way to the first module with parameters (the model);
 * when an exception leaves the outermost call, at the process's exit, and in a forked child
   (a DataLoader worker) that inherited an open block.
 
@@ -45,6 +46,7 @@ def _state() -> Any:
         st.block = None
         st.root = None
         st.opener = None
+        st.root_has_parameters = False
     return st
 
 
@@ -75,6 +77,11 @@ def _open(module: nn.Module) -> None:
     st.block = block
     st.root = weakref.ref(model)
     st.opener = weakref.ref(module)
+    st.root_has_parameters = _has_parameters(model)
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 def _watched_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +90,8 @@ def _watched_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if depth == 0:
         if st.block is not None and st.opener is not None and st.opener() is self:
             close()  # the model's next forward: the last one's block is done
+        elif st.block is not None and not st.root_has_parameters and _has_parameters(self):
+            close()  # the block began at a module without parameters (a loss): this is the model
         if st.block is None:
             _open(self)
     st.depth = depth + 1

@@ -632,3 +632,19 @@ for step in range(1, 4):
         3,
     )
     assert [n["name"] for n in data["module_tree"]["nodes"]][:2] == ["", "encoder"]
+
+
+def test_a_process_that_never_imports_torch_pays_nothing(tmp_path: Path) -> None:
+    """The bootstrap imports neither torch nor this package: a Python subprocess of the run that
+    does not use torch (a tool, a helper script) starts as it would."""
+    opts = options.parse(["--watch", "x.py"])
+    code = "import sys; print('torch' in sys.modules, 'cublas_guard_ext' in sys.modules, sys.meta_path[0].__class__.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli.environment(opts, _env()),
+    )
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.split() == ["False", "False", "_AfterTorchImport"]

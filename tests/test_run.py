@@ -648,3 +648,23 @@ def test_a_process_that_never_imports_torch_pays_nothing(tmp_path: Path) -> None
     )
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout.split() == ["False", "False", "_AfterTorchImport"]
+
+
+def test_an_async_finding_still_pending_at_exit_is_reported(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import torch
+        layer = torch.nn.Linear(4, 2)
+        layer(torch.full((3, 4), float("nan")))
+        print("done")
+        """,
+    )
+    out = run_script(tmp_path, script, "--mode", "async")
+    assert out.stdout.strip() == "done"
+    assert "at exit, an async-mode finding was still pending" in out.stderr
+    assert "NaN" in out.stderr and "layer 'layer'" in out.stderr  # named after its variable
+    (data,) = reports(tmp_path)
+    assert data["error"]["class"] == "NonFiniteInputError" and data["where"]["layer"] == "layer"
+    assert data["statistics"]["nan_count"] == 12

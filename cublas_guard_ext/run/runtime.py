@@ -175,8 +175,13 @@ def _check_async_at_exit() -> None:
 
     try:
         check()
-    except GuardError as err:
+    except GuardError as err:  # the script ended before anything raised it: report it now
         _say(f"at exit, an async-mode finding was still pending:\n{err}")
+        if ranks.claim():
+            try:
+                _write(err, None)
+            except Exception as problem:
+                _say(f"could not write the incident report ({type(problem).__name__}: {problem})")
 
 
 def _async_check_before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:

@@ -162,7 +162,7 @@ def test_commands_follow_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
         "CUDA_LAUNCH_BLOCKING=1 torchrun --nproc-per-node=4 --nnodes=2 -m cublas_guard_ext run --mode async "
         "train.py --lr 3"
     )
-    nan = [c["command"] for c in incident.next_commands(opts, "nonfinite", None, True)]
+    nan = [c["command"] for c in incident.next_commands(opts, "nonfinite", None, unattributed=True)]
     assert nan == [
         "torchrun --nproc-per-node=4 --nnodes=2 -m cublas_guard_ext run --mode async --watch train.py --lr 3"
     ]
@@ -207,3 +207,19 @@ def test_the_report_escapes_what_it_shows() -> None:
 def _no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
+
+
+def test_torchs_own_cuda_error_gets_the_cuda_commands_and_the_doctor() -> None:
+    """A CUDA error of an op outside the guard (torch's RuntimeError): the sanitizer and
+    CUDA_LAUNCH_BLOCKING commands, the doctor, and --watch to name the op."""
+    err = RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+    data = incident.facts(err, options.parse(["train.py"]))
+    commands = [c["command"] for c in data["next_commands"]]
+    assert commands == [
+        "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer python train.py",
+        "CUDA_LAUNCH_BLOCKING=1 python -m cublas_guard_ext run train.py",
+        "python -m cublas_guard_ext run --watch train.py",
+        "python -m cublas_guard_ext doctor",
+    ]
+    assert data["doctor"]["summary"] is not None and data["cublas_call"] is None
+    assert incident.facts(RuntimeError("shapes cannot be multiplied"), None)["doctor"] is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -52,6 +53,8 @@ CALL_FIELDS = (
     "device",
 )
 _CUDA_CLASSES = ("CublasError", "CublasOutOfMemoryError", "PendingCudaError", "CudaLaunchError")
+# torch's own messages for a cuBLAS or CUDA failure (an op outside the guard)
+_CUDA_TEXT = re.compile(r"CUBLAS_STATUS_|CUDA error|cudaError|CUDA driver error|device-side assert")
 _PRODUCT_OPS = ("mm", "matmul", "bmm", "addmm", "linear", "baddbmm", "mul", "pow", "conv", "einsum", "dot")
 MAX_TREE_NODES = 400
 
@@ -179,9 +182,10 @@ def _launcher() -> dict[str, Any]:
 
 
 def next_commands(
-    options: RunOptions | None, kind: str, capsule: str | None, has_finding: bool
+    options: RunOptions | None, kind: str, capsule: str | None, unattributed: bool
 ) -> list[dict[str, str]]:
-    """Ready-to-paste commands, for the launcher this run used."""
+    """Ready-to-paste commands, for the launcher this run used. ``unattributed``: no op named
+    yet (a NaN seen by a layer's input check, a CUDA error of an unguarded op): --watch names it."""
     target = options.target() if options is not None else sys.argv
     flags = options.run_flags() if options is not None else []
     launcher = _launcher()
@@ -223,13 +227,13 @@ def next_commands(
                 "command": run_cmd(flags, "CUDA_LAUNCH_BLOCKING=1"),
             }
         )
-    if has_finding and options is not None and not options.watch:
-        out.append(
-            {
-                "what": "name the op and module where the NaN/Inf is born, forward and backward",
-                "command": run_cmd([f for f in flags if f != "--watch"] + ["--watch"]),
-            }
+    if unattributed and options is not None and not options.watch:
+        what = (
+            "name the op and module where the NaN/Inf is born, forward and backward"
+            if kind == "nonfinite"
+            else "name the failing op and its module (watch re-raises cuBLAS/CUDA errors of any op)"
         )
+        out.append({"what": what, "command": run_cmd([f for f in flags if f != "--watch"] + ["--watch"])})
     if kind == "cuda":
         out.append(
             {
@@ -270,7 +274,11 @@ def facts(
         if name not in fields and getattr(finding, name, None) is not None:
             fields[name] = getattr(finding, name, None)
     cls = type(finding).__name__
-    kind = "cuda" if cls in _CUDA_CLASSES else "nonfinite" if "NonFinite" in cls else "other"
+    message = str(finding)
+    if cls in _CUDA_CLASSES or (not isinstance(finding, GuardError) and _CUDA_TEXT.search(message)):
+        kind = "cuda"  # a guarded call's, or an unguarded op's (torch's own RuntimeError)
+    else:
+        kind = "nonfinite" if "NonFinite" in cls else "other"
     op = fields.get("op")
     module = fields.get("module")
     layer = fields.get("layer")
@@ -325,12 +333,20 @@ def facts(
             "capsule": capsule,
             "capsule_note": getattr(finding, "capsule_note", None),
             "doctor": _doctor(kind),
-            "next_commands": next_commands(options, kind, capsule, kind == "nonfinite"),
+            "next_commands": next_commands(options, kind, capsule, _unattributed(kind, fields)),
             "next_steps": _next_steps(finding),
             "peer": peer,
             "fields": {k: v for k, v in fields.items() if k != "environment"},
         }
     )
+
+
+def _unattributed(kind: str, fields: dict[str, Any]) -> bool:
+    """No op named: a NaN seen at a layer's input (born elsewhere), or a CUDA error of an op
+    outside the guard (a guarded layer's own failure names its layer)."""
+    if kind == "nonfinite":
+        return fields.get("op") is None
+    return kind == "cuda" and fields.get("op") is None and fields.get("layer") is None
 
 
 def _next_steps(finding: BaseException) -> list[str]:

@@ -223,3 +223,23 @@ def test_torchs_own_cuda_error_gets_the_cuda_commands_and_the_doctor() -> None:
     ]
     assert data["doctor"]["summary"] is not None and data["cublas_call"] is None
     assert incident.facts(RuntimeError("shapes cannot be multiplied"), None)["doctor"] is None
+
+
+def test_a_parameter_non_finite_on_entry_marks_its_module() -> None:
+    err = cg.NonFiniteEntryError(
+        role="parameter",
+        name="blocks.1.mlp.up.weight",
+        nan_count=2,
+        posinf_count=0,
+        neginf_count=0,
+        first_bad_index=3,
+        shape=[8, 8],
+        dtype="torch.float32",
+    )
+    data = incident.facts(err, options.parse(["train.py"]), root=Net())
+    assert data["where"]["module"] == "blocks.1.mlp.up" and data["statistics"]["nan_count"] == 2
+    marked = [n["name"] for n in data["module_tree"]["nodes"] if n["birth"]]
+    assert marked == ["blocks.1.mlp.up"]
+    assert [c["command"] for c in data["next_commands"]] == [
+        "python -m cublas_guard_ext run --watch train.py"
+    ]

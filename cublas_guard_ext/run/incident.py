@@ -284,19 +284,11 @@ def facts(
     layer = fields.get("layer")
     if module is None and layer and not str(layer).startswith("<"):
         module = layer  # a guarded Linear: its qualified name is the module
-    if fields.get("role") == "parameter" and fields.get("name"):
+    if fields.get("role") in ("parameter", "buffer") and fields.get("name"):  # watch's entry check
         module = str(fields["name"]).rpartition(".")[0]
     capsule = getattr(finding, "capsule", None)
     who = identity()
-    call = {k: fields[k] for k in CALL_FIELDS if k in fields} if kind == "cuda" else {}
-    for name in ("status_name", "meaning"):  # CublasError's properties (from the status)
-        if kind == "cuda" and "status" in fields and getattr(finding, name, None) is not None:
-            call[name] = getattr(finding, name)
-    for prefix in ("a", "b", "c"):
-        for part in ("shape", "strides", "dtype", "role"):
-            key = f"{prefix}_{part}"
-            if key in fields and kind == "cuda":
-                call[key] = fields[key]
+    call = _cublas_call(finding, fields) if kind == "cuda" else None
     tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
     return _plain(
         {
@@ -329,7 +321,7 @@ def facts(
             "statistics": statistics(fields, op),
             "module_tree": module_tree(root, module) if module is not None else None,
             "path": value_path(fields, module) if kind == "nonfinite" and op else None,
-            "cublas_call": call or None,
+            "cublas_call": call,
             "capsule": capsule,
             "capsule_note": getattr(finding, "capsule_note", None),
             "doctor": _doctor(kind),
@@ -339,6 +331,21 @@ def facts(
             "fields": {k: v for k, v in fields.items() if k != "environment"},
         }
     )
+
+
+def _cublas_call(finding: BaseException, fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The GEMM as cuBLAS got it: the call's arguments, the status and what it means (CublasError's
+    properties), the operands A, B, C."""
+    call = {k: fields[k] for k in CALL_FIELDS if k in fields}
+    if "status" in fields:
+        for name in ("status_name", "meaning"):
+            if getattr(finding, name, None) is not None:
+                call[name] = getattr(finding, name)
+    for prefix in ("a", "b", "c"):
+        for part in ("shape", "strides", "dtype", "role"):
+            if f"{prefix}_{part}" in fields:
+                call[f"{prefix}_{part}"] = fields[f"{prefix}_{part}"]
+    return call or None
 
 
 def _unattributed(kind: str, fields: dict[str, Any]) -> bool:

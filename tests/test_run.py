@@ -668,3 +668,36 @@ def test_an_async_finding_still_pending_at_exit_is_reported(tmp_path: Path) -> N
     (data,) = reports(tmp_path)
     assert data["error"]["class"] == "NonFiniteInputError" and data["where"]["layer"] == "layer"
     assert data["statistics"]["nan_count"] == 12
+
+
+def test_a_forked_dataloader_worker_does_not_watch_the_parents_model(tmp_path: Path) -> None:
+    """The worker forks while a block is open (between forward and backward); the child ends the
+    inherited block, so the worker's own ops (a NaN made on purpose in collate) are not watched."""
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import sys
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader
+
+        def collate(batch):
+            watching = sys.modules["cublas_guard_ext.watch"]._is_active()
+            return torch.log(torch.stack(batch) - 100), watching
+
+        model = nn.Sequential(nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = [torch.full((4,), float(i)) for i in range(8)]
+        for step in range(2):
+            out = model(torch.rand(2, 4))
+            loader = DataLoader(data, batch_size=4, num_workers=1, collate_fn=collate,
+                                multiprocessing_context="fork")
+            seen = [watching for _, watching in loader]
+            loss = out.sum(); opt.zero_grad(); loss.backward(); opt.step()
+            print(seen)
+        """,
+    )
+    out = run_script(tmp_path, script, "--watch")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[False, False]", "[False, False]"]

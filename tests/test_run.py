@@ -514,7 +514,7 @@ def test_without_step_options_a_nan_step_runs_as_it_would(tmp_path: Path) -> Non
 def test_compile_traces_the_guarded_layers_without_a_graph_break(tmp_path: Path) -> None:
     """No dispatch mode, no per-call hook: Dynamo traces the guarded op in one graph, the layers
     keep their names (torch.compile names them), and the result is F.linear's; torch.jit.script
-    still scripts the model."""
+    still scripts the model, and what torch.jit.trace and torch.export record is aten's linear."""
     script = write(
         tmp_path,
         "s.py",
@@ -529,12 +529,18 @@ def test_compile_traces_the_guarded_layers_without_a_graph_break(tmp_path: Path)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         x = torch.randn(3, 8)
         y = torch.compile(model, backend="eager")(x)
+        breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
         w = [p.double() for p in model.parameters()]
         ref = F.linear(F.linear(x.double(), w[0], w[1]).relu(), w[2], w[3])
         scripted = torch.jit.script(model)  # TorchScript compiles the patched forward's scripted branch
         assert torch.allclose(scripted(x), y, atol=1e-6)
+        # artifacts written for elsewhere record nn.Linear's own op, not this extension's
+        traced = str(torch.jit.trace(model, x).inlined_graph)
+        exported = str(torch.export.export(model, (x,)).graph_module.code)
+        assert "aten::linear" in traced and "cublas_guard::" not in traced, traced
+        assert "aten.linear" in exported and "cublas_guard" not in exported, exported
         print(json.dumps({
-            "breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "breaks": breaks, "graphs": graphs,
             "names": [m._cublas_guard_run_name for m in model if isinstance(m, nn.Linear)],
             "error": float((y.double() - ref).abs().max()),
         }))

@@ -31,6 +31,9 @@ NAME_ATTR = "_cublas_guard_run_name"
 _fast_linear = _ops.fast_linear
 _guarded_linear = _ops.linear
 _is_compiling = torch.compiler.is_compiling
+_is_exporting = torch.compiler.is_exporting
+_is_tracing = torch.jit.is_tracing  # (Dynamo folds it; torch._C._is_tracing would break the graph)
+_plain_linear = torch.nn.functional.linear
 _CALL_CODES = frozenset(
     {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # type: ignore[attr-defined]
 )
@@ -107,9 +110,16 @@ def _eager_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noq
     if name is None:
         name = _name_on_first_call(self)
     weight, bias = self.weight, self.bias  # read once (a parametrized weight is computed per read)
+    if _is_tracing():  # torch.jit.trace / the TorchScript ONNX exporter: see below
+        return _plain_linear(input, weight, bias)
     out = _fast_linear(input, weight, bias, name, None, False)
     if out is not None:
         return out
+    if _is_exporting():
+        # torch.export (and the ONNX exporter built on it), like torch.jit.trace above, writes an
+        # artifact that must not depend on this extension: it records nn.Linear's own F.linear.
+        # torch.compile traces the guarded op.
+        return _plain_linear(input, weight, bias)
     return _guarded_linear(input, weight, bias, layer=name)
 
 

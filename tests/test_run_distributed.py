@@ -56,7 +56,12 @@ dist.destroy_process_group()
 """
 
 
-def test_rank_1_meets_a_nan_and_both_ranks_end_within_seconds(tmp_path: Path) -> None:
+# torchrun's two ways to reach every rank: `-m cublas_guard_ext run` and `--no-python python -m ...`
+LAUNCHES = {"module": ["-m"], "no-python": ["--no-python", sys.executable, "-m"]}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_rank_1_meets_a_nan_and_both_ranks_end_within_seconds(tmp_path: Path, launch: str) -> None:
     script = write(tmp_path, "train.py", SCRIPT)
     folder = tmp_path / "reports"
     command = [
@@ -68,7 +73,7 @@ def test_rank_1_meets_a_nan_and_both_ranks_end_within_seconds(tmp_path: Path) ->
         "2",
         "--monitor-interval",
         "0.2",
-        "-m",
+        *LAUNCHES[launch],
         "cublas_guard_ext",
         "run",
         "--watch",

@@ -222,12 +222,16 @@ def start_watchdog(on_peer_failure: Callable[[dict[str, Any]], None]) -> None:
 
     def loop() -> None:
         store = None
+        poll = POLL_S
         while True:
-            time.sleep(POLL_S)
+            time.sleep(poll)
             if store is None:
                 store = _store() if distributed() else None
                 if store is None:
                     continue
+                # One store serves every rank: at most ~1000 polls a second in all (a 4096-rank
+                # job polls every 4 s).
+                poll = max(POLL_S, _world_size() / 1000)
             dist = sys.modules.get("torch.distributed")
             if dist is not None and not dist.is_initialized():
                 return  # the group was destroyed: the run is ending normally

@@ -1,4 +1,4 @@
-"""``python -m cublas_guard_ext {demo,doctor,bench,replay}``."""
+"""``python -m cublas_guard_ext {demo,doctor,bench,replay,run}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # everything after SCRIPT is the script's: not argparse's to read
+        from .run import cli
+
+        return cli.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m cublas_guard_ext", description=__doc__)
     parser.add_argument("--version", action="version", version=f"cublas_guard_ext {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -27,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     replay.add_argument("capsule", metavar="CAPSULE", help="the capsule file a failing call wrote")
     replay.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser(
+        "run",
+        help="run an unmodified script (or -m MODULE) under the guard; `run --help` for its options",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "demo":

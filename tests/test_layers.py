@@ -58,6 +58,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "integrations: transformers, Lightning (imported only when used)",
         ("cublas_guard_ext.integrations", "cublas_guard_ext.integrations.*"),
     ),
+    (
+        "run: an unmodified script under the guard, its bootstrap and incident reports",
+        ("cublas_guard_ext.run", "cublas_guard_ext.run.*"),
+    ),
 ]
 
 # (importer, imported): why this late import may go up a layer.
@@ -72,6 +76,11 @@ LATE_UPWARD: dict[tuple[str, str], str] = {
         "cublas_guard_ext.watch",
     ): "check() also raises this thread's pending watch(mode='async') finding; watch "
     "is built on ops, so ops reaches it only when check() runs",
+    (
+        "cublas_guard_ext.__main__",
+        "cublas_guard_ext.run.cli",
+    ): "`python -m cublas_guard_ext run` hands its whole command line to the run package, "
+    "imported only for that command",
 }
 
 

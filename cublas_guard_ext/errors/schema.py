@@ -173,6 +173,15 @@ PYTHON_FIELDS: dict[str, str] = {
     "missing": "str",
     "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
     "name": "str",  # NonFiniteEntryError, raised by watch.py
+    # `python -m cublas_guard_ext run` (cublas_guard_ext/run/): NonFiniteGradientsError, the step
+    # check of every optimizer; PeerFailedError, a rank stopped because another failed first
+    "optimizer": "str",
+    "failed_rank": "int",
+    "failed_host": "str",
+    "failed_pid": "int",
+    "failed_error": "str",
+    "failed_report": "str",
+    "local_error": "str",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -1,0 +1,1 @@
+"""The bootstrap folder ``run`` puts first on PYTHONPATH: only ``sitecustomize`` lives here."""

@@ -1,0 +1,414 @@
+"""``python -m cublas_guard_ext run``: unmodified scripts (written to tmp_path) in subprocesses.
+
+Most tests start the script the way ``run`` leaves it after its exec: ``python SCRIPT`` with
+the environment :func:`cli.environment` builds (the bootstrap first on PYTHONPATH, the options in
+CUBLAS_GUARD_RUN); that spares each test a second interpreter importing torch. The tests named
+``..._through_the_command`` go through ``python -m cublas_guard_ext run`` itself.
+Here: the command line, the script run as Python runs it, the bootstrap. What the guard finds is
+in tests/test_run_findings.py, the distributed run in tests/test_run_distributed.py, the report's
+facts and pages (in-process) in tests/test_run_report.py; they share the helpers below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from cublas_guard_ext.run import cli, options
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 240
+
+
+def _env(**extra: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in (
+        "CUBLAS_GUARD_RUN",
+        "CUBLAS_GUARD_CAPSULE_DIR",
+        "CUBLAS_GUARD_EXT_FAULT",
+        "RANK",
+        "WORLD_SIZE",
+    ):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def write(folder: Path, name: str, code: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(code), encoding="utf-8")
+    return path
+
+
+def run_script(
+    tmp_path: Path,
+    script: Path,
+    *flags: str,
+    args: tuple[str, ...] = (),
+    through_command: bool = False,
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """The script under ``run FLAGS``; reports in tmp_path/reports unless --report is given."""
+    flags = flags if "--report" in flags else (*flags, "--report", str(tmp_path / "reports"))
+    if through_command:
+        command = [sys.executable, "-m", "cublas_guard_ext", "run", *flags, str(script), *args]
+        environ = _env(**env)
+    else:
+        opts = options.parse([*flags, str(script), *args])
+        opts.report_dir = os.path.abspath(opts.report_dir)
+        opts.main_pid = None  # set below: the child's PID is not known before it starts
+        opts.capsules_in_report = "CUBLAS_GUARD_CAPSULE_DIR" not in env
+        command = [sys.executable, str(script), *args]
+        environ = cli.environment(opts, _env(**env))
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT, env=environ, cwd=str(tmp_path)
+    )
+
+
+def the_error_comes_last(stderr: str, headline: str) -> None:
+    """The report's line comes before the traceback, and the traceback ends with the error."""
+    before, _, after = stderr.rpartition("Traceback (most recent call last):")
+    assert "cublas_guard_ext run: incident report: " in before, stderr
+    assert "incident report" not in after and headline in after.split("\n  File ")[-1], stderr
+
+
+def reports(tmp_path: Path, folder: str = "reports") -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((tmp_path / folder).glob("*.json"))]
+
+
+MODEL = """
+import torch
+from torch import nn
+
+class LogAct(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.act = LogAct()
+        self.head = nn.Linear(16, 2)
+        with torch.no_grad():  # tanh's output stays positive: log is finite unless a test plants it
+            self.encoder[0].bias.fill_(10.0)
+
+    def forward(self, x):
+        return self.head(self.act(self.encoder(x)))
+"""
+
+
+# -- the command line -------------------------------------------------------------------------
+def test_the_mode_defaults_to_the_environments_then_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_GUARD_MODE", raising=False)
+    assert options.parse(["x.py"]).mode == "sync"
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "async")
+    assert options.parse(["x.py"]).mode == "async"
+    assert options.parse(["--mode", "off", "x.py"]).mode == "off"
+    monkeypatch.setenv("CUBLAS_GUARD_MODE", "bogus")  # not a mode: run's own default
+    assert options.parse(["x.py"]).mode == "sync"
+
+
+def test_options_after_the_script_belong_to_the_script() -> None:
+    opts = options.parse(["--mode=async", "--watch", "train.py", "--watch", "-m", "x"])
+    assert (opts.mode, opts.watch, opts.script, opts.args) == (
+        "async",
+        True,
+        "train.py",
+        ["--watch", "-m", "x"],
+    )
+    opts = options.parse(["--raise-on-nonfinite-steps", "-mpkg.mod", "--lr", "3"])
+    assert (opts.module, opts.args, opts.nonfinite_steps) == ("pkg.mod", ["--lr", "3"], "raise")
+    assert opts.target() == ["-m", "pkg.mod", "--lr", "3"]
+    assert options.parse(["--", "-weird.py"]).script == "-weird.py"
+    assert options.parse(["--help"]) is None
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--frobnicate", "x.py"], "unknown option '--frobnicate'"),
+        (["--mode", "fast", "x.py"], "--mode must be one of sync, async, off, got 'fast'"),
+        (["--watch"], "no script given"),
+        (["--skip-nonfinite-steps", "--raise-on-nonfinite-steps", "x.py"], "exclude each other"),
+        (["--mode", "off", "--watch", "x.py"], "--watch cannot work with --mode off"),
+        (["-m"], "-m needs a module name"),
+        (["--report"], "--report needs a value"),
+    ],
+)
+def test_a_bad_command_line_is_refused_with_its_reason(argv: list[str], message: str) -> None:
+    with pytest.raises(options.UsageError) as info:
+        options.parse(argv)
+    assert message in str(info.value)
+
+
+def test_bad_input_through_the_command(tmp_path: Path) -> None:
+    """`python -m cublas_guard_ext run` hands its command line to run: exit 2, the usage and one
+    reason; nothing runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cublas_guard_ext", "run", "--frobnicate", "x.py"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines()[0].startswith("usage: python -m cublas_guard_ext run")
+    assert out.stderr.strip().splitlines()[-1] == (
+        "python -m cublas_guard_ext run: error: unknown option '--frobnicate' (the script's own options go "
+        "after SCRIPT)"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["missing.py"], "the script 'missing.py' does not exist"),
+        (["."], "the script '.' is a folder, not a script"),
+        (["-"], "reading the script from stdin is not supported"),
+    ],
+)
+def test_a_script_that_is_not_there_is_refused_before_anything_runs(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2  # (an exec would have replaced this process)
+    err = capsys.readouterr().err
+    assert f"python -m cublas_guard_ext run: error: {message}" in err
+
+
+def test_help_lists_the_options(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--mode",
+        "--watch",
+        "--skip-nonfinite-steps",
+        "--raise-on-nonfinite-steps",
+        "--report",
+        "-m MODULE",
+    ):
+        assert option in text
+
+
+# -- the script runs as python would run it ---------------------------------------------------
+def test_argv_path_main_and_exit_code_through_the_command(tmp_path: Path) -> None:
+    sub = tmp_path / "proj"
+    sub.mkdir()
+    script = write(
+        sub,
+        "train.py",
+        """
+        import json, pickle, sys
+        import torch
+
+        def helper():
+            return 1
+
+        print(json.dumps({
+            "argv": sys.argv, "path0": sys.path[0], "name": __name__,
+            "is_main": sys.modules["__main__"].__dict__ is globals(),
+            "pickles": pickle.loads(pickle.dumps(helper)) is helper,
+            "linear": torch.nn.Linear.forward.__module__,
+        }))
+        sys.exit(3)
+        """,
+    )
+    out = run_script(tmp_path, script, args=("--lr", "0.1", "--watch"), through_command=True)
+    assert out.returncode == 3, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["argv"] == [str(script), "--lr", "0.1", "--watch"]
+    assert seen["path0"] == str(sub) and seen["name"] == "__main__"
+    assert seen["is_main"] and seen["pickles"]
+    assert seen["linear"] == "cublas_guard_ext.run.linear"
+    assert "cublas_guard_ext run" not in out.stderr  # nothing went wrong: nothing said
+    assert not (tmp_path / "reports").exists() or not list((tmp_path / "reports").glob("*.json"))
+
+
+def test_minus_m_runs_a_module_as_python_would(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    write(
+        pkg,
+        "train.py",
+        """
+        import json, sys, torch
+        print(json.dumps({"argv": sys.argv, "name": __name__, "spec": __spec__.name,
+                          "path0": sys.path[0]}))
+        """,
+    )
+    opts = options.parse(["--report", str(tmp_path / "r"), "-m", "pkg.train", "a", "--b"])
+    out = subprocess.run(
+        [sys.executable, *opts.target()],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=cli.environment(opts, _env()),
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["argv"] == [str(pkg / "train.py"), "a", "--b"]
+    assert (seen["name"], seen["spec"], seen["path0"]) == ("__main__", "pkg.train", str(tmp_path))
+
+
+def test_system_exit_inside_the_script_keeps_its_code_and_writes_no_report(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", "import torch\nraise SystemExit(5)\n")
+    out = run_script(tmp_path, script)
+    assert out.returncode == 5 and out.stderr == ""
+    assert reports(tmp_path) == []
+
+
+def test_an_uncaught_error_writes_the_report_then_the_traceback_last(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", MODEL + "\nmodel = Model()\nraise KeyError('no such batch')\n")
+    out = run_script(tmp_path, script)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == "KeyError: 'no such batch'"
+    the_error_comes_last(out.stderr, "KeyError: 'no such batch'")
+    (data,) = reports(tmp_path)
+    assert data["error"]["class"] == "KeyError" and data["where"]["step"] is None
+
+
+def test_raising_before_torch_is_imported_says_nothing_was_guarded(tmp_path: Path) -> None:
+    script = write(tmp_path, "s.py", "import sys\nraise RuntimeError('config missing')\n")
+    out = run_script(tmp_path, script, through_command=True)
+    assert out.returncode == 1
+    assert "the script raised RuntimeError before it imported torch: nothing was guarded" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == "RuntimeError: config missing"
+
+
+def test_an_unwritable_report_folder_is_said_once_and_the_run_goes_on(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    script = write(tmp_path, "s.py", MODEL + "\nprint(Model().head(torch.rand(2, 16)).shape)\n")
+    out = run_script(tmp_path, script, "--report", str(blocker / "r"), through_command=True)
+    assert out.returncode == 0 and "torch.Size([2, 2])" in out.stdout
+    assert out.stderr.count("cannot write reports to") == 1, out.stderr
+    bad = write(tmp_path, "bad.py", MODEL + "\nModel()(__import__('torch').rand(2, 7))\n")
+    out = run_script(tmp_path, bad, "--report", str(blocker / "r"))
+    assert out.returncode == 1 and "the incident report could not be written to" in out.stderr
+    assert "layer encoder.0" in out.stderr  # the facts still said, in one line
+
+
+def test_the_bootstrap_failing_says_one_line_and_the_script_runs(tmp_path: Path) -> None:
+    env = _env(PYTHONPATH=cli.SITE_DIR, CUBLAS_GUARD_RUN='{"mode": "bogus"}')
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print('ran', torch.nn.Linear.forward.__module__)"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=env,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ran torch.nn.modules.linear"
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("cublas_guard_ext run: could not install the guard (UsageError: --mode")
+    assert line.endswith("the script runs unguarded")
+
+
+def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
+    script = write(
+        tmp_path,
+        "s.py",
+        "import os, torch\nprint(os.environ.get('THEIRS_RAN'), torch.nn.Linear.forward.__name__)\n",
+    )
+    out = run_script(tmp_path, script, PYTHONPATH=str(theirs))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["yes", "guarded_forward"]
+
+
+class _Report(HTMLParser):
+    """What a test needs from the HTML: the marked birth op, the modules on the path, the text
+    of the statistics section, and that nothing is fetched from elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.birth_ops: list[str] = []
+        self.birth_modules: list[str] = []
+        self.path_modules: list[str] = []
+        self.external: list[str] = []
+        self.stats_text: list[str] = []
+        self._in_stats = 0
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if a.get("id") == "statistics":
+            self._in_stats = 1
+        elif self._in_stats and tag == "section":
+            self._in_stats += 1
+        if "data-birth-op" in a:
+            self.birth_ops.append(a["data-birth-op"])
+        if a.get("class") == "birth" and "data-module" in a:
+            self.birth_modules.append(a["data-module"])
+        if a.get("class") == "path" and "data-module" in a:
+            self.path_modules.append(a["data-module"])
+        for key in ("src", "href"):
+            if a.get(key, "").startswith(("http:", "https:", "//")) or (tag == "link" and key == "href"):
+                self.external.append(a[key])
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._in_stats and tag == "section":
+            self._in_stats -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._in_stats:
+            self.stats_text.append(data)
+
+
+def test_spawn_dataloader_workers_pickle_the_scripts_function_and_are_guarded(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        "s.py",
+        """
+        import torch
+        from torch.utils.data import DataLoader
+
+        def collate(batch):
+            guarded = torch.nn.Linear.forward.__module__ == "cublas_guard_ext.run.linear"
+            return torch.tensor(batch, dtype=torch.float32), guarded
+
+        if __name__ == "__main__":
+            loader = DataLoader(list(range(6)), batch_size=3, num_workers=1, collate_fn=collate,
+                                multiprocessing_context="spawn")
+            print([(b.tolist(), g) for b, g in loader])
+        """,
+    )
+    out = run_script(tmp_path, script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[([0.0, 1.0, 2.0], True), ([3.0, 4.0, 5.0], True)]"
+
+
+def test_a_process_that_never_imports_torch_pays_nothing(tmp_path: Path) -> None:
+    """The bootstrap imports neither torch nor this package: a Python subprocess of the run that
+    does not use torch (a tool, a helper script) starts as it would."""
+    opts = options.parse(["--watch", "x.py"])
+    code = "import sys; print('torch' in sys.modules, 'cublas_guard_ext' in sys.modules, sys.meta_path[0].__class__.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli.environment(opts, _env()),
+    )
+    assert out.returncode == 0 and out.stderr == ""
+    assert out.stdout.split() == ["False", "False", "_AfterTorchImport"]

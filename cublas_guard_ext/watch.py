@@ -29,7 +29,7 @@ from . import _watch_patches  # noqa: E402  (needs the native module above)
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
-_MODES = tuple(mode for mode in MODE_CODES if mode != "off")
+_MODE_CODES = {mode: code for mode, code in MODE_CODES.items() if mode != "off"}
 _REPORTS = ("consequence", "birth")
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
 _OP_NAMESPACES = {"aten", "prims", "quantized", "cublas_guard", "_c10d_functional", "c10d"}
@@ -225,16 +225,22 @@ class watch:
     eagerly (``torch.compiler.set_stance("force_eager")``, restored at the end), so ops inside
     a compiled model are named too.
 
-    Example (fp16 ``nn.Linear`` fed 300.0 everywhere, K = 1024)::
+    Example (an fp16 ``nn.Linear`` whose weights are 0.25, fed 300.0 everywhere, K = 1024)::
 
         >>> with cg.watch(layer, mode="sync"):
-        ...     layer(torch.full((4, 1024), 300.0, dtype=torch.float16))
-        NonFiniteOutputError: watch: aten.addmm.default in the watched model's top level
-        (forward) produced 0 NaN, 8 +Inf, 8 -Inf from finite inputs
-          ...
-          counts at that op: NaN 0, +Inf 8, -Inf 8, zeros 0
-          inputs' absolute maxima: 0.0312, 300, 0.0312 (300 squared exceeds the float16 range
-          65504: a product of such values overflows)
+        ...     layer(torch.full((2, 1024), 300.0, dtype=torch.float16))
+        NonFiniteOutputError: watch: aten.addmm.default in the watched model's top level (forward)
+        produced 0 NaN, 8 +Inf, 0 -Inf from finite inputs
+          first bad element: flat index 0 = output[0, 0] (+Inf)
+          output: shape [2, 4] torch.float16 on cpu
+          inputs: self [4] torch.float16 strides [1]; mat1 [2, 1024] torch.float16 strides
+          [1024, 1]; mat2 [1024, 4] torch.float16 strides [1, 1024]
+          counts at that op: NaN 0, +Inf 8, -Inf 0, zeros 0
+          inputs' absolute maxima: 0, 300, 0.25 (300 squared exceeds the float16 range 65504:
+          a product of such values overflows)
+        Next: if these values are intended there, pass the op or the module to watch(..., allow=[...])
+          reached: the model's output
+          born at (innermost Python frame first): train.py:7 in <module>
 
     Costs: one scan per op output (CPU: in the calling thread, ~1.1x a MiniLM AdamW step,
     benchmarks/RESULTS.md; CUDA: one kernel launch per output, no host sync), and at the
@@ -253,7 +259,7 @@ class watch:
         verify_inputs: bool = False,
         capacity: int = _DEFAULT_CAPACITY,
     ) -> None:
-        if mode is not None and mode != "off" and mode not in _MODES:
+        if mode is not None and mode != "off" and mode not in _MODE_CODES:
             raise ValueError(f"cublas_guard_ext.watch: mode must be 'sync', 'async' or None, got {mode!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -434,7 +440,7 @@ class watch:
                 self._stance.__enter__()
             _native._watch_begin(
                 {
-                    "mode": mode,
+                    "mode": _MODE_CODES[mode],
                     "report": self.report,
                     "has_model": self.model is not None,
                     "verify_inputs": self.verify_inputs,

@@ -59,13 +59,15 @@ bool parse_config(PyObject* d, WatchConfig& c) {
       return false;
     }
   }
-  if (PyObject* v = item(d, "mode")) {
-    const char* m = PyUnicode_AsUTF8(v);
-    if (m == nullptr || (std::string(m) != "sync" && std::string(m) != "async")) {
-      PyErr_Format(PyExc_ValueError, "cublas_guard_ext.watch: mode must be 'sync' or 'async', got %R", v);
+  if (PyObject* v = item(d, "mode")) {  // a code of cublas_guard_ext._native.codes
+    const long m = PyLong_AsLong(v);
+    if (PyErr_Occurred() || (m != kModeSync && m != kModeAsync)) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError,
+                   "cublas_guard_ext.watch: mode must be the code of 'sync' or 'async', got %R", v);
       return false;
     }
-    c.mode = std::string(m) == "async" ? kModeAsync : kModeSync;
+    c.mode = static_cast<int>(m);
   }
   if (PyObject* v = item(d, "report")) {
     const char* r = PyUnicode_AsUTF8(v);

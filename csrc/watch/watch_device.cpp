@@ -41,17 +41,9 @@ const DeviceKernels* device_kernels(c10::DeviceType type) {
   return k.scan != nullptr ? &k : nullptr;
 }
 
-void set_test_seam(const TestSeam& seam) {
-  std::lock_guard<std::mutex> lock(seam_mutex);
-  current_seam = seam;
-}
-
 void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity) {
-  TestSeam seam;
-  seam.two_cpu_devices = two_cpu_devices;
-  seam.late_harvest = late_harvest;
-  seam.tag_capacity = tag_capacity;
-  set_test_seam(seam);
+  std::lock_guard<std::mutex> lock(seam_mutex);
+  current_seam = TestSeam{two_cpu_devices, late_harvest, tag_capacity};
 }
 
 TestSeam test_seam() {
@@ -128,12 +120,6 @@ TagState::~TagState() {
   for (DeviceTags& d : devices) {
     if (d.record != nullptr) d.kernels->free_record(d.home.device, d.record);
   }
-}
-
-int64_t retired_arrays(const TagState& w) {
-  int64_t n = 0;
-  for (const DeviceTags& d : w.devices) n += static_cast<int64_t>(d.retired.size());
-  return n;
 }
 
 std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity) {

@@ -131,7 +131,6 @@ struct TestSeam {
                               // or an error path, as on a GPU running behind the host
   int64_t tag_capacity = 0;  // > 0: the initial tag slots per device (growth tests)
 };
-void set_test_seam(const TestSeam& seam);
 void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
 TestSeam test_seam();
 
@@ -176,8 +175,6 @@ void poll(Session& s);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
 void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed);
-// How many retired tag arrays the thread's state holds (test hook).
-int64_t retired_arrays(const TagState& w);
 
 }  // namespace watch
 }  // namespace cublas_guard

@@ -306,19 +306,25 @@ class watch:
                 if t.is_floating_point() and t.numel() > 0:
                     yield role, name, t
 
-    def _check_state(self) -> None:
+    def _check_state(self) -> list[torch.Tensor]:
         """Parameters and buffers on entry: one fused check per device and dtype (one host read
-        for the lot), the per-tensor scans only where it found something."""
+        for the lot), the per-tensor scans only where it found something. Returns those found
+        finite: the block starts them with a finite tag instead of scanning them again."""
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, str, torch.Tensor]]] = {}
         for item in self._state_tensors():
             groups.setdefault((item[2].device, item[2].dtype), []).append(item)
+        finite = []
         for items in groups.values():
             if _all_finite([t for _, _, t in items]):
+                finite += [t for _, _, t in items]
                 continue
             for role, name, t in items:
                 counts = _native._watch_scan(t)
-                if counts is not None and counts[3] >= 0 and not self._allowed_name(name):
+                if counts is None or counts[3] < 0:
+                    finite.append(t)
+                elif not self._allowed_name(name):
                     raise _entry_error(role, name, t, counts)
+        return finite
 
     def _check_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         consequence = self.report == "consequence"
@@ -389,12 +395,13 @@ class watch:
             raise WatchCaptureError(when="in progress when the watch block began")
         names: list[str] = []
         ids: dict[int, int] = {}
+        finite_state: list[torch.Tensor] = []
         if self.model is not None:
             for name, module in self.model.named_modules():
                 ids[id(module)] = len(names)
                 names.append(name)
             if self.check_parameters:
-                self._check_state()
+                finite_state = self._check_state()
         tid = threading.get_ident()
         push, pop = _native._watch_push, _native._watch_pop
 
@@ -449,6 +456,7 @@ class watch:
                     "module_allowed": [self._allowed_name(n) for n in names],
                     "allowed_ops": self.allow_ops,
                     "state": state,
+                    "finite_state": finite_state,
                 }
             )
         except BaseException:

@@ -101,6 +101,7 @@ struct WatchConfig {
   std::vector<uint8_t> module_allowed;    // id -> non-finite results allowed there
   std::vector<std::string> allowed_ops;   // "aten::log" or "aten::log.default"
   std::vector<std::pair<at::Tensor, std::string>> state;  // parameters and buffers, by name
+  std::vector<at::Tensor> finite_state;  // those the entry check just found finite
 };
 
 // A recorded birth: the finding's report, built when the host read the birth,

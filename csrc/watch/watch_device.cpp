@@ -517,6 +517,13 @@ void poll(Session& s) {
   if (flagged) harvest(s, /*synchronize=*/false, /*as_pending=*/true);
 }
 
+void tags_known_finite(Session& s, const at::Tensor& t) {
+  if (!readable(t)) return;
+  DeviceTags* d = tags_for(*s.tags, t);
+  bool fresh = false;
+  if (d != nullptr) slot_of(*d, t, &fresh);
+}
+
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where) {
   TagState& w = *s.tags;
   if (!readable(t)) return;

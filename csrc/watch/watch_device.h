@@ -172,6 +172,9 @@ void harvest(Session& s, bool synchronize, bool as_pending, bool at_op = false);
 void add_lost(ErrorReport& r, const TagState& w);
 // The next op's check: harvests when a record's flag is up (an acquire load).
 void poll(Session& s);
+// A tensor the entry check found finite at a block's outermost start: a slot
+// (its tag is the zero of a fresh array), so no first-sight scan reads it again.
+void tags_known_finite(Session& s, const at::Tensor& t);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
 void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed);

@@ -46,9 +46,9 @@ bool parse_config(PyObject* d, WatchConfig& c) {
     PyErr_SetString(PyExc_TypeError, "cublas_guard_ext._C._watch_begin takes a config dict");
     return false;
   }
-  static const char* const known[] = {"mode",           "report",      "has_model",
-                                      "verify_inputs",  "capacity",    "module_names",
-                                      "module_allowed", "allowed_ops", "state"};
+  static const char* const known[] = {"mode",     "report",       "has_model",      "verify_inputs",
+                                      "capacity", "module_names", "module_allowed", "allowed_ops",
+                                      "state",    "finite_state"};
   PyObject *key = nullptr, *value = nullptr;
   for (Py_ssize_t pos = 0; PyDict_Next(d, &pos, &key, &value);) {
     const char* k = PyUnicode_AsUTF8(key);
@@ -116,6 +116,15 @@ bool parse_config(PyObject* d, WatchConfig& c) {
     }
     Py_DECREF(seq);
   }
+  if (PyObject* v = item(d, "finite_state")) {
+    PyObject* seq = PySequence_Fast(v, "finite_state");
+    if (seq == nullptr) return false;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+      PyObject* t = PySequence_Fast_GET_ITEM(seq, i);
+      if (THPVariable_Check(t)) c.finite_state.push_back(THPVariable_Unpack(t));
+    }
+    Py_DECREF(seq);
+  }
   return true;
 }
 
@@ -141,6 +150,12 @@ PyObject* py_begin(PyObject*, PyObject* arg) {
   s->key_was_included = c10::impl::tls_is_dispatch_key_included(kWatchKey);
   s->tags = tags_begin(/*outermost=*/s->outer == nullptr, s->config.capacity);
   s->mu = &s->tags->mu;
+  // Found finite by the entry check just now: a finite tag, no first-sight scan (the
+  // arrays of a block's outermost start are all zero, that is finite).
+  if (s->outer == nullptr) {
+    for (const at::Tensor& t : s->config.finite_state) tags_known_finite(*s, t);
+  }
+  s->config.finite_state.clear();
   if (s->config.verify_inputs) enable_verify(*s);
   tls_session_ref = ref;
   tls_session = s;

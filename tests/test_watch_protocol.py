@@ -68,6 +68,27 @@ def test_two_blocks_in_a_row_across_devices_read_no_stale_tag():
     assert torch.isfinite(out).all()
 
 
+class BackwardAcross(nn.Module):
+    """-inf born in log (float32), carried to float64 by a cast whose backward (a float64 ->
+    float32 copy of a huge finite gradient) overflows: a consequence of the forward -inf, read
+    from the other device's node tags, not a birth of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.log(x).double()  # -inf where x == 0, tagged; the cast's node tag on float64's array
+        return (g.clamp_min(-5.0) * 1e300).sum()  # finite; its gradient 1e300 overflows float32
+
+
+def test_a_backward_op_on_another_device_than_its_forward_reads_that_nodes_tag():
+    x = torch.tensor([0.0, 1.0, 2.0], requires_grad=True)
+    model = BackwardAcross()
+    with seam(two_cpu_devices=True):
+        with pytest.raises(cg.NonFiniteOutputError) as info:
+            with cg.watch(model, mode="sync"):
+                model(x).backward()
+    assert info.value.op == "aten.log.default" and info.value.phase == "forward"
+    assert info.value.reached == "the gradient of the model's argument 'x'"
+
+
 # -- one record per thread -------------------------------------------------------------------
 
 

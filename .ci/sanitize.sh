@@ -42,7 +42,7 @@ TESTS=${SANITIZE_TESTS:-tests/test_param_cache.py tests/test_watch.py tests/test
 tests/test_faults.py tests/test_threads.py tests/test_bad_inputs.py tests/test_async_record.py \
 tests/test_fast_path.py tests/test_linear.py tests/test_saved.py tests/test_scan.py \
 tests/test_dtypes.py tests/test_modes.py tests/test_func.py tests/test_properties.py \
-tests/test_watch_bounds.py tests/test_watch_lifetime.py}
+tests/test_watch_protocol.py}
 START=$(date +%s)
 
 die() { echo "sanitize: $*" >&2; exit 1; }

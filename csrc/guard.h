@@ -310,16 +310,6 @@ void raise_if_async_recorded(bool synchronize);
 void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
                    const std::string& layer);
 
-// Bounds of a contiguous float32, bfloat16 or float16 tensor's values, from
-// one pass (watch's value bounds): finite, and then lo <= every value <= hi
-// (lo is the smallest value; hi is the largest magnitude). Returns
-// false, claiming nothing, for other dtypes, other layouts and empty tensors.
-struct ValueRange {
-  bool finite = false;
-  double lo = 0.0, hi = 0.0;
-};
-bool scan_cpu_range(const at::Tensor& t, ValueRange& out);
-
 // Strided iteration support shared by the CPU and CUDA scans: dims merged where
 // their strides allow, so that most views become one or two dims.
 constexpr int kMaxScanDims = 16;

@@ -1,19 +1,26 @@
 // The Python module cublas_guard_ext._C: importing it loads this library,
 // whose static initializers register the ops (ops.cpp and the kernels'
-// files); the module itself holds only the fast eager entry below.
+// files); the module holds the fast eager entry below and watch's methods
+// (watch/watch_python.cpp). A JIT build is not a Python module: the op
+// cublas_guard_internal::python_module_install puts the same module into
+// sys.modules there.
 #include <Python.h>
 
 #include "guard.h"
 #include "op_handles.h"
+#include "watch/watch.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/TracerMode.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <torch/library.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 // ---------------------------------------------------------------------------
 // The fast eager entry (issue 12). `torch.ops.cublas_guard.linear.default(...)`
@@ -124,15 +131,46 @@ PyMethodDef module_methods[] = {
      "Marks cuda:index as having had its first-use diagnostics."},
     {nullptr, nullptr, 0, nullptr}};
 
+// The module's table: the entries above, then watch's.
+PyMethodDef* all_methods() {
+  static std::vector<PyMethodDef> table = [] {
+    std::vector<PyMethodDef> t;
+    for (PyMethodDef* m = module_methods; m->ml_name != nullptr; ++m) t.push_back(*m);
+    for (PyMethodDef* m = watch::python_methods(); m->ml_name != nullptr; ++m) t.push_back(*m);
+    t.push_back({nullptr, nullptr, 0, nullptr});
+    return t;
+  }();
+  return table.data();
+}
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cublas_guard_ext._C", nullptr, -1, all_methods()};
+
+// A JIT build: the same module, put into sys.modules (no fast entry is used
+// from it: cublas_guard_ext.ops takes that only from a prebuilt _C).
+void install_python_module() {
+  if (!Py_IsInitialized()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* modules = PyImport_GetModuleDict();
+  if (PyDict_GetItemString(modules, "cublas_guard_ext._C") == nullptr) {
+    PyObject* m = PyModule_Create(&module_def);
+    if (m != nullptr) {
+      PyDict_SetItemString(modules, "cublas_guard_ext._C", m);
+      Py_DECREF(m);
+    }
+  }
+  PyErr_Clear();
+  PyGILState_Release(gil);
+}
+
 }  // namespace
 }  // namespace cublas_guard
 
+TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("python_module_install() -> ()", &cublas_guard::install_python_module);
+}
+
 extern "C" {
 // Importing cublas_guard_ext._C loads the library, whose static initializers
-// register the ops above; the module has the fast eager entry only.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
-                                          cublas_guard::module_methods};
-  return PyModule_Create(&module_def);
-}
+// register the ops above.
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&cublas_guard::module_def); }
 }

@@ -26,7 +26,8 @@
 
 namespace cublas_guard {
 namespace watch {
-void set_deferred_protocol(bool on);  // watch/watch_device.cpp
+// watch/watch_device.cpp: the CPU as two devices, a late harvest, a small tag array.
+void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
 }  // namespace watch
 
 // ---------------------------------------------------------------------------
@@ -243,10 +244,12 @@ int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
   return set_size_limit_for_testing(limit, allow_64bit);
 }
 
-// watch blocks that begin from now on run the deferred protocol (watch_device.h) on the CPU too.
-void watch_deferred_protocol_op(bool on) {
-  require_testing_env("watch_deferred_protocol");
-  watch::set_deferred_protocol(on);
+// watch blocks that begin from now on run with this seam (watch_device.h, TestSeam): float64
+// CPU tensors on a tag array of their own (two devices), the record read only at check(), the
+// block's end or an error path (a GPU running behind the host), a small initial tag array.
+void watch_test_seam_op(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity) {
+  require_testing_env("watch_test_seam");
+  watch::set_test_seam_values(two_cpu_devices, late_harvest, tag_capacity);
 }
 
 }  // namespace
@@ -256,7 +259,8 @@ TORCH_LIBRARY(cublas_guard_testing, m) {
   using namespace cublas_guard;
   m.def("set_fault(str site, int code, int times) -> ()", &set_fault_op);
   m.def("set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
-  m.def("watch_deferred_protocol(bool on) -> ()", &watch_deferred_protocol_op);
+  m.def("watch_test_seam(bool two_cpu_devices=False, bool late_harvest=False, int tag_capacity=0) -> ()",
+        &watch_test_seam_op);
   m.def(
       "simulate_cuda_errors(str stage, int last_error, int context_error, bool stream_busy, "
       "bool capturing) -> int[]",

@@ -1,55 +1,7 @@
-"""``watch``: the op and module that first produced NaN/Inf, forward and backward.
+"""``watch``: the op and module where a NaN/Inf was born, forward and backward.
 
->>> with cublas_guard_ext.watch(model, mode="async"):
-...     loss = model(batch).loss
-...     loss.backward()
-
-Every op the block runs (forward, backward, composite ops and what they
-decompose into) is observed from C++ (``csrc/watch/``): a dispatcher
-fallback scans each floating output once, in place, and only when an output is
-not all finite looks at the op's inputs. An op whose output is non-finite
-while its tensor inputs and scalar arguments were finite is a *producer*: the
-value is born there, and carries that origin (op, module, phase, the Python
-stack) as it propagates; ops that only pass a non-finite input on (an ``-inf``
-attention mask, ``masked_fill(..., -inf)``, the softmax after it) are never
-blamed.
-
-``report="consequence"`` (the default with a model) judges a non-finite value
-by what it reaches: a finding is made only when it reaches the model's
-outputs, a loss (a root of backward), a parameter's or argument's gradient, a
-parameter or buffer written in the block, or state written outside the
-model's forward and backward (an optimizer's); a value the model clamps,
-masks, casts to an index or softmaxes away is never reported (T5's ``log(0)``
-buckets, a causal ``-inf`` mask passed as an argument). A value born in
-backward from finite values (the gradient of ``sqrt`` at 0) is a finding at
-once. ``report="birth"`` (the default without a model) reports every producer
-at once. Parameters and buffers that are non-finite on entry are reported
-before the block starts; a non-finite argument is an origin like an op
-(``NonFiniteEntryError`` when it reaches a sink). docs/watch-design.md has the
-protocol.
-
-``mode="sync"`` raises at the op; ``"async"`` keeps the first finding and raises
-it at the next watched op, at :func:`cublas_guard_ext.check` or at the end of
-the block; ``None`` follows :mod:`cublas_guard_ext.modes` (``"off"``: the block
-watches nothing). ``allow=`` names ops (``"aten.log"``, ``"aten.log.default"``,
-``torch.ops.aten.log``) or module-name patterns (``"encoder.*.attn"``; a module
-allowed covers its submodules) where non-finite results are intended.
-
-Any error an op raises inside the block whose message carries a
-``CUBLAS_STATUS_*`` or a CUDA error is re-raised as :class:`CublasError`,
-:class:`CublasOutOfMemoryError` or :class:`PendingCudaError` naming the op, the
-module and the inputs, with the original as ``__cause__``.
-
-``verify_inputs=True`` scans again every input watch already knows finite:
-one that is non-finite now was written by no op (a write outside stream order,
-through numpy or ``.data``) and raises :class:`NonFiniteFromNowhereError`.
-CUDA graph capture is refused inside a block (:class:`WatchCaptureError`,
-before anything is captured): watch reads its findings on the host.
-
-The findings are per thread: a block watches the thread that entered it (and
-the autograd work that thread's backward starts). Nothing stays registered
-after the block: the module hooks are removed and the dispatch key is turned
-off again, also when the block raised.
+The user guide is ``docs/watch.md``, the protocol ``docs/watch-design.md``; the
+class :class:`watch` below has the reference (``help(cublas_guard_ext.watch)``).
 """
 
 from __future__ import annotations
@@ -59,7 +11,6 @@ import json
 import re
 import sys
 import threading
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,24 +19,21 @@ import torch
 from . import errors, modes
 from ._native import loader as _loader
 from ._native.codes import MODE_CODES
+from .errors import NonFiniteFromNowhereError, WatchCaptureError
 
 _loader.load()
-torch.ops.cublas_guard_internal.watch_install.default()
-_native = sys.modules["cublas_guard_ext._watch_native"]
+if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
+    torch.ops.cublas_guard_internal.python_module_install.default()
+_native = sys.modules["cublas_guard_ext._C"]
 from . import _watch_patches  # noqa: E402  (needs the native module above)
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
 _MODE_CODES = {mode: code for mode, code in MODE_CODES.items() if mode != "off"}
-_REPORT_CODES = {"consequence": 0, "birth": 1}
+_REPORTS = ("consequence", "birth")
 _OP_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
 _OP_NAMESPACES = {"aten", "prims", "quantized", "cublas_guard", "_c10d_functional", "c10d"}
-
-# Parameters/buffers found finite at their current version: not scanned again.
-# Keyed by id() with a weak reference to check identity (tensors compare elementwise,
-# so a WeakKeyDictionary cannot hold them).
-_clean_versions: dict[int, tuple[weakref.ref, int]] = {}
-_local = threading.local()
+_DEFAULT_CAPACITY = 4096
 
 
 def _op_name(item: Any) -> str | None:
@@ -127,23 +75,27 @@ def _name_allowed(name: str, patterns: list[str]) -> bool:
 
 
 def _typed(message: str) -> errors.GuardError:
-    """The typed finding for a native message; where it arrived and the birth stack are added."""
-    payload = errors.parse_payload(message)
-    if payload is not None and payload.get("kind") == NonFiniteFromNowhereError.kind:
-        fields = {k: v for k, v in payload.items() if k != "kind"}
-        if "dtype" in fields:
-            fields["dtype"] = errors._dtype(fields["dtype"])
-        return NonFiniteFromNowhereError(**fields)
+    """The typed finding for a native message; where it arrived and where it was born are added."""
     err = errors._typed_from_native_message(message)
     if err is None:
         return errors.GuardError(message)
+    f = err.fields
     extra = []
-    if err.fields.get("reached"):
-        extra.append(f"  reached: {err.fields['reached']}")
-    if err.fields.get("birth_stack"):
-        frames = str(err.fields["birth_stack"]).splitlines()
+    if f.get("reached"):
+        extra.append(f"  reached: {f['reached']}")
+    if f.get("lost") and f.get("op") is not None:
+        extra.append(f"  lost: {f['lost']}")
+    if f.get("birth_stack"):
+        frames = str(f["birth_stack"]).splitlines()
         extra.append("  born at (innermost Python frame first): " + frames[0])
-        extra += [f"    {f}" for f in frames[1:]]
+        extra += [f"    {frame}" for frame in frames[1:]]
+    elif f.get("detected_stack"):
+        frames = str(f["detected_stack"]).splitlines()
+        extra.append(
+            "  detected at (not where it was born: watch read the birth after its op returned, as on a "
+            "GPU running behind the host; the op and module above are the birth's): " + frames[0]
+        )
+        extra += [f"    {frame}" for frame in frames[1:]]
     if extra:
         err.args = (str(err) + "\n" + "\n".join(extra),)
     return err
@@ -151,7 +103,7 @@ def _typed(message: str) -> errors.GuardError:
 
 def check_pending() -> None:
     """Raise this thread's pending async watch finding, if any (``check()`` calls it)."""
-    message = _native.take_pending()
+    message = _native._watch_take_pending()
     if message is not None:
         raise _typed(message)
 
@@ -220,70 +172,81 @@ def _op_failure(payload: str, original: Any, message: str) -> BaseException:
     return errors.attach_capsule(err)
 
 
-class WatchCaptureError(errors.GuardError, RuntimeError):
-    """CUDA graph capture was asked for inside a ``watch`` block (or a block was entered during one).
-
-    watch reads what its scans found on the host, which a capture forbids; it refuses before
-    anything is captured, so the capture can be retried outside the block."""
-
-    kind = "watch_graph_capture"
-
-    def _headline(self) -> str:
-        return (
-            f"watch: CUDA graph capture {self.fields.get('when', 'inside a watch block')}: watch reads "
-            "its scan results on the host, which a capture forbids; nothing was captured"
-        )
-
-    def _details(self) -> list[str]:
-        return []
-
-    def _next_steps(self) -> list[str]:
-        return [
-            "capture outside the watch block (watch an eager run of the same step to find a NaN's "
-            "origin), or guard the captured step with cublas_guard_ext.guard('async')"
-        ]
-
-
-class NonFiniteFromNowhereError(errors.GuardError, ValueError):
-    """``watch(..., verify_inputs=True)``: an op read NaN/Inf from a tensor watch saw produced
-    finite, at the same version: no op made it. A write outside stream order (a stream race,
-    memory freed too early, another process, a write through a numpy view or ``.data``)."""
-
-    kind = "watch_from_nowhere"
-
-    def _headline(self) -> str:
-        f = self.fields
-        return (
-            f"watch: {f.get('reader')} read {f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, "
-            f"{f.get('neginf_count')} -Inf from its argument '{f.get('argument')}', which "
-            f"{f.get('producer')} had produced finite (same version): no op made these values"
-        )
-
-    def _details(self) -> list[str]:
-        f = self.fields
-        return [
-            f"argument: shape {list(f.get('shape') or [])} {f.get('dtype')} on {f.get('device')}, "
-            f"first bad element at flat index {f.get('first_bad_index')}",
-            f"read in {f.get('phase', 'forward')}"
-            + (f" in module '{f['module']}'" if f.get("module") else ""),
-        ]
-
-    def _next_steps(self) -> list[str]:
-        return [
-            "a write outside stream order: a tensor used on another stream without "
-            "record_stream/wait_stream, memory freed too early, or written behind torch's back "
-            "(a numpy view, .data, a raw pointer)",
-            "on CUDA, CUDA_LAUNCH_BLOCKING=1 serializes the streams: if it then passes, it is a race",
-        ]
-
-
 def _capturing() -> bool:
     """Whether the current CUDA stream is being captured (a seam the CPU tests replace)."""
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class watch:
-    """Context manager: see the module docstring. Reusable; not re-entrant per instance."""
+    """Context manager: names the op and module where a NaN/Inf was born, forward and backward.
+
+    ::
+
+        with cublas_guard_ext.watch(model, mode="async"):
+            loss = loss_fn(model(batch), target)
+            loss.backward()
+            optimizer.step()
+
+    Every op the block runs (forward, backward, the ops composite ops decompose into) goes
+    through a C++ dispatcher hook that scans each floating output once. A value born
+    non-finite from finite inputs is tagged with its origin (op, module, phase); ops that only
+    pass a NaN on (a ``-inf`` mask, ``masked_fill(..., -inf)``, the softmax after it) are never
+    blamed. The same protocol runs on the CPU and on CUDA (there with no host sync inside the
+    block: docs/watch-design.md).
+
+    Arguments:
+        model: the ``nn.Module`` whose modules name the ops (None: no module names, no entry
+            check, report="birth").
+        mode: ``"sync"`` raises when the finding is known; ``"async"`` keeps the first finding
+            and raises it at the next watched op, at :func:`cublas_guard_ext.check` or at the
+            end of the block; None follows :mod:`cublas_guard_ext.modes` (``"off"``: nothing).
+        allow: ops (``"aten.log"``, ``torch.ops.aten.log``), module-name patterns
+            (``"encoder.*.attn"``, covering submodules) and argument/parameter names where
+            non-finite values are intended.
+        check_parameters: check parameters and buffers on entry (a non-finite one raises
+            ``NonFiniteEntryError`` before the block starts).
+        report: ``"consequence"`` (the default with a model): a finding only when a tagged
+            value reaches the model's outputs, a loss passed to ``backward``, a gradient, a
+            parameter, buffer or optimizer state (T5's clamped ``log(0)`` is silent);
+            ``"birth"``: every birth at its op.
+        verify_inputs: also rescan inputs watch saw produced finite; a non-finite one raises
+            ``NonFiniteFromNowhereError`` (a write outside stream order, ``.data``, numpy).
+            Costs a host read per op output (a sync per op on CUDA): for hunting races.
+        capacity: births and findings the record keeps, and call descriptors the ring keeps,
+            per device (default 4096); a finding raised after more says so in its ``lost``
+            field.
+
+    Raises ``NonFiniteOutputError`` (a ``ValueError``) naming the op, the module (or
+    ``outside`` it: the loss after the forward, the optimizer step), the phase, the counts
+    (NaN, +Inf, -Inf, zeros), the inputs' absolute maxima and the overflow they explain;
+    ``NonFiniteEntryError`` for a non-finite argument; cuBLAS/CUDA failures of any op
+    re-raised typed (``CublasError``, ``PendingCudaError``); ``WatchCaptureError`` when a CUDA
+    graph capture is begun inside the block. Inside the block ``torch.compile``'d code runs
+    eagerly (``torch.compiler.set_stance("force_eager")``, restored at the end), so ops inside
+    a compiled model are named too.
+
+    Example (an fp16 ``nn.Linear`` whose weights are 0.25, fed 300.0 everywhere, K = 1024)::
+
+        >>> with cg.watch(layer, mode="sync"):
+        ...     layer(torch.full((2, 1024), 300.0, dtype=torch.float16))
+        NonFiniteOutputError: watch: aten.addmm.default in the watched model's top level (forward)
+        produced 0 NaN, 8 +Inf, 0 -Inf from finite inputs
+          first bad element: flat index 0 = output[0, 0] (+Inf)
+          output: shape [2, 4] torch.float16 on cpu
+          inputs: self [4] torch.float16 strides [1]; mat1 [2, 1024] torch.float16 strides
+          [1024, 1]; mat2 [1024, 4] torch.float16 strides [1, 1024]
+          counts at that op: NaN 0, +Inf 8, -Inf 0, zeros 0
+          inputs' absolute maxima: 0, 300, 0.25 (300 squared exceeds the float16 range 65504:
+          a product of such values overflows)
+        Next: if these values are intended there, pass the op or the module to watch(..., allow=[...])
+          reached: the model's output
+          born at (innermost Python frame first): train.py:7 in <module>
+
+    Costs: one scan per op output (CPU: in the calling thread, ~1.1x a MiniLM AdamW step,
+    benchmarks/RESULTS.md; CUDA: one kernel launch per output, no host sync), and at the
+    block's start one fused check of the parameters and buffers. Findings are per thread;
+    nothing stays registered after the block, also when it raised.
+    """
 
     def __init__(
         self,
@@ -294,17 +257,15 @@ class watch:
         check_parameters: bool = True,
         report: str | None = None,
         verify_inputs: bool = False,
+        capacity: int = _DEFAULT_CAPACITY,
     ) -> None:
-        if mode is not None and mode != "off":
-            if mode not in _MODE_CODES:
-                raise ValueError(
-                    f"cublas_guard_ext.watch: mode must be 'sync', 'async' or None, got {mode!r}"
-                )
+        if mode is not None and mode != "off" and mode not in _MODE_CODES:
+            raise ValueError(f"cublas_guard_ext.watch: mode must be 'sync', 'async' or None, got {mode!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"cublas_guard_ext.watch: model must be an nn.Module or None, got {type(model).__name__}"
             )
-        if report is not None and report not in _REPORT_CODES:
+        if report is not None and report not in _REPORTS:
             raise ValueError(
                 f"cublas_guard_ext.watch: report must be 'consequence', 'birth' or None, got {report!r}"
             )
@@ -313,9 +274,14 @@ class watch:
                 "cublas_guard_ext.watch: report='consequence' needs the model (its outputs, parameters "
                 "and gradients are where a non-finite value matters); without one watch reports at birth"
             )
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 64 <= capacity <= 1 << 24:
+            raise ValueError(
+                f"cublas_guard_ext.watch: capacity must be an int in [64, 16777216], got {capacity!r}"
+            )
         self.verify_inputs = bool(verify_inputs)
         self.model = model
         self.mode = mode
+        self.capacity = capacity
         # Judged by consequence when there is a model, else at birth (nothing to reach).
         self.report = report if report is not None else ("birth" if model is None else "consequence")
         self.allow_ops, self.allow_patterns = _split_allow(allow)
@@ -324,6 +290,7 @@ class watch:
         self._grad_hooked: set[int] = set()
         self._patched = False
         self._active = False
+        self._stance: Any = None
 
     # -- entry checks -------------------------------------------------------------------
     def _allowed_name(self, name: str) -> bool:
@@ -340,47 +307,24 @@ class watch:
                     yield role, name, t
 
     def _check_state(self) -> list[torch.Tensor]:
-        """Scan the parameters and buffers not known finite at their version; the finite ones."""
-        clean = []
-        todo = []
-        for role, name, t in self._state_tensors():
-            known = _clean_versions.get(id(t))
-            if known is not None and known[0]() is t and known[1] == t._version:
-                clean.append(t)
-            else:
-                todo.append((role, name, t))
-        # Off the CPU a scan's result is a host read each: one fused check per device and dtype
-        # first (one read for the lot), the per-tensor scans only where it found something.
-        on_devices = [item for item in todo if item[2].device.type != "cpu"]
+        """Parameters and buffers on entry: one fused check per device and dtype (one host read
+        for the lot), the per-tensor scans only where it found something. Returns those found
+        finite: the block starts them with a finite tag instead of scanning them again."""
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, str, torch.Tensor]]] = {}
-        for item in on_devices:
+        for item in self._state_tensors():
             groups.setdefault((item[2].device, item[2].dtype), []).append(item)
-        finite = {
-            id(t) for items in groups.values() if _all_finite([t for _, _, t in items]) for _, _, t in items
-        }
-        for role, name, t in todo:
-            version = t._version
-            if id(t) in finite:
-                _clean_versions[id(t)] = (weakref.ref(t), version)
-                clean.append(t)
+        finite = []
+        for items in groups.values():
+            if _all_finite([t for _, _, t in items]):
+                finite += [t for _, _, t in items]
                 continue
-            counts = _native.scan(t)
-            if counts is None:
-                continue
-            if counts[3] >= 0:
-                if self._allowed_name(name):
-                    continue
-                raise _entry_error(role, name, t, counts)
-            _clean_versions[id(t)] = (weakref.ref(t), version)
-            clean.append(t)
-        return clean
-
-    def _note_clean_state(self) -> None:
-        """Parameters the block's own scans left known finite (an optimizer step wrote and scanned
-        them): the next block's entry check need not scan them again."""
-        for _, _, t in self._state_tensors():
-            if _native.known_finite(t):
-                _clean_versions[id(t)] = (weakref.ref(t), t._version)
+            for role, name, t in items:
+                counts = _native._watch_scan(t)
+                if counts is None or counts[3] < 0:
+                    finite.append(t)
+                elif not self._allowed_name(name):
+                    raise _entry_error(role, name, t, counts)
+        return finite
 
     def _check_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         consequence = self.report == "consequence"
@@ -391,14 +335,12 @@ class watch:
                 if t.requires_grad and t.is_leaf and id(t) not in self._grad_hooked:
                     self._hook_gradient(
                         t,
-                        f"the gradient of the model's argument "
-                        f"'{self._arg_name(module, args, kwargs, path)}'",
+                        f"the gradient of the model's argument '{self._arg_name(module, args, kwargs, path)}'",
                     )
-                if not _native.known_finite(t):
-                    name = self._arg_name(module, args, kwargs, path)
-                    _native.entry(t, name, int(self._allowed_name(name)))  # judged by what it reaches
+                name = self._arg_name(module, args, kwargs, path)
+                _native._watch_entry(t, name, self._allowed_name(name))  # judged by what it reaches
                 continue
-            counts = _native.scan(t)
+            counts = _native._watch_scan(t)
             if counts is None or counts[3] < 0:
                 continue
             name = self._arg_name(module, args, kwargs, path)
@@ -412,14 +354,14 @@ class watch:
 
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
-                _native.reached([p.grad], [where])
+                _native._watch_reached([p.grad], [where])
 
         self._handles.append(t.register_post_accumulate_grad_hook(hook))
 
     def _output_reached(self, output: Any) -> None:
         pairs = list(_tensors_in(output, ""))
         if pairs:
-            _native.reached([t for _, t in pairs], [f"the model's output{p}" for p, _ in pairs])
+            _native._watch_reached([t for _, t in pairs], [f"the model's output{p}" for p, _ in pairs])
 
     @staticmethod
     def _arg_name(module: torch.nn.Module, args: tuple, kwargs: dict, path: str) -> str:
@@ -453,16 +395,15 @@ class watch:
             raise WatchCaptureError(when="in progress when the watch block began")
         names: list[str] = []
         ids: dict[int, int] = {}
-        clean: list[torch.Tensor] = []
+        finite_state: list[torch.Tensor] = []
         if self.model is not None:
             for name, module in self.model.named_modules():
                 ids[id(module)] = len(names)
                 names.append(name)
             if self.check_parameters:
-                clean = self._check_state()
-        allowed = ["1" if self._allowed_name(n) else "0" for n in names]
+                finite_state = self._check_state()
         tid = threading.get_ident()
-        push, pop = _native.push, _native.pop
+        push, pop = _native._watch_push, _native._watch_pop
 
         def pre(module: torch.nn.Module, args: Any) -> None:
             if threading.get_ident() == tid:
@@ -480,38 +421,44 @@ class watch:
                 if consequence and id(module) == top:
                     output_reached(output)
 
-        nn_module = torch.nn.modules.module
         try:
+            state: list[tuple[str, torch.Tensor]] = []
             if self.model is not None:
                 self._handles.append(self.model.register_forward_pre_hook(self._check_args, with_kwargs=True))
-                self._handles.append(nn_module.register_module_forward_pre_hook(pre))
-                self._handles.append(nn_module.register_module_forward_hook(post, always_call=True))
-            state, state_names = [], []
-            if self.model is not None:
+                # Hooks on the model's own modules (not global ones: those would fire for every
+                # module of the process, and torch.compile warns about them).
+                for module in self.model.modules():
+                    self._handles.append(module.register_forward_pre_hook(pre))
+                    self._handles.append(module.register_forward_hook(post, always_call=True))
                 for kind, items in (
                     ("parameter", self.model.named_parameters()),
                     ("buffer", self.model.named_buffers()),
                 ):
                     for name, t in items:
-                        state.append(t)
-                        state_names.append(name)
+                        state.append((name, t))
                         if consequence and kind == "parameter" and t.requires_grad:
                             self._hook_gradient(t, f"the gradient of parameter '{name}'")
             _watch_patches.install()
             self._patched = True
-            _native.begin(
-                _MODE_CODES[mode],
-                names,
-                allowed,
-                self.allow_ops,
-                clean,
-                _REPORT_CODES[self.report],
-                int(self.model is not None),
-                state,
-                state_names,
+            # Compiled regions run eagerly inside the block: every op reaches the hook. (No
+            # torch._dynamo imported: nothing was compiled, and importing it costs seconds.)
+            if "torch._dynamo" in sys.modules:
+                self._stance = torch.compiler.set_stance("force_eager")
+                self._stance.__enter__()
+            _native._watch_begin(
+                {
+                    "mode": _MODE_CODES[mode],
+                    "report": self.report,
+                    "has_model": self.model is not None,
+                    "verify_inputs": self.verify_inputs,
+                    "capacity": self.capacity,
+                    "module_names": names,
+                    "module_allowed": [self._allowed_name(n) for n in names],
+                    "allowed_ops": self.allow_ops,
+                    "state": state,
+                    "finite_state": finite_state,
+                }
             )
-            if self.verify_inputs:
-                _native.set_verify(True)
         except BaseException:
             self._remove_hooks()
             raise
@@ -522,6 +469,9 @@ class watch:
         while self._handles:
             self._handles.pop().remove()
         self._grad_hooked.clear()
+        if self._stance is not None:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
         if self._patched:
             self._patched = False
             _watch_patches.remove()
@@ -531,12 +481,7 @@ class watch:
             return False
         self._active = False
         self._remove_hooks()
-        if self.model is not None and self.check_parameters:
-            try:
-                self._note_clean_state()
-            except Exception:  # only spares the next entry check a scan
-                pass
-        pending = _native.end()
+        pending = _native._watch_end()
         if pending is not None:
             finding = _typed(pending)
             if exc is None:
@@ -545,14 +490,11 @@ class watch:
                 exc.add_note(f"cublas_guard_ext.watch also recorded earlier: {finding}")
         return False
 
-    def stats(self) -> tuple[int, int, int] | None:
-        """(ops seen, outputs scanned, scans saved) so far in this thread's innermost watch.
-
-        Saved: values already known (the last scan of the same storage at the same version) or
-        finite by construction (ops that only move values, see ``csrc/watch/``)."""
-        return _native.stats()
+    def stats(self) -> tuple[int, int] | None:
+        """(ops seen, outputs scanned) so far in this thread's innermost watch; None outside one."""
+        return _native._watch_stats()
 
 
 def _is_active() -> bool:
     """Whether this thread watches now (tests check nothing is left on)."""
-    return bool(_native.active()) or bool(_native.key_included())
+    return bool(_native._watch_active()) or bool(_native._watch_key_included())

@@ -324,4 +324,6 @@ def test_the_public_op_namespace_holds_the_product_only() -> None:
     assert {"set_fault", "set_size_limit", "simulate_cuda_errors", "clean_cache_stats"} <= _ops_in(
         "cublas_guard_testing"
     )
-    assert {"parameters_changed", "reset_layer_calls", "watch_install"} <= _ops_in("cublas_guard_internal")
+    assert {"parameters_changed", "reset_layer_calls", "python_module_install"} <= _ops_in(
+        "cublas_guard_internal"
+    )

@@ -124,7 +124,7 @@ def test_watch_changes_no_result():
     with cg.watch(model, mode="async") as w:
         loss2 = model(x)
         loss2.backward()
-        ops_seen, scanned, saved = w.stats()
+        ops_seen, scanned = w.stats()
     assert torch.equal(loss, loss2)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert ops_seen > 100 and scanned > 50
@@ -191,13 +191,11 @@ def test_foreach_inplace_propagator_is_not_blamed():
         torch._foreach_mul_(xs, 2.0)  # the NaN was there before the op
 
 
-def test_known_values_spare_rescans_but_see_every_write():
+def test_every_write_is_seen():
     x = torch.rand(1000) + 0.5
-    with cg.watch(None, mode="sync") as w:
-        y = x * 2.0  # scanned: y known finite
-        y.mul_(3.0)  # y's values before the op are known: no pre-scan
-        _, scanned, saved = w.stats()
-        assert saved >= 1
+    with cg.watch(None, mode="sync"):
+        y = x * 2.0
+        y.mul_(3.0)
         y.sub_(10.0)  # finite -> finite, negative now
         with pytest.raises(cg.NonFiniteOutputError) as info:
             y.log_()  # the known "finite" of y is replaced by every write
@@ -209,19 +207,15 @@ def test_known_values_spare_rescans_but_see_every_write():
         z2.mul_(2.0)  # NaN before the op: a propagator, not blamed
 
 
-def test_optimizer_step_inplace_chain_spares_scans():
+def test_an_optimizer_step_is_watched_and_raises_nothing():
     model = Model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(batch()).backward()
     with cg.watch(model, mode="async") as w:
         opt.step()
-        ops, scanned, saved = w.stats()
-    assert saved > 0 and scanned > 0
-    # the step's own scans leave the parameters known finite: the next block's
-    # entry check does not scan them again
-    for p in model.parameters():
-        entry = watch_module._clean_versions.get(id(p))
-        assert entry is not None and entry[0]() is p and entry[1] == p._version
+        ops, scanned = w.stats()
+    assert ops > 0 and scanned > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("foreach", [False, True])

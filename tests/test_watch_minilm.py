@@ -24,7 +24,7 @@ def test_clean_training_step_raises_nothing(minilm):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the shared model stays as is
     with cg.watch(model, mode="async") as w:
         loss = _minilm.step(model, features, optimizer, torch.randn(8, 384))
-        ops, scanned, _ = w.stats()
+        ops, scanned = w.stats()
     assert torch.isfinite(loss)
     assert ops > 500 and scanned > 200
 

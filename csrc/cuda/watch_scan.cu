@@ -1,16 +1,18 @@
-// The CUDA kernels of watch's deferred protocol (watch/watch_device.h): one
-// launch per scanned output, on the current stream, with no host sync. The
-// launch counts NaN/+Inf/-Inf and the first bad (logical, row-major, int64)
-// index; its last block to finish applies the rule of
-// watch/watch_device_logic.h (the CPU implementation runs the same function)
-// to the inputs' tags, writes the output's tag slot, and writes the record
-// (pinned host memory mapped into the device, async_record.h's pattern) only
-// when it finds a birth or a finding. The claim counters and the per-launch
-// scratch live in device memory; the scratch is left zeroed by the block that
-// used it last, so no launch needs a memset before it.
+// The CUDA kernel of watch (watch/watch_device.h): one launch per scanned
+// output, on the current stream, with no host sync. The launch counts
+// NaN/+Inf/-Inf and the first bad (logical, row-major, int64) index; its last
+// block to finish applies apply_rule of watch/watch_device_logic.h (the CPU
+// kernels run the same function) to the inputs' tags, writes the output's tag
+// slot, and writes the record (pinned host memory mapped into the device,
+// async_record.h's pattern) only when it finds a birth or a finding. On a
+// birth the last block also counts the output's zeros and reads the inputs'
+// absolute maxima (the inputs are alive: the caching allocator reuses their
+// memory only for work queued after this launch on the stream). The claim
+// counters and the per-launch scratch live in device memory; the scratch is
+// left zeroed by the block that used it last, so no launch needs a memset.
 //
 // NEVER RUN ON A GPU: written and compile-checked (nvcc, sm_80 and sm_90) on a
-// machine with no GPU; the CPU twin (watch_device_cpu.cpp) is what the tests run.
+// machine with no GPU; the CPU kernels (watch_device_cpu.cpp) are what the tests run.
 #include "watch/watch_device_kernels.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -19,7 +21,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <array>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -66,38 +67,84 @@ __device__ __forceinline__ long long offset_of(const WatchGeometry& g, long long
   return off;
 }
 
-__device__ void claim_birth(WatchRecord* rec, int32_t* counters, const TagArgs& a, long long nan,
-                            long long pos, long long neg, long long first, double value) {
-  const int i = atomicAdd(&counters[0], 1);
-  if (i >= kMaxBirths) {
-    *reinterpret_cast<volatile int64_t*>(&rec->lost_births) = 1;
-  } else {
-    BirthEntry* e = &rec->births[i];
-    e->seq = a.seq;
-    e->output_index = a.output_index;
-    e->nan_count = nan;
-    e->posinf_count = pos;
-    e->neginf_count = neg;
-    e->first_bad_index = first;
-    e->first_bad_value = value;
-    __threadfence_system();
-    *reinterpret_cast<volatile int64_t*>(&e->ready) = static_cast<int64_t>(a.seq) + 1;
+__device__ double view_value(const InputView& v, long long i) {
+  switch (v.dtype) {
+    case kViewFloat: return static_cast<const float*>(v.data)[i];
+    case kViewDouble: return static_cast<const double*>(v.data)[i];
+    case kViewHalf: return static_cast<float>(static_cast<const c10::Half*>(v.data)[i]);
+    default: return static_cast<float>(static_cast<const c10::BFloat16*>(v.data)[i]);
   }
+}
+
+// The birth path, by the whole last block: zeros of the output and the views'
+// absolute maxima (finite values), reduced in shared memory.
+template <typename T>
+__device__ void birth_extras(const T* data, long long n, const WatchGeometry& g, const TagArgs& a,
+                             long long* zeros, double* absmax) {
+  __shared__ unsigned long long s_zeros;
+  __shared__ double s_max[kThreads];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  if (tid == 0) s_zeros = 0;
+  __syncthreads();
+  unsigned long long z = 0;
+  for (long long i = tid; i < n; i += threads) z += as_double(data[offset_of(g, i)]) == 0.0 ? 1 : 0;
+  atomicAdd(&s_zeros, z);
+  for (int v = 0; v < kMaxViews; ++v) {
+    const bool known = v < a.n_views && a.views[v].dtype != kViewNone;
+    double m = 0.0;
+    if (known) {
+      for (long long i = tid; i < a.views[v].numel; i += threads) {
+        const double x = fabs(view_value(a.views[v], i));
+        if (isfinite(x) && x > m) m = x;
+      }
+    }
+    s_max[tid] = m;
+    __syncthreads();
+    for (int half = threads / 2; half > 0; half >>= 1) {
+      if (tid < half && s_max[tid + half] > s_max[tid]) s_max[tid] = s_max[tid + half];
+      __syncthreads();
+    }
+    if (tid == 0) absmax[v] = known ? s_max[0] : nan("");
+    __syncthreads();
+  }
+  if (tid == 0) *zeros = static_cast<long long>(s_zeros);
+}
+
+__device__ void write_birth(WatchRecord* rec, int32_t* counters, const TagArgs& a, long long nan_n,
+                            long long pos, long long neg, long long zeros, long long first, double value,
+                            const double* absmax) {
+  const long long i = atomicAdd(&counters[0], 1);
+  BirthEntry* e = &rec->births[i % rec->capacity];
+  *reinterpret_cast<volatile int64_t*>(&e->ready) = 0;
+  __threadfence_system();
+  e->seq = a.seq;
+  e->output_index = a.output_index;
+  e->nan_count = nan_n;
+  e->posinf_count = pos;
+  e->neginf_count = neg;
+  e->zero_count = zeros;
+  e->first_bad_index = first;
+  e->first_bad_value = value;
+  for (int v = 0; v < kMaxViews; ++v) {
+    e->input_absmax[v] = absmax[v];
+    e->input_index[v] = v < a.n_views ? a.views[v].input : -1;
+  }
+  __threadfence_system();
+  *reinterpret_cast<volatile int64_t*>(&e->ready) = static_cast<int64_t>(i) + 1;
   __threadfence_system();
   *reinterpret_cast<volatile int64_t*>(&rec->flag) = 1;
 }
 
-__device__ void claim_finding(WatchRecord* rec, int32_t* counters, int32_t tag, int64_t sink) {
-  const int i = atomicAdd(&counters[1], 1);
-  if (i >= kMaxFindings) {
-    *reinterpret_cast<volatile int64_t*>(&rec->lost_findings) = 1;
-  } else {
-    FindingEntry* e = &rec->findings[i];
-    e->origin_seq = tag - kTagFirst;
-    e->sink = sink;
-    __threadfence_system();
-    *reinterpret_cast<volatile int64_t*>(&e->ready) = static_cast<int64_t>(tag - kTagFirst) + 1;
-  }
+__device__ void write_finding(WatchRecord* rec, int32_t* counters, int32_t tag, int64_t sink) {
+  const long long i = atomicAdd(&counters[1], 1);
+  FindingEntry* e = &rec->findings[i % rec->capacity];
+  *reinterpret_cast<volatile int64_t*>(&e->ready) = 0;
+  __threadfence_system();
+  e->origin_seq = tag - kTagFirst;
+  e->sink = sink;
+  __threadfence_system();
+  *reinterpret_cast<volatile int64_t*>(&e->ready) = static_cast<int64_t>(i) + 1;
   __threadfence_system();
   *reinterpret_cast<volatile int64_t*>(&rec->flag) = 1;
 }
@@ -108,6 +155,9 @@ __global__ void watch_scan_kernel(const T* __restrict__ data, long long n, Watch
                                   Scratch* scratch) {
   __shared__ unsigned long long s_nan, s_pos, s_neg, s_first;
   __shared__ bool s_last;
+  __shared__ bool s_birth;
+  __shared__ long long s_zeros;
+  __shared__ double s_absmax[kMaxViews];
   if (threadIdx.x == 0) {
     s_nan = s_pos = s_neg = 0;
     s_first = 0;
@@ -139,33 +189,43 @@ __global__ void watch_scan_kernel(const T* __restrict__ data, long long n, Watch
     s_last = atomicAdd(&scratch->ticket, 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (!s_last || threadIdx.x != 0) return;
-  // The last block: the totals of every block, then the rule.
-  __threadfence();
-  volatile Scratch* vs = scratch;
-  const unsigned long long first_u = vs->first;
-  const long long nan = static_cast<long long>(vs->nan);
-  const long long pos = static_cast<long long>(vs->posinf);
-  const long long neg = static_cast<long long>(vs->neginf);
-  vs->nan = 0;  // left zeroed for the stream's next launch
-  vs->posinf = 0;
-  vs->neginf = 0;
-  vs->first = 0;
-  vs->ticket = 0;
-  const bool bad = first_u != 0;
-  const long long first = bad ? static_cast<long long>(~first_u) : -1;
-  bool new_origin = false;
-  const int32_t tag = decide_tag(a, tags, seq_tags, bad, &new_origin);
-  if (a.kind != kScanSink && a.out_slot >= 0) tags[a.out_slot] = merged_tag(a, tags[a.out_slot], tag, bad);
-  if (a.seq_write >= 0 && tag >= kTagQuiet) {
-    seq_tags[a.seq_write] = a.seq_merge ? better_tag(seq_tags[a.seq_write], tag) : tag;
+  if (!s_last) return;
+  // The last block: the totals of every block, then the rule (thread 0).
+  __shared__ unsigned long long s_first_total;
+  __shared__ long long s_counts[3];
+  __shared__ int32_t s_tag;
+  __shared__ int64_t s_sinks[2];
+  __shared__ int s_n_sinks;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    volatile Scratch* vs = scratch;
+    s_first_total = vs->first;
+    s_counts[0] = static_cast<long long>(vs->nan);
+    s_counts[1] = static_cast<long long>(vs->posinf);
+    s_counts[2] = static_cast<long long>(vs->neginf);
+    vs->nan = 0;  // left zeroed for the stream's next launch
+    vs->posinf = 0;
+    vs->neginf = 0;
+    vs->first = 0;
+    vs->ticket = 0;
+    bool birth = false;
+    int n_sinks = 0;
+    int64_t sinks[2];
+    s_tag = apply_rule(a, tags, seq_tags, s_first_total != 0, &birth, sinks, &n_sinks);
+    s_birth = birth;
+    s_n_sinks = n_sinks;
+    s_sinks[0] = sinks[0];
+    s_sinks[1] = sinks[1];
   }
-  if (new_origin) {
-    claim_birth(rec, counters, a, nan, pos, neg, first, as_double(data[offset_of(g, first)]));
+  __syncthreads();
+  if (s_birth) birth_extras(data, n, g, a, &s_zeros, s_absmax);
+  if (threadIdx.x != 0) return;
+  if (s_birth) {
+    const long long first = static_cast<long long>(~s_first_total);
+    write_birth(rec, counters, a, s_counts[0], s_counts[1], s_counts[2], s_zeros, first,
+                as_double(data[offset_of(g, first)]), s_absmax);
   }
-  int64_t sinks[2];
-  const int k = findings_of(a, tag, bad, new_origin, sinks);
-  for (int i = 0; i < k; ++i) claim_finding(rec, counters, tag, sinks[i]);
+  for (int i = 0; i < s_n_sinks; ++i) write_finding(rec, counters, s_tag, s_sinks[i]);
 }
 
 std::mutex& scratch_mutex() {
@@ -191,7 +251,7 @@ Scratch* scratch_for(c10::Device device, cudaStream_t stream) {
 template <typename T>
 void launch_typed(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t* seq_tags, WatchRecord* rec,
                   int32_t* counters) {
-  const long long n = t.numel();
+  long long n = t.numel();
   WatchGeometry g{};
   g.ndim = static_cast<int>(t.dim());
   g.contiguous = t.is_contiguous();
@@ -205,9 +265,20 @@ void launch_typed(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t*
   if (blocks < 1) blocks = 1;
   if (blocks > kMaxBlocks) blocks = kMaxBlocks;
   const T* data = static_cast<const T*>(t.const_data_ptr());
-  watch_scan_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-      data, n, g, a, tags, seq_tags, rec, counters, scratch);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TagArgs args = a;
+  void* params[] = {&data, &n, &g, &args, &tags, &seq_tags, &rec, &counters, &scratch};
+  // The launch's own status (cudaLaunchKernel returns it), not cudaGetLastError's:
+  // an earlier, unrelated failure still pending in this thread is not this launch's.
+  const cudaError_t status =
+      cudaLaunchKernel(reinterpret_cast<const void*>(&watch_scan_kernel<T>),
+                       dim3(static_cast<unsigned>(blocks)), dim3(kThreads), params, 0, stream);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // this launch's error, reported below: not left for the next check
+    TORCH_CHECK(
+        false, "cublas_guard_ext.watch: its scan kernel failed to launch on ", t.device().str(), ": ",
+        cudaGetErrorString(status),
+        " (the op before it ran; set CUBLAS_GUARD_MODE=off or leave the watch block to run without it)");
+  }
 }
 
 void scan_cuda(const at::Tensor& input, const TagArgs& a, int32_t* tags, int32_t* seq_tags, WatchRecord* rec,
@@ -227,31 +298,37 @@ void scan_cuda(const at::Tensor& input, const TagArgs& a, int32_t* tags, int32_t
   }
 }
 
-WatchRecord* record_cuda(c10::Device device) {
-  static std::array<WatchRecord*, 64> records{};
-  static std::mutex m;
-  TORCH_CHECK(device.index() >= 0 && device.index() < 64,
-              "cublas_guard_ext.watch: unsupported CUDA device index ", static_cast<int>(device.index()));
-  std::lock_guard<std::mutex> lock(m);
-  WatchRecord*& r = records[device.index()];
-  if (r == nullptr) {
-    const c10::cuda::CUDAGuard guard(device);
-    void* host = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(WatchRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(host, 0, sizeof(WatchRecord));
-    void* device_view = nullptr;
-    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
-    TORCH_CHECK(device_view == host,
-                "cublas_guard_ext.watch: the device record needs unified virtual addressing");
-    r = static_cast<WatchRecord*>(host);
-  }
+// One record per (thread's watch, device): pinned, mapped, with its rings after the header.
+WatchRecord* alloc_record_cuda(c10::Device device, int64_t capacity) {
+  const c10::cuda::CUDAGuard guard(device);
+  const size_t bytes = sizeof(WatchRecord) + capacity * (sizeof(BirthEntry) + sizeof(FindingEntry));
+  void* host = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(host, 0, bytes);
+  void* device_view = nullptr;
+  C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
+  TORCH_CHECK(device_view == host,
+              "cublas_guard_ext.watch: the device record needs unified virtual addressing");
+  auto* r = static_cast<WatchRecord*>(host);
+  r->capacity = capacity;
+  r->births = reinterpret_cast<BirthEntry*>(r + 1);
+  r->findings = reinterpret_cast<FindingEntry*>(r->births + capacity);
   return r;
+}
+
+// Called when the thread's watch state goes (its last block ended with the final check),
+// possibly at process exit after the CUDA runtime is gone: a failure is not raised from a
+// destructor, only cleared.
+void free_record_cuda(c10::Device, WatchRecord* record) {
+  if (cudaFreeHost(record) != cudaSuccess) (void)cudaGetLastError();
 }
 
 // At block start: the previous block ended with its final check, so nothing writes the record now.
 void reset_record_cuda(c10::Device device, WatchRecord* record, int32_t* counters) {
   const c10::cuda::CUDAGuard guard(device);
-  std::memset(record, 0, sizeof(WatchRecord));
+  std::memset(record->births, 0, record->capacity * sizeof(BirthEntry));
+  std::memset(record->findings, 0, record->capacity * sizeof(FindingEntry));
+  record->flag = 0;
   C10_CUDA_CHECK(cudaMemsetAsync(counters, 0, sizeof(int32_t) * kWatchCounters,
                                  at::cuda::getCurrentCUDAStream(device.index())));
 }
@@ -261,12 +338,23 @@ void synchronize_cuda(c10::Device device) {
   C10_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+int32_t read_tag_cuda(c10::Device device, const int32_t* tags, int32_t slot) {
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
+  int32_t value = 0;
+  C10_CUDA_CHECK(cudaMemcpyAsync(&value, tags + slot, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return value;
+}
+
 const bool registered = [] {
   DeviceKernels k;
   k.scan = &scan_cuda;
-  k.record = &record_cuda;
+  k.alloc_record = &alloc_record_cuda;
+  k.free_record = &free_record_cuda;
   k.reset_record = &reset_record_cuda;
   k.synchronize = &synchronize_cuda;
+  k.read_tag = &read_tag_cuda;
   register_device_kernels(c10::DeviceType::CUDA, k);
   return true;
 }();

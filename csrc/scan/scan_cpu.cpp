@@ -25,30 +25,17 @@ namespace {
 
 // Each format's bit layout. The tests below use only integer ops on the raw
 // bits: an exponent field of all ones is Inf (mantissa 0) or NaN.
-// value(): the number a bit pattern stands for (the range pass's bounds).
 struct Float32Bits {
   using Bits = uint32_t;
   static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
-  static double value(uint64_t bits) {
-    const auto b = static_cast<uint32_t>(bits);
-    float f;
-    std::memcpy(&f, &b, sizeof(f));
-    return f;
-  }
 };
 struct BFloat16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
-  static double value(uint64_t bits) {
-    return static_cast<float>(c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()));
-  }
 };
 struct Float16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7c00u, kMantissa = 0x03ffu;
-  static double value(uint64_t bits) {
-    return static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
-  }
 };
 struct Float64Bits {
   using Bits = uint64_t;
@@ -256,125 +243,6 @@ Partial scan_all(const void* raw, const ScanGeometry& g, int64_t n) {
       });
 }
 
-// The range pass (watch's value bounds): the largest magnitude, the largest
-// negative magnitude and the smallest non-negative value of a contiguous run,
-// as bit patterns. For IEEE formats the order of the magnitude bits is the
-// order of the magnitudes, so an unsigned max of (bits & ~sign) is the
-// largest |x| (an exponent of all ones, Inf or NaN, is the largest of all:
-// the run is finite iff it is below kExponent); an unsigned max of the raw
-// bits is the negative number (sign set: above every positive) of the
-// largest magnitude, when there is one; an unsigned min of the raw bits is
-// the smallest value when none is negative. Three min/max and an and per
-// element, against the finiteness test's and, add and or: both are bound by
-// memory bandwidth.
-struct RangeBits {
-  uint64_t max_abs = 0, max_raw = 0, min_raw = ~uint64_t{0};
-  void merge(const RangeBits& o) {
-    max_abs = std::max(max_abs, o.max_abs);
-    max_raw = std::max(max_raw, o.max_raw);
-    min_raw = std::min(min_raw, o.min_raw);
-  }
-};
-
-template <typename F>
-inline void range_scalar(const typename F::Bits* data, int64_t n, RangeBits& r) {
-  using Bits = typename F::Bits;
-  Bits a = 0, w = 0, m = static_cast<Bits>(~Bits{0});
-  for (int64_t i = 0; i < n; ++i) {
-    const Bits b = load_bits(data + i);
-    a = std::max<Bits>(a, static_cast<Bits>(b & ~F::kSign));
-    w = std::max<Bits>(w, b);
-    m = std::min<Bits>(m, b);
-  }
-  r.max_abs = std::max<uint64_t>(r.max_abs, a);
-  r.max_raw = std::max<uint64_t>(r.max_raw, w);
-  r.min_raw = std::min<uint64_t>(r.min_raw, m);
-}
-
-#if defined(__GNUC__)
-template <typename F, int Bytes>
-__attribute__((always_inline)) inline void range_vec(const typename F::Bits* data, int64_t n, RangeBits& r) {
-  using Bits = typename F::Bits;
-  using V = typename VectorOf<Bits, Bytes>::type;
-  constexpr int kLanes = Bytes / sizeof(Bits);
-  constexpr int64_t kStep = 2 * kLanes;
-  V magnitude, n0, n1;
-  for (int l = 0; l < kLanes; ++l) {
-    magnitude[l] = static_cast<Bits>(~F::kSign);
-    n0[l] = n1[l] = static_cast<Bits>(~Bits{0});
-  }
-  V a0 = {}, a1 = {}, w0 = {}, w1 = {};
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    V x0, x1;
-    std::memcpy(&x0, data + i, sizeof(V));
-    std::memcpy(&x1, data + i + kLanes, sizeof(V));
-    const V m0 = x0 & magnitude, m1 = x1 & magnitude;
-    a0 = a0 > m0 ? a0 : m0;
-    a1 = a1 > m1 ? a1 : m1;
-    w0 = w0 > x0 ? w0 : x0;
-    w1 = w1 > x1 ? w1 : x1;
-    n0 = n0 < x0 ? n0 : x0;
-    n1 = n1 < x1 ? n1 : x1;
-  }
-  const V a = a0 > a1 ? a0 : a1, w = w0 > w1 ? w0 : w1, m = n0 < n1 ? n0 : n1;
-  for (int l = 0; l < kLanes; ++l) {
-    r.max_abs = std::max<uint64_t>(r.max_abs, a[l]);
-    r.max_raw = std::max<uint64_t>(r.max_raw, w[l]);
-    r.min_raw = std::min<uint64_t>(r.min_raw, m[l]);
-  }
-  range_scalar<F>(data + i, n - i, r);
-}
-
-#if defined(CUBLAS_GUARD_SCAN_AVX2)
-template <typename F>
-__attribute__((target("avx2"))) void range_avx2(const typename F::Bits* data, int64_t n, RangeBits& r) {
-  range_vec<F, 32>(data, n, r);
-}
-#endif
-
-template <typename F>
-inline void range_run(const typename F::Bits* data, int64_t n, RangeBits& r) {
-#if defined(CUBLAS_GUARD_SCAN_AVX2)
-  if (use_avx2) return range_avx2<F>(data, n, r);
-#endif
-  range_vec<F, 16>(data, n, r);
-}
-#else
-template <typename F>
-inline void range_run(const typename F::Bits* data, int64_t n, RangeBits& r) {
-  range_scalar<F>(data, n, r);
-}
-#endif
-
-template <typename F>
-RangeBits range_all(const void* raw, int64_t n) {
-  const auto* data = static_cast<const typename F::Bits*>(raw);
-  return at::parallel_reduce(
-      0, n, kGrain, RangeBits{},
-      [&](int64_t begin, int64_t end, RangeBits acc) {
-        range_run<F>(data + begin, end - begin, acc);
-        return acc;
-      },
-      [](RangeBits a, const RangeBits& b) {
-        a.merge(b);
-        return a;
-      });
-}
-
-// The range pass over n contiguous elements of format F, as numbers.
-template <typename F>
-void range_of(const void* data, int64_t n, ValueRange& out) {
-  constexpr uint64_t kSign = Format<F>::kSign;
-  const RangeBits r = range_all<Format<F>>(data, n);
-  out.finite = r.max_abs < F::kExponent;
-  if (!out.finite) return;
-  out.hi = F::value(r.max_abs);
-  // max_raw has the sign set only if some negative number (or -0.0) is there;
-  // it is then the most negative; else min_raw is the smallest value.
-  out.lo = (r.max_raw & kSign) != 0 ? -F::value(r.max_raw & ~kSign) : F::value(r.min_raw);
-}
-
 void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
   // The claim protocol of async_record.h: free while it equals the epoch.
   AsyncRecord& r = *target.record;
@@ -429,20 +297,6 @@ void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* 
     out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
   }
   if (target != nullptr && total.first != kNone) fill_record_cpu(*target, total);
-}
-
-bool scan_cpu_range(const at::Tensor& t, ValueRange& out) {
-  const at::ScalarType dtype = t.scalar_type();
-  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return false;
-  if (!t.is_contiguous() || t.numel() == 0) return false;
-  const void* data = t.const_data_ptr();
-  const int64_t n = t.numel();
-  switch (dtype) {
-    case at::kBFloat16: range_of<BFloat16Bits>(data, n, out); break;
-    case at::kHalf: range_of<Float16Bits>(data, n, out); break;
-    default: range_of<Float32Bits>(data, n, out); break;
-  }
-  return true;
 }
 
 }  // namespace cublas_guard

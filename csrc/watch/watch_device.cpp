@@ -1,9 +1,10 @@
-// The deferred protocol's host side (watch_device.h says why): the slot map
-// and the per-device tag arrays, the ring of call descriptors, and the op's
-// hooks that turn one watched op into one scan launch per output with the
-// inputs' slots as arguments. No host read of a tag on the hot path: the host
-// never knows whether a value is finite, only where its tag lives. The
-// reports are built from the record in watch_device_report.cpp.
+// watch's tags, host side (watch_device.h says why): the slot maps and the
+// per-device tag arrays, the ring of call descriptors, and the op's hooks that
+// turn one watched op into one scan launch per output with the inputs' tags
+// as arguments. No host read of a tag on the hot path: the host never knows
+// whether a value is finite, only where its tag lives (an input on another
+// device than the output is the exception: its tag is read on the host and
+// passed by value). The reports are built in watch_device_report.cpp.
 #include "watch/watch_device.h"
 
 #include <ATen/ops/zeros.h>
@@ -13,7 +14,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <mutex>
 
 namespace cublas_guard {
@@ -27,7 +27,8 @@ kernel_table() {
   return t;
 }
 
-std::atomic<bool> deferred_hook{false};
+std::mutex seam_mutex;
+TestSeam current_seam;
 
 }  // namespace
 
@@ -40,13 +41,14 @@ const DeviceKernels* device_kernels(c10::DeviceType type) {
   return k.scan != nullptr ? &k : nullptr;
 }
 
-void set_deferred_protocol(bool on) { deferred_hook = on; }
+void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity) {
+  std::lock_guard<std::mutex> lock(seam_mutex);
+  current_seam = TestSeam{two_cpu_devices, late_harvest, tag_capacity};
+}
 
-bool deferred_protocol_wanted(bool on_gpu) {
-  if (deferred_hook.load()) return true;
-  const char* env = std::getenv("CUBLAS_GUARD_WATCH_DEFERRED");
-  if (env != nullptr && (env[0] == '1' || env[0] == '0')) return env[0] == '1';
-  return on_gpu;
+TestSeam test_seam() {
+  std::lock_guard<std::mutex> lock(seam_mutex);
+  return current_seam;
 }
 
 void DescTensor::set(const at::Tensor& t) {
@@ -114,26 +116,48 @@ void SlotMap::clear() {
 
 // ---- the thread's state ----------------------------------------------------
 
-std::shared_ptr<DeviceWatch> deferred_begin(bool outermost) {
-  static thread_local std::shared_ptr<DeviceWatch> w;
+TagState::~TagState() {
+  for (DeviceTags& d : devices) {
+    if (d.record != nullptr) d.kernels->free_record(d.home.device, d.record);
+  }
+}
+
+std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity) {
+  static thread_local std::shared_ptr<TagState> w;
   if (!outermost && w != nullptr) return w;
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  if (w == nullptr || w.use_count() > 1) w = std::make_shared<DeviceWatch>();  // one still held: a new one
-  DeviceWatch& d = *w;
+  int64_t rounded = 64;
+  while (rounded < capacity) rounded *= 2;
+  const TestSeam seam = test_seam();
+  // A state still held (a device thread finishing a node), records of another size, another
+  // test seam: a new one.
+  if (w == nullptr || w.use_count() > 1 || w->capacity != rounded ||
+      w->seam.tag_capacity != seam.tag_capacity || w->seam.two_cpu_devices != seam.two_cpu_devices) {
+    w = std::make_shared<TagState>();
+    w->capacity = rounded;
+    w->ring.resize(static_cast<size_t>(rounded));
+  }
+  TagState& d = *w;
+  d.seam = seam;
   d.next_seq = 0;
-  d.slots.clear();
-  d.free_slots.clear();
-  d.next_slot = 0;
+  d.op_first_seq = 0;
   d.names.clear();
   d.sink_ids.clear();
   d.origin_of_seq.clear();
-  d.lost = 0;
+  d.seq_home.clear();
+  d.lost_births = d.lost_findings = d.lost_calls = 0;
   for (CallDesc& c : d.ring) {
     c.seq = -1;
     c.node.reset();
   }
   for (DeviceTags& t : d.devices) {
-    t.kernels->reset_record(t.device, t.record, t.counters.data_ptr<int32_t>());
+    // A new block: no storage has a slot yet, and no tag of the last block is read again.
+    t.slots.clear();
+    t.free_slots.clear();
+    t.next_slot = 0;
+    t.retired.clear();
+    t.kernels->reset_record(t.home.device, t.record, t.counters.data_ptr<int32_t>());
+    t.tags.zero_();
     t.seq_tags.zero_();
     t.births_read = t.findings_read = 0;
   }
@@ -142,35 +166,43 @@ std::shared_ptr<DeviceWatch> deferred_begin(bool outermost) {
 
 namespace {
 
-DeviceTags* tags_for(DeviceWatch& w, c10::Device device) {
-  for (DeviceTags& t : w.devices) {
-    if (t.device == device) return &t;
-  }
-  const DeviceKernels* k = device_kernels(device.type());
-  if (k == nullptr) return nullptr;  // a device with no kernels: not watched by the deferred protocol
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  DeviceTags t;
-  t.device = device;
-  t.kernels = k;
-  const auto options = at::TensorOptions().dtype(at::kInt).device(device);
-  t.tags = at::zeros({w.capacity}, options);
-  t.seq_tags = at::zeros({w.seq_capacity}, options);
-  t.counters = at::zeros({kWatchCounters}, options);
-  t.record = k->record(device);
-  k->reset_record(device, t.record, t.counters.data_ptr<int32_t>());
-  w.devices.push_back(std::move(t));
-  return &w.devices.back();
+TagHome home_of(const TagState& w, const at::Tensor& t) {
+  TagHome h;
+  h.device = t.device();
+  if (w.seam.two_cpu_devices && t.is_cpu() && t.scalar_type() == at::kDouble) h.lane = 1;
+  return h;
 }
 
-// Grows every device's array to `capacity` (stream-ordered copies, no sync).
-void grow(at::Tensor DeviceTags::* which, DeviceWatch& w, int64_t capacity) {
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  for (DeviceTags& t : w.devices) {
-    at::Tensor& old = t.*which;
-    at::Tensor bigger = at::zeros({capacity}, old.options());
-    bigger.narrow(0, 0, old.numel()).copy_(old);
-    old = bigger;
+DeviceTags* tags_for(TagState& w, const at::Tensor& t) {
+  const TagHome h = home_of(w, t);
+  for (DeviceTags& d : w.devices) {
+    if (d.home == h) return &d;
   }
+  const DeviceKernels* k = device_kernels(h.device.type());
+  if (k == nullptr) return nullptr;  // a device with no kernels: not watched
+  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  DeviceTags& d = w.devices.emplace_back();
+  d.home = h;
+  d.kernels = k;
+  if (w.seam.tag_capacity > 0) d.capacity = w.seam.tag_capacity;
+  const auto options = at::TensorOptions().dtype(at::kInt).device(h.device);
+  d.tags = at::zeros({d.capacity}, options);
+  d.seq_tags = at::zeros({d.seq_capacity}, options);
+  d.counters = at::zeros({kWatchCounters}, options);
+  d.record = k->alloc_record(h.device, w.capacity);
+  k->reset_record(h.device, d.record, d.counters.data_ptr<int32_t>());
+  return &d;
+}
+
+// Grows one array to `capacity` (a stream-ordered copy, no sync); the old one
+// is retired, not freed, until the final check.
+void grow(DeviceTags& d, at::Tensor DeviceTags::* which, int64_t capacity) {
+  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  at::Tensor& old = d.*which;
+  at::Tensor bigger = at::zeros({capacity}, old.options());
+  bigger.narrow(0, 0, old.numel()).copy_(old);
+  d.retired.push_back(old);
+  old = bigger;
 }
 
 bool covers_storage(const at::Tensor& t) {
@@ -178,31 +210,31 @@ bool covers_storage(const at::Tensor& t) {
          static_cast<size_t>(t.numel()) * t.element_size() == t.storage().nbytes();
 }
 
-// t's slot; a new one (*fresh) when its storage has none.
-int32_t slot_of(DeviceWatch& w, const at::Tensor& t, bool* fresh) {
+// t's slot in d; a new one (*fresh) when its storage has none.
+int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-  const int32_t found = w.slots.find(key);
+  const int32_t found = d.slots.find(key);
   if (found >= 0) {
     *fresh = false;
     return found;
   }
   *fresh = true;
-  if (w.free_slots.empty() && w.slots.size() >= w.prune_at) {
-    w.slots.drop_expired(w.free_slots);
-    w.prune_at = std::max<size_t>(8192, 2 * w.slots.size());
+  if (d.free_slots.empty() && d.slots.size() >= d.prune_at) {
+    d.slots.drop_expired(d.free_slots);
+    d.prune_at = std::max<size_t>(8192, 2 * d.slots.size());
   }
   int32_t slot;
-  if (!w.free_slots.empty()) {
-    slot = w.free_slots.back();
-    w.free_slots.pop_back();
+  if (!d.free_slots.empty()) {
+    slot = d.free_slots.back();
+    d.free_slots.pop_back();
   } else {
-    if (w.next_slot >= w.capacity) {  // big chunks: the array doubles
-      w.capacity *= 2;
-      grow(&DeviceTags::tags, w, w.capacity);
+    if (d.next_slot >= d.capacity) {  // big chunks: the array doubles
+      d.capacity *= 2;
+      grow(d, &DeviceTags::tags, d.capacity);
     }
-    slot = w.next_slot++;
+    slot = d.next_slot++;
   }
-  w.slots.insert(key, slot, t.storage().getWeakStorageImpl());
+  d.slots.insert(key, slot, t.storage().getWeakStorageImpl());
   return slot;
 }
 
@@ -214,12 +246,12 @@ void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a) {
 
 // A tensor no watched op wrote gets a slot and a first-sight scan (before the
 // op: an in-place op would overwrite what it held).
-void first_sight(DeviceWatch& w, const at::Tensor& t) {
+void first_sight(TagState& w, const at::Tensor& t) {
   if (!readable(t)) return;
-  DeviceTags* d = tags_for(w, t.device());
+  DeviceTags* d = tags_for(w, t);
   if (d == nullptr) return;
   bool fresh = false;
-  const int32_t slot = slot_of(w, t, &fresh);
+  const int32_t slot = slot_of(*d, t, &fresh);
   if (!fresh) return;
   TagArgs a;
   a.kind = kScanFirstSight;
@@ -237,21 +269,61 @@ int32_t module_now(const Session& s, const torch::autograd::Node* node) {
   return -1;
 }
 
-void describe(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
-  c.n_items = 0;
-  c.num_inputs = 0;
+// Calls fn(argument, tensor) for the inputs of one output: every tensor
+// argument, and of a tensor list as long as the op's output list, only the
+// element at the output's position (the _foreach_ ops pair them up: an
+// output's scan reads its own inputs' tags, in O(1) per list).
+template <typename Fn>
+void for_each_input(const OpInfo& info, const std::vector<c10::IValue>& args, int64_t list_len,
+                    int64_t position, Fn&& fn) {
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
     if (info.is_out_arg[i]) continue;
-    for_each_tensor(args[i], [&](const at::Tensor& t) {
-      if (!t.defined()) return;
-      ++c.num_inputs;
-      if (c.n_items >= kDescItems) return;
-      DescItem& item = c.items[c.n_items++];
-      item.arg = static_cast<int16_t>(i);
-      item.scalar = false;
-      item.tensor.set(t);
-    });
-    if ((scalar_non_finite(args[i]) || args[i].isDouble()) && c.n_items < kDescItems) {
+    const c10::IValue& v = args[i];
+    if (position >= 0 && v.isList()) {
+      const auto list = v.toListRef();
+      if (static_cast<int64_t>(list.size()) == list_len) {
+        if (list[position].isTensor()) fn(i, list[position].toTensor());
+        continue;
+      }
+    }
+    for_each_tensor(v, [&](const at::Tensor& t) { fn(i, t); });
+  }
+}
+
+int32_t view_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kViewFloat;
+    case at::kDouble: return kViewDouble;
+    case at::kHalf: return kViewHalf;
+    case at::kBFloat16: return kViewBFloat16;
+    default: return kViewNone;
+  }
+}
+
+// An input a birth reads (its absolute maximum), as the input-th tensor input;
+// unknown (kViewNone) when not dense, on another device, or written by the op.
+void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, int32_t input,
+              bool same_home) {
+  if (a.n_views >= kMaxViews || !t.is_floating_point()) return;
+  InputView& v = a.views[a.n_views++];
+  v = InputView();
+  v.input = input;
+  const bool written = std::find(info.written_args.begin(), info.written_args.end(), static_cast<int>(arg)) !=
+                       info.written_args.end();
+  const bool dense = t.layout() == at::kStrided && t.has_storage() && t.is_non_overlapping_and_dense();
+  bool positive = true;
+  for (int64_t d = 0; d < t.dim(); ++d) positive = positive && t.stride(d) >= 0;
+  if (written || !dense || !positive || !same_home || t.numel() == 0) return;
+  v.data = t.const_data_ptr();
+  v.numel = t.numel();
+  v.dtype = view_dtype(t.scalar_type());
+}
+
+// The descriptor's scalar items (non-finite Scalar arguments and doubles).
+void describe_scalars(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
+  for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
+    if (info.is_out_arg[i] || c.n_items >= kDescItems) continue;
+    if (scalar_non_finite(args[i]) || args[i].isDouble()) {
       DescItem& item = c.items[c.n_items++];
       item.arg = static_cast<int16_t>(i);
       item.scalar = true;
@@ -260,21 +332,25 @@ void describe(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& a
   }
 }
 
-// The written-sink id of output t (written_sink() of watch_fallback.cpp), -1 if none.
-int64_t written_sink_id(Session& s, DeviceWatch& w, const c10::OperatorHandle& op, const OpInfo& info,
-                        const std::vector<c10::IValue>& args, const at::Tensor& t, bool in_node) {
+// The written-sink id of output t, -1 if none: a tagged value written into a
+// parameter or buffer of the model, or into any tensor outside the model's
+// forward and backward (an optimizer's state, a running total).
+int64_t written_sink_id(Session& s, TagState& w, const c10::OperatorHandle& op, const OpInfo& info,
+                        const std::vector<c10::IValue>& args, const at::Tensor& t, bool in_node,
+                        bool is_written_arg) {
   if (info.written_args.empty() || !t.has_storage()) return -1;
-  if (!trusted() || (t.requires_grad() && !t.is_leaf())) return -1;
+  // Not inside a kernel's own steps, not an intermediate autograd still differentiates.
+  if (tls_depth > tls_kernel_depth || (t.requires_grad() && !t.is_leaf())) return -1;
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-  bool written = false;
-  for (int a : info.written_args) {
-    for_each_tensor(args[a], [&](const at::Tensor& x) {
+  bool written = is_written_arg;  // a _foreach_ op's output is the argument it wrote
+  for (size_t i = 0; i < info.written_args.size() && !written; ++i) {
+    for_each_tensor(args[info.written_args[i]], [&](const at::Tensor& x) {
       written = written || (x.defined() && x.has_storage() && x.storage().unsafeGetStorageImpl() == key);
     });
   }
   if (!written) return -1;
   const auto state = s.state.find(key);
-  const bool outside = state == s.state.end() && s.has_model && s.module_stack.empty() && !in_node;
+  const bool outside = state == s.state.end() && s.config.has_model && s.module_stack.empty() && !in_node;
   if (state == s.state.end() && !outside) return -1;
   const auto cache_key = std::make_pair(static_cast<const void*>(&op.schema()),
                                         outside ? nullptr : static_cast<const void*>(key));
@@ -289,19 +365,36 @@ int64_t written_sink_id(Session& s, DeviceWatch& w, const c10::OperatorHandle& o
   return id;
 }
 
+// The tag of an input for a scan on `out`: a slot of out's array, or (an
+// input on another device) its tag read on the host from its own array.
+void add_input(TagState& w, TagArgs& a, DeviceTags& out, const at::Tensor& t) {
+  if (!readable(t) || a.n_in >= kMaxTagInputs) return;
+  DeviceTags* home = tags_for(w, t);
+  if (home == nullptr) return;
+  const int32_t slot = home->slots.find(t.storage().unsafeGetStorageImpl());
+  if (slot < 0) return;
+  if (home == &out) {
+    a.in_slots[a.n_in] = slot;
+    a.in_values[a.n_in++] = kTagFinite;
+    return;
+  }
+  a.in_slots[a.n_in] = -1;
+  a.in_values[a.n_in++] = home->kernels->read_tag(home->home.device, home->tags.data_ptr<int32_t>(), slot);
+}
+
 }  // namespace
 
-void deferred_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args) {
-  DeviceWatch& w = *s.device;
+void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args) {
+  TagState& w = *s.tags;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
     if (info.is_out_arg[i]) continue;
     for_each_tensor(args[i], [&](const at::Tensor& t) { first_sight(w, t); });
   }
 }
 
-void deferred_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-                    const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index) {
-  DeviceWatch& w = *s.device;
+void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index) {
+  TagState& w = *s.tags;
   const bool consequence = s.report == kReportConsequence;
   const c10::FunctionSchema& schema = op.schema();
   const auto node = torch::autograd::get_current_node();
@@ -310,112 +403,159 @@ void deferred_after(Session& s, const c10::OperatorHandle& op, const OpInfo& inf
   base.birth = consequence ? 0 : 1;
   base.backward = node != nullptr ? 1 : 0;
   bool allowed = op_allowed(s, schema);
-  if (module >= 0 && static_cast<size_t>(module) < s.module_allowed.size() && s.module_allowed[module]) {
+  if (module >= 0 && static_cast<size_t>(module) < s.config.module_allowed.size() &&
+      s.config.module_allowed[module]) {
     allowed = true;
   }
   base.allowed = allowed ? 1 : 0;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
     if (info.is_out_arg[i]) continue;
     if (scalar_non_finite(args[i])) base.scalar_bad = 1;
-    for_each_tensor(args[i], [&](const at::Tensor& t) {
-      if (!readable(t) || base.n_in >= kMaxTagInputs) return;
-      const int32_t slot = w.slots.find(t.storage().unsafeGetStorageImpl());
-      if (slot >= 0) base.in_slots[base.n_in++] = slot;
-    });
   }
+  // The forward node this backward op computes the gradient of (its tag: a
+  // consequence of a tagged forward value is no birth).
+  int64_t seq_read = -1;
   if (consequence && node && node->thread_id() == s.thread_id && node->sequence_nr() >= s.seq_base) {
-    const uint64_t i = node->sequence_nr() - s.seq_base;
-    if (static_cast<int64_t>(i) < w.seq_capacity) base.seq_read = static_cast<int32_t>(i);
+    seq_read = static_cast<int64_t>(node->sequence_nr() - s.seq_base);
   }
-  if (consequence && seq_index >= 0) {
-    if (seq_index >= w.seq_capacity) {
-      while (seq_index >= w.seq_capacity) w.seq_capacity *= 2;
-      grow(&DeviceTags::seq_tags, w, w.seq_capacity);
-    }
-    base.seq_write = static_cast<int32_t>(seq_index);
-  }
+  w.op_first_seq = w.next_seq;
   bool first_output = true;
-  auto scan_output = [&](const at::Tensor& t, int64_t index) {
+  auto scan_output = [&](const at::Tensor& t, int64_t index, int64_t list_len, int64_t position) {
     if (!readable(t)) return;
-    DeviceTags* d = tags_for(w, t.device());
+    DeviceTags* d = tags_for(w, t);
     if (d == nullptr) return;
     ++s.outputs_scanned;
+    const int64_t seq = w.next_seq++;
+    CallDesc& c = w.ring[seq & (w.capacity - 1)];
+    c.n_items = 0;
+    c.num_inputs = 0;
     TagArgs a = base;
+    for_each_input(info, args, list_len, position, [&](size_t arg, const at::Tensor& in) {
+      if (!in.defined()) return;
+      const int32_t input = static_cast<int32_t>(c.num_inputs++);
+      if (c.n_items < kDescItems) {
+        DescItem& item = c.items[c.n_items++];
+        item.arg = static_cast<int16_t>(arg);
+        item.scalar = false;
+        item.tensor.set(in);
+      }
+      add_input(w, a, *d, in);
+      add_view(a, info, arg, in, input, home_of(w, in) == d->home);
+    });
+    describe_scalars(c, info, args);
+    if (seq_read >= 0 && static_cast<size_t>(seq_read) < w.seq_home.size() &&
+        w.seq_home[seq_read] != nullptr) {
+      DeviceTags* forward = w.seq_home[seq_read];
+      if (forward == d) {
+        a.seq_read = static_cast<int32_t>(seq_read);
+      } else {  // the forward op's output lives on another device: its tag read there
+        a.seq_value = forward->kernels->read_tag(forward->home.device, forward->seq_tags.data_ptr<int32_t>(),
+                                                 static_cast<int32_t>(seq_read));
+      }
+    }
+    if (consequence && seq_index >= 0) {
+      if (seq_index >= d->seq_capacity) {
+        int64_t grown = d->seq_capacity;
+        while (seq_index >= grown) grown *= 2;
+        grow(*d, &DeviceTags::seq_tags, grown);
+        d->seq_capacity = grown;
+      }
+      a.seq_write = static_cast<int32_t>(seq_index);
+      if (static_cast<size_t>(seq_index) >= w.seq_home.size()) w.seq_home.resize(seq_index + 1, nullptr);
+      if (first_output) w.seq_home[seq_index] = d;
+    }
     bool fresh = false;
-    a.out_slot = slot_of(w, t, &fresh);
+    a.out_slot = slot_of(*d, t, &fresh);
     a.whole = covers_storage(t) ? 1 : 0;
     a.fresh = fresh || (!info.composite && a.whole) ? 1 : 0;
     a.output_index = index;
     a.seq_merge = first_output ? 0 : 1;
     first_output = false;
-    a.sink = consequence ? written_sink_id(s, w, op, info, args, t, node != nullptr) : -1;
-    const int64_t seq = w.next_seq++;
+    a.sink =
+        consequence ? written_sink_id(s, w, op, info, args, t, node != nullptr, info.scan_written_args) : -1;
     a.seq = static_cast<int32_t>(seq);
-    CallDesc& c = w.ring[seq & (DeviceWatch::kRing - 1)];
     c.seq = seq;
     c.entry = false;
     c.schema = &schema;
+    c.product = info.product;
     c.module = module;
     c.backward = node != nullptr;
     c.node = node;
     c.output_index = index;
     c.out.set(t);
-    describe(c, info, args);
     launch(*d, t, a);
+    if (s.verify) verify_after(s, op, t);
+  };
+  // An output list (a _foreach_ op's): each element with its position.
+  auto scan_value = [&](const c10::IValue& out, int64_t index) {
+    if (out.isTensor()) {
+      scan_output(out.toTensor(), index, -1, -1);
+    } else if (out.isList()) {
+      const auto list = out.toListRef();
+      for (size_t k = 0; k < list.size(); ++k) {
+        if (list[k].isTensor()) scan_output(list[k].toTensor(), index, static_cast<int64_t>(list.size()), k);
+      }
+    }
   };
   if (info.scan_written_args) {
-    for (int a : info.written_args) {
-      for_each_tensor(args[a], [&](const at::Tensor& t) { scan_output(t, a); });
-    }
+    for (int a : info.written_args) scan_value(args[a], a);
   } else if (stack.size() >= info.scan_return.size()) {
     const size_t num_returns = info.scan_return.size();
     for (size_t r = 0; r < num_returns; ++r) {
-      if (!info.scan_return[r]) continue;
-      const c10::IValue& out = stack[stack.size() - num_returns + r];
-      for_each_tensor(out, [&](const at::Tensor& t) { scan_output(t, static_cast<int64_t>(r)); });
+      if (info.scan_return[r]) scan_value(stack[stack.size() - num_returns + r], static_cast<int64_t>(r));
     }
   }
-  deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/false);
+  if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }
 
-void deferred_poll(Session& s) {
-  SessionLock lock(s.mu);  // a device thread may be adding a device's arrays
-  DeviceWatch& w = *s.device;
+void poll(Session& s) {
+  SessionLock lock(*s.mu);  // a device thread may be adding a device's arrays
+  TagState& w = *s.tags;
+  if (w.seam.late_harvest) return;
   bool flagged = false;
-  for (const DeviceTags& d : w.devices) {
-    flagged = flagged || reinterpret_cast<volatile const int64_t*>(&d.record->flag)[0] != 0;
-  }
-  if (flagged) deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/true);
+  for (const DeviceTags& d : w.devices) flagged = flagged || load_acquire(&d.record->flag) != 0;
+  if (flagged) harvest(s, /*synchronize=*/false, /*as_pending=*/true);
 }
 
-void deferred_reached(Session& s, const at::Tensor& t, const std::string& where) {
-  DeviceWatch& w = *s.device;
+void tags_known_finite(Session& s, const at::Tensor& t) {
   if (!readable(t)) return;
-  const int32_t slot = w.slots.find(t.storage().unsafeGetStorageImpl());
-  DeviceTags* d = tags_for(w, t.device());
-  if (slot < 0 || d == nullptr) return;  // untagged: finite, or from nowhere the watch saw
+  DeviceTags* d = tags_for(*s.tags, t);
+  bool fresh = false;
+  if (d != nullptr) slot_of(*d, t, &fresh);
+}
+
+void tags_reached(Session& s, const at::Tensor& t, const std::string& where) {
+  TagState& w = *s.tags;
+  if (!readable(t)) return;
+  DeviceTags* d = tags_for(w, t);
+  if (d == nullptr) return;
+  const int32_t slot = d->slots.find(t.storage().unsafeGetStorageImpl());
+  if (slot < 0) return;  // untagged: finite, or from nowhere the watch saw
   w.names.push_back(where);
   TagArgs a;
   a.kind = kScanSink;
   a.out_slot = slot;
   a.sink = static_cast<int64_t>(w.names.size()) - 1;
   launch(*d, t, a);
-  deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/false);
+  if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false);
 }
 
-void deferred_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed) {
-  DeviceWatch& w = *s.device;
+void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed) {
+  TagState& w = *s.tags;
   if (!readable(t)) return;
-  DeviceTags* d = tags_for(w, t.device());
+  DeviceTags* d = tags_for(w, t);
   if (d == nullptr) return;
   bool fresh = false;
   TagArgs a;
   a.kind = kScanEntry;
-  a.out_slot = slot_of(w, t, &fresh);
+  a.out_slot = slot_of(*d, t, &fresh);
+  a.fresh = fresh ? 1 : 0;  // an argument an op of the block made keeps that op's earlier origin
+  a.whole = covers_storage(t) ? 1 : 0;
   a.allowed = allowed ? 1 : 0;
   const int64_t seq = w.next_seq++;
+  w.op_first_seq = seq;
   a.seq = static_cast<int32_t>(seq);
-  CallDesc& c = w.ring[seq & (DeviceWatch::kRing - 1)];
+  CallDesc& c = w.ring[seq & (w.capacity - 1)];
   c.seq = seq;
   c.entry = true;
   c.schema = nullptr;
@@ -425,25 +565,27 @@ void deferred_entry(Session& s, const at::Tensor& t, const std::string& name, bo
   w.names.push_back(name);
   c.entry_name = static_cast<int32_t>(w.names.size()) - 1;
   launch(*d, t, a);
-  deferred_harvest(s, /*synchronize=*/false, /*as_pending=*/false);
+  if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }
 
-uint32_t deferred_input_origin(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args) {
-  deferred_harvest(s, /*synchronize=*/true, /*as_pending=*/true);
-  DeviceWatch& w = *s.device;
+uint32_t input_origin(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args) {
+  harvest(s, /*synchronize=*/true, /*as_pending=*/true);
+  TagState& w = *s.tags;
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   uint32_t origin = kNoOrigin;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
     if (info.is_out_arg[i]) continue;
     for_each_tensor(args[i], [&](const at::Tensor& t) {
       if (!readable(t)) return;
-      const int32_t slot = w.slots.find(t.storage().unsafeGetStorageImpl());
-      DeviceTags* d = tags_for(w, t.device());
-      if (slot < 0 || d == nullptr) return;
-      const int32_t tag = d->tags.narrow(0, slot, 1).item<int32_t>();  // the error path's read-back
+      DeviceTags* d = tags_for(w, t);
+      if (d == nullptr) return;
+      const int32_t slot = d->slots.find(t.storage().unsafeGetStorageImpl());
+      if (slot < 0) return;
+      const int32_t tag = d->kernels->read_tag(d->home.device, d->tags.data_ptr<int32_t>(), slot);
       if (tag < kTagFirst) return;
       const auto it = w.origin_of_seq.find(tag - kTagFirst);
-      if (it != w.origin_of_seq.end()) origin = better_origin(origin, it->second);
+      if (it == w.origin_of_seq.end()) return;
+      if (origin == kNoOrigin || it->second < origin) origin = it->second;
     });
   }
   return origin;

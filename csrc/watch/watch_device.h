@@ -1,23 +1,18 @@
-// csrc/watch/watch_device.h: the deferred protocol of watch (issue 20), host side.
+// csrc/watch/watch_device.h: watch's tags, host side.
 //
-// Why: the direct path (watch_fallback.cpp) decides on the host after every
-// scan, which on CUDA means a host sync per op. The deferred protocol keeps
-// the decision on the device: per-storage tag slots (an int32 array on each
-// device; the host's slot map keeps only the slot index of a storage, never
-// its finiteness), one scan launch per output that reads its inputs' tags and
-// writes its own (watch_device_logic.h: the rule), and a record that a scan
+// Per-storage tag slots (an int32 array per device; the host's slot map keeps
+// only a storage's slot index, never whether its values are finite), one scan
+// launch per output that reads its inputs' tags and writes its own
+// (watch_device_logic.h: the rule), and a record per device that a scan
 // writes only when it finds something (a birth, a finding). The host keeps a
-// fixed ring of call descriptors by sequence number (op, module, phase,
-// shapes, dtypes: what the message needs) and builds the same errors as the
-// direct path from the record and the ring, at the raise points: after each
-// watched op and at the next one (a plain load of the record's flag), at
-// check() and at the end of the block (one synchronize: the final check).
+// ring of call descriptors by sequence number (op, module, phase, shapes,
+// dtypes: what the message needs) and builds the errors from the record and
+// the ring at the raise points (watch_device_report.cpp). The kernels register
+// themselves (DeviceKernels), so this code never includes CUDA.
 //
-// One protocol, two devices: the CPU runs it through watch_device_cpu.cpp
-// (selected by cublas_guard_testing.watch_deferred_protocol or
-// CUBLAS_GUARD_WATCH_DEFERRED=1 at block start), CUDA through
-// cuda/watch_scan.cu. The kernels register themselves (DeviceKernels), so the
-// host code never includes CUDA. See docs/watch-design.md.
+// A thread's TagState is its own (its records included: two threads watching
+// on one device never share a record); nested blocks of the thread and the
+// autograd device threads running its backward nodes share it, under its mutex.
 #pragma once
 
 #include "watch/watch.h"
@@ -25,6 +20,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,14 +31,7 @@
 namespace cublas_guard {
 namespace watch {
 
-// Whether a block runs the deferred protocol, read at block start: the test
-// hook (cublas_guard_testing.watch_deferred_protocol), else
-// CUBLAS_GUARD_WATCH_DEFERRED=1/0, else `on_gpu` (the watched model has CUDA
-// state and the CUDA kernels are built): the CPU default stays the direct path.
-void set_deferred_protocol(bool on);
-bool deferred_protocol_wanted(bool on_gpu);
-
-// One call descriptor: enough for today's message (describe_inputs, judge).
+// One call descriptor: enough for the message (describe_inputs' fields).
 constexpr int kDescItems = 10;  // inputs and scalar arguments described (in argument order)
 constexpr int kDescDims = 8;    // dims of a described shape (more: the shape is left out)
 struct DescTensor {
@@ -66,6 +55,7 @@ struct CallDesc {
   int64_t seq = -1;  // which call this slot of the ring holds now
   bool entry = false;
   const c10::FunctionSchema* schema = nullptr;
+  bool product = false;
   int32_t module = -1;
   bool backward = false;
   NodeRef node;  // its name, at report time
@@ -73,12 +63,12 @@ struct CallDesc {
   DescTensor out;
   int n_items = 0;
   DescItem items[kDescItems];
-  int64_t num_inputs = 0;  // tensors, also those beyond kDescItems
-  int32_t entry_name = -1;  // entry: index into DeviceWatch::names
+  int64_t num_inputs = 0;   // tensors, also those beyond kDescItems
+  int32_t entry_name = -1;  // entry: index into TagState::names
 };
 
-// Storage -> slot (open addressing, like KnownTable; weak references so a freed
-// storage's slot goes back to the free list and never matches a new storage).
+// Storage -> slot (open addressing; weak references so a freed storage's slot
+// goes back to the free list and never matches a new storage).
 class SlotMap {
  public:
   struct Entry {
@@ -107,51 +97,87 @@ class SlotMap {
   size_t size_ = 0;
 };
 
-// The per-device arrays of one watch.
-struct DeviceTags {
+// Which tag array a tensor's storage belongs to: its device, and on the CPU
+// under the test seam a lane (float64 tensors on lane 1, the rest on lane 0:
+// the CPU then behaves as two devices, and a cast between them as a copy).
+struct TagHome {
   c10::Device device{c10::kCPU};
-  const DeviceKernels* kernels = nullptr;
-  at::Tensor tags, seq_tags, counters;  // int32 on the device (grown: stream-ordered copies)
-  WatchRecord* record = nullptr;
-  int64_t births_read = 0, findings_read = 0;
+  int lane = 0;
+  bool operator==(const TagHome& o) const { return device == o.device && lane == o.lane; }
 };
 
-// A thread's deferred state: reset when the thread's outermost deferred block begins.
-struct DeviceWatch {
-  static constexpr int64_t kRing = 4096;  // call descriptors kept (a power of two)
-  std::vector<CallDesc> ring = std::vector<CallDesc>(kRing);
-  int64_t next_seq = 0;
+// The arrays of one device (one lane).
+struct DeviceTags {
+  TagHome home;
+  const DeviceKernels* kernels = nullptr;
   SlotMap slots;
   std::vector<int32_t> free_slots;
   int32_t next_slot = 0;
-  int64_t capacity = 1 << 16;      // tag slots per device array
+  int64_t capacity = 1 << 16;      // tag slots
   int64_t seq_capacity = 1 << 16;  // autograd nodes per block (seq_tags)
   size_t prune_at = 8192;
-  std::vector<DeviceTags> devices;
-  std::vector<std::string> names;  // sink descriptions and entry argument names
-  std::map<std::pair<const void*, const void*>, int64_t> sink_ids;  // (op, storage) -> written-sink id
-  std::unordered_map<int64_t, uint32_t> origin_of_seq;  // harvested births -> OriginStore id
-  int64_t lost = 0;  // births or findings the record had no room for
+  at::Tensor tags, seq_tags, counters;  // int32 on the device (grown: stream-ordered copies)
+  // Arrays replaced by a bigger one, kept until the block's final check has
+  // waited for the device (kernels on other streams may still use them).
+  std::vector<at::Tensor> retired;
+  WatchRecord* record = nullptr;  // owned (kernels->free_record)
+  int64_t births_read = 0, findings_read = 0;
 };
 
-// Begin (outermost: reset the thread's state) and the raise-point checks.
-std::shared_ptr<DeviceWatch> deferred_begin(bool outermost);
+// Test seam (cublas_guard_testing.watch_test_seam): read at a block's start.
+struct TestSeam {
+  bool two_cpu_devices = false;  // float64 CPU tensors on a tag array of their own
+  bool late_harvest = false;     // polls see nothing: the record is read at check(), the block's end
+                              // or an error path, as on a GPU running behind the host
+  int64_t tag_capacity = 0;  // > 0: the initial tag slots per device (growth tests)
+};
+void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
+TestSeam test_seam();
+
+// A thread's tag state: reset when the thread's outermost block begins.
+struct TagState {
+  std::recursive_mutex mu;
+  TestSeam seam;
+  int64_t capacity = 4096;  // ring entries and record entries (a power of two)
+  std::vector<CallDesc> ring;
+  int64_t next_seq = 0;
+  int64_t op_first_seq = 0;  // the first sequence number of the op being finished
+  std::deque<DeviceTags> devices;
+  std::vector<std::string> names;  // sink descriptions and entry argument names
+  std::map<std::pair<const void*, const void*>, int64_t> sink_ids;  // (op, storage) -> written-sink id
+  std::unordered_map<int64_t, uint32_t> origin_of_seq;  // births read -> origin id
+  std::vector<DeviceTags*> seq_home;  // autograd node index -> the device its forward tag is on
+  int64_t lost_births = 0;  // births the record lapped before the host read them
+  int64_t lost_findings = 0;  // findings the same way
+  int64_t lost_calls = 0;  // births whose call descriptor the ring had overwritten
+  ~TagState();
+};
+
+// The thread's tag state for a block beginning now (outermost: reset it).
+std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity);
 // The op's hooks (watch_fallback.cpp calls them with the session locked).
-void deferred_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
-void deferred_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-                    const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index);
-// A guarded layer refused its input: the earliest origin (an OriginStore id)
-// its inputs carry, else kNoOrigin (an error path: synchronizes and reads tags back).
-uint32_t deferred_input_origin(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
-// Reads the records (plain loads) and turns births into origins and findings
-// into errors; with `synchronize`, waits for the devices first (the final
-// check); with `as_pending`, a sync finding is kept pending (raised by the caller).
-void deferred_harvest(Session& s, bool synchronize, bool as_pending);
-// The next op's check: harvests when a record's flag is up (a plain load).
-void deferred_poll(Session& s);
+void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
+void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
+                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index);
+// A guarded layer refused its input: the earliest origin its inputs carry,
+// else kNoOrigin (an error path: synchronizes and reads tags back).
+uint32_t input_origin(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
+// Reads the records and turns births into origins and findings into errors;
+// with `synchronize`, waits for the devices first (the final check); with
+// `as_pending`, a sync finding is kept pending (raised by the caller).
+// `at_op`: called right after the op's launches (a birth of that op read
+// there has its Python stack taken at the op).
+void harvest(Session& s, bool synchronize, bool as_pending, bool at_op = false);
+// The "lost" field of a finding when the block lost births or findings.
+void add_lost(ErrorReport& r, const TagState& w);
+// The next op's check: harvests when a record's flag is up (an acquire load).
+void poll(Session& s);
+// A tensor the entry check found finite at a block's outermost start: a slot
+// (its tag is the zero of a fresh array), so no first-sight scan reads it again.
+void tags_known_finite(Session& s, const at::Tensor& t);
 // Python-side sinks and entries (watch_python.cpp).
-void deferred_reached(Session& s, const at::Tensor& t, const std::string& where);
-void deferred_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed);
+void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
+void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed);
 
 }  // namespace watch
 }  // namespace cublas_guard

@@ -1,29 +1,30 @@
-// The CPU implementation of the deferred protocol's kernels: what
-// cuda/watch_scan.cu does in one launch, done here in the calling thread, on
-// the same structs and with the same rule (watch_device_logic.h), so that the
-// deferred logic (tags, births, findings, the record) is tested on every run
-// on a machine with no GPU. Counting is the direct path's (the project's fused
-// scan for float32, ATen for the other dtypes: no sync on the CPU).
+// The CPU kernels of watch: what cuda/watch_scan.cu does in one launch, done
+// here in the calling thread, on the same structs and with the same rule
+// (watch_device_logic.h). Counting is the project's fused scan for float32,
+// bfloat16 and float16, ATen for the other dtypes; everything a birth adds
+// (zeros, the first bad value, the inputs' absolute maxima) is computed only
+// on a birth.
 #include "watch/watch_device.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/isfinite.h>
-#include <ATen/ops/isnan.h>
-#include <ATen/ops/isneginf.h>
-#include <ATen/ops/isposinf.h>
-#include <ATen/ops/logical_not.h>
+#include <ATen/ops/eq.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 
 namespace cublas_guard {
 namespace watch {
 namespace {
 
-Counts count_cpu(const at::Tensor& t, double* first_value) {
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  Counts c;
-  if (is_guarded_dtype(t.scalar_type())) {
+HostCounts count_cpu(const at::Tensor& t) {
+  if (!is_guarded_dtype(t.scalar_type())) return host_counts(t);
+  HostCounts c;
+  {
     static thread_local at::Tensor slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
     scan_cpu_into(t, slot, nullptr, "watch");
     const int64_t* r = slot.data_ptr<int64_t>();
@@ -31,89 +32,114 @@ Counts count_cpu(const at::Tensor& t, double* first_value) {
     c.posinf = r[kPosInfCount];
     c.neginf = r[kNegInfCount];
     c.first = r[kFirstBadIndex];
-  } else if (!at::isfinite(t).all().item<bool>()) {
-    const at::Tensor flat = t.reshape({-1});
-    c.nan = at::isnan(flat).sum().item<int64_t>();
-    c.posinf = at::isposinf(flat).sum().item<int64_t>();
-    c.neginf = at::isneginf(flat).sum().item<int64_t>();
-    c.first = at::logical_not(at::isfinite(flat)).nonzero().select(1, 0).min().item<int64_t>();
   }
-  if (c.bad()) *first_value = t.reshape({-1})[c.first].item<double>();
   return c;
 }
 
-void write_birth(WatchRecord* record, int32_t* counters, const TagArgs& a, const Counts& c, double value) {
-  const int32_t i = counters[0]++;
-  if (i >= kMaxBirths) {
-    record->lost_births += 1;
-    record->flag = 1;
-    return;
+template <typename T>
+double absmax_typed(const void* data, int64_t n) {
+  const T* p = static_cast<const T*>(data);
+  double m = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = std::fabs(static_cast<double>(static_cast<float>(p[i])));
+    if (std::isfinite(v) && v > m) m = v;
   }
-  BirthEntry& e = record->births[i];
+  return m;
+}
+
+double absmax_of(const InputView& v) {
+  switch (v.dtype) {
+    case kViewFloat: return absmax_typed<float>(v.data, v.numel);
+    case kViewDouble: {
+      const double* p = static_cast<const double*>(v.data);
+      double m = 0.0;
+      for (int64_t i = 0; i < v.numel; ++i) {
+        const double a = std::fabs(p[i]);
+        if (std::isfinite(a) && a > m) m = a;
+      }
+      return m;
+    }
+    case kViewHalf: return absmax_typed<c10::Half>(v.data, v.numel);
+    case kViewBFloat16: return absmax_typed<c10::BFloat16>(v.data, v.numel);
+    default: return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+void write_birth(WatchRecord* record, int32_t* counters, const TagArgs& a, const at::Tensor& t,
+                 const HostCounts& c) {
+  const int64_t i = counters[0]++;
+  BirthEntry& e = record->births[i % record->capacity];
+  __atomic_store_n(&e.ready, int64_t{0}, __ATOMIC_RELEASE);
   e.seq = a.seq;
   e.output_index = a.output_index;
   e.nan_count = c.nan;
   e.posinf_count = c.posinf;
   e.neginf_count = c.neginf;
+  e.zero_count = at::eq(t, 0).sum().item<int64_t>();
   e.first_bad_index = c.first;
-  e.first_bad_value = value;
-  e.ready = static_cast<int64_t>(a.seq) + 1;
-  record->flag = 1;
+  e.first_bad_value = t.reshape({-1})[c.first].item<double>();
+  for (int v = 0; v < kMaxViews; ++v) {
+    e.input_absmax[v] = v < a.n_views ? absmax_of(a.views[v]) : std::numeric_limits<double>::quiet_NaN();
+    e.input_index[v] = v < a.n_views ? a.views[v].input : -1;
+  }
+  __atomic_store_n(&e.ready, i + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&record->flag, int64_t{1}, __ATOMIC_RELEASE);
 }
 
 void write_finding(WatchRecord* record, int32_t* counters, int32_t tag, int64_t sink) {
-  const int32_t i = counters[1]++;
-  if (i >= kMaxFindings) {
-    record->lost_findings += 1;
-    record->flag = 1;
-    return;
-  }
-  FindingEntry& e = record->findings[i];
+  const int64_t i = counters[1]++;
+  FindingEntry& e = record->findings[i % record->capacity];
+  __atomic_store_n(&e.ready, int64_t{0}, __ATOMIC_RELEASE);
   e.origin_seq = tag - kTagFirst;
   e.sink = sink;
-  e.ready = e.origin_seq + 1;
-  record->flag = 1;
+  __atomic_store_n(&e.ready, i + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&record->flag, int64_t{1}, __ATOMIC_RELEASE);
 }
 
 void scan_cpu(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t* seq_tags, WatchRecord* record,
               int32_t* counters) {
-  double value = 0.0;
-  const Counts c = count_cpu(t, &value);
-  const bool bad = c.bad();
-  bool new_origin = false;
-  const int32_t tag = decide_tag(a, tags, seq_tags, bad, &new_origin);
-  if (a.kind != kScanSink && a.out_slot >= 0) tags[a.out_slot] = merged_tag(a, tags[a.out_slot], tag, bad);
-  if (a.seq_write >= 0 && tag >= kTagQuiet) {
-    seq_tags[a.seq_write] = a.seq_merge ? better_tag(seq_tags[a.seq_write], tag) : tag;
-  }
-  if (new_origin) write_birth(record, counters, a, c, value);
+  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  const HostCounts c = count_cpu(t);
+  bool birth = false;
   int64_t sinks[2];
-  const int n = findings_of(a, tag, bad, new_origin, sinks);
+  int n = 0;
+  const int32_t tag = apply_rule(a, tags, seq_tags, c.first >= 0, &birth, sinks, &n);
+  if (birth) write_birth(record, counters, a, t, c);
   for (int i = 0; i < n; ++i) write_finding(record, counters, tag, sinks[i]);
 }
 
-WatchRecord* record_cpu(c10::Device) {
-  static thread_local WatchRecord* record = [] {
-    auto* r = new WatchRecord;  // kept for the thread's life, like the CUDA one for the device's
-    std::memset(r, 0, sizeof(WatchRecord));
-    return r;
-  }();
-  return record;
+WatchRecord* alloc_record_cpu(c10::Device, int64_t capacity) {
+  const size_t bytes = sizeof(WatchRecord) + capacity * (sizeof(BirthEntry) + sizeof(FindingEntry));
+  auto* r = static_cast<WatchRecord*>(std::calloc(1, bytes));
+  TORCH_CHECK(r != nullptr, "cublas_guard_ext.watch: could not allocate its record (", bytes, " bytes)");
+  r->capacity = capacity;
+  r->births = reinterpret_cast<BirthEntry*>(r + 1);
+  r->findings = reinterpret_cast<FindingEntry*>(r->births + capacity);
+  return r;
 }
 
+void free_record_cpu(c10::Device, WatchRecord* record) { std::free(record); }
+
 void reset_record_cpu(c10::Device, WatchRecord* record, int32_t* counters) {
-  std::memset(record, 0, sizeof(WatchRecord));
+  const int64_t capacity = record->capacity;
+  std::memset(record->births, 0, capacity * sizeof(BirthEntry));
+  std::memset(record->findings, 0, capacity * sizeof(FindingEntry));
+  record->flag = 0;
   counters[0] = counters[1] = 0;
 }
 
 void synchronize_cpu(c10::Device) {}
 
+int32_t read_tag_cpu(c10::Device, const int32_t* tags, int32_t slot) { return tags[slot]; }
+
 const bool registered = [] {
   DeviceKernels k;
   k.scan = &scan_cpu;
-  k.record = &record_cpu;
+  k.alloc_record = &alloc_record_cpu;
+  k.free_record = &free_record_cpu;
   k.reset_record = &reset_record_cpu;
   k.synchronize = &synchronize_cpu;
+  k.read_tag = &read_tag_cpu;
   register_device_kernels(c10::DeviceType::CPU, k);
   return true;
 }();

@@ -1,27 +1,30 @@
-// The deferred protocol's raise side: reading the records (plain loads of
-// host memory; the final check synchronizes once first) and turning what the
-// scans left there into the direct path's errors. A birth entry and the call
-// descriptor of its sequence number give back every field judge() and
-// entry_origin() put into a report, in the same order, so the error has the
-// same class, fields and message; findings go through reached(), as on the
-// direct path. Births are read as soon as the host sees them (after each
-// watched op), while the descriptor ring still holds their call.
+// watch's raise side: reading the records (acquire loads of host memory; the
+// final check synchronizes once first) and turning what the scans left there
+// into errors. A birth entry and the call descriptor of its sequence number
+// give every field of the report (op, module, phase, counts, inputs and their
+// absolute maxima); findings go through reached(). Nothing is dropped: a birth
+// the record lapped, a descriptor the ring overwrote, a finding whose origin
+// is not known are counted and said in the finding that is raised.
 #include "watch/watch_device.h"
 
 #include <torch/csrc/autograd/function.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
 
 namespace cublas_guard {
 namespace watch {
 
 namespace {
 
-void add_tensor(ErrorReport& r, const std::string& p, const DescTensor& t, bool strides) {
-  if (t.ndim >= 0) r.add((p + "shape").c_str(), c10::IntArrayRef(t.sizes, t.ndim));
-  if (strides && t.ndim >= 0) r.add((p + "strides").c_str(), c10::IntArrayRef(t.strides, t.ndim));
-  r.add((p + "dtype").c_str(), std::string(c10::toString(static_cast<at::ScalarType>(t.dtype))));
+// A described tensor's shape (when not too many dims) and dtype.
+void add_shape(ErrorReport& r, const DescTensor& t) {
+  if (t.ndim >= 0) r.add("shape", c10::IntArrayRef(t.sizes, t.ndim));
 }
+std::string dtype_name(const DescTensor& t) { return c10::toString(static_cast<at::ScalarType>(t.dtype)); }
 
-// judge()'s report of a producer, from the descriptor and the birth entry.
+// The report of a producer, from the descriptor and the birth entry.
 void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorReport& r, std::string& summary,
                   std::string& key) {
   const c10::FunctionSchema& schema = *c.schema;
@@ -34,10 +37,14 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
   add_where(r, s, w);
   r.add("output_index", b.output_index);
   r.add("nan_count", b.nan_count).add("posinf_count", b.posinf_count).add("neginf_count", b.neginf_count);
+  r.add("zero_count", b.zero_count);
   r.add("first_bad_index", b.first_bad_index);
-  add_tensor(r, "", c.out, /*strides=*/true);
+  add_shape(r, c.out);
+  if (c.out.ndim >= 0) r.add("strides", c10::IntArrayRef(c.out.strides, c.out.ndim));
+  r.add("dtype", dtype_name(c.out));
   r.add("device", c.out.device.str());
   r.add("first_bad_value", b.first_bad_value);
+  if (c.product) r.add("product", true);
   int64_t n = 0;
   for (int i = 0; i < c.n_items; ++i) {
     const DescItem& item = c.items[i];
@@ -46,16 +53,23 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
       r.add(("scalar_" + arg_name).c_str(), item.value);
       continue;
     }
-    const std::string p = "input" + std::to_string(n++) + "_";
+    const int64_t input = n++;
+    const std::string p = "input" + std::to_string(input) + "_";
     r.add((p + "name").c_str(), arg_name);
     if (item.tensor.ndim >= 0) {
       r.add((p + "shape").c_str(), c10::IntArrayRef(item.tensor.sizes, item.tensor.ndim));
       r.add((p + "strides").c_str(), c10::IntArrayRef(item.tensor.strides, item.tensor.ndim));
     }
-    r.add((p + "dtype").c_str(), std::string(c10::toString(static_cast<at::ScalarType>(item.tensor.dtype))));
+    r.add((p + "dtype").c_str(), dtype_name(item.tensor));
     r.add((p + "device").c_str(), item.tensor.device.str());
   }
   r.add("num_inputs", c.num_inputs);
+  // The views' maxima (the scan recorded which input each view is), where known.
+  for (int v = 0; v < kMaxViews; ++v) {
+    if (std::isfinite(b.input_absmax[v])) {
+      r.add(("input" + std::to_string(b.input_index[v]) + "_absmax").c_str(), b.input_absmax[v]);
+    }
+  }
   r.add("mode", s.mode == kModeAsync ? "async" : "sync");
   if (s.mode == kModeAsync) r.add("deferred", true);
   summary = "watch: " + name + " produced non-finite values from finite inputs";
@@ -63,58 +77,47 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
         std::to_string(b.output_index);
 }
 
-// entry_origin()'s report of a non-finite argument.
-void entry_report(Session& s, const DeviceWatch& dw, const CallDesc& c, const BirthEntry& b, ErrorReport& r,
+// The report of a non-finite argument of the model.
+void entry_report(Session& s, const TagState& w, const CallDesc& c, const BirthEntry& b, ErrorReport& r,
                   std::string& summary, std::string& key) {
-  const std::string& name = dw.names[c.entry_name];
+  const std::string& name = w.names[c.entry_name];
   r.add("role", "argument").add("name", name);
   r.add("nan_count", b.nan_count).add("posinf_count", b.posinf_count).add("neginf_count", b.neginf_count);
+  r.add("zero_count", b.zero_count);
   r.add("first_bad_index", b.first_bad_index);
-  add_tensor(r, "", c.out, /*strides=*/false);
+  add_shape(r, c.out);
+  r.add("dtype", dtype_name(c.out));
   r.add("mode", s.mode == kModeAsync ? "async" : "sync");
   summary = "watch: the model's argument '" + name + "' is non-finite on entry";
   key = "entry|" + name;
 }
 
-// A finding's message: raised at the op (sync), kept (async, or a check that raises it itself).
-void deliver(Session& s, const std::string& message, bool as_pending) {
-  if (s.mode == kModeAsync || as_pending) {
-    if (s.pending) return;  // only the first finding is kept
-    s.pending_message = message;
-    s.pending = true;
+void take_birth(Session& s, TagState& w, const BirthEntry& b, bool as_pending, bool at_op) {
+  const CallDesc& c = w.ring[b.seq & (w.capacity - 1)];
+  if (c.seq != b.seq) {  // the ring moved on before the host read this birth
+    ++w.lost_calls;
     return;
   }
-  if (tls_deferred.raise.empty()) tls_deferred.raise = message;
-}
-
-void take_birth(Session& s, DeviceWatch& w, const BirthEntry& b, bool as_pending) {
-  const CallDesc& c = w.ring[b.seq & (DeviceWatch::kRing - 1)];
-  if (c.seq != b.seq) {  // the ring moved on before the host saw this birth
-    ++w.lost;
-    return;
-  }
-  const bool birth = s.report == kReportBirth;
-  ErrorReport r(c.entry ? "non_finite_entry" : "non_finite_output");
+  ErrorReport entry("non_finite_entry");
+  ErrorReport output("non_finite_output");
+  ErrorReport& r = c.entry ? entry : output;
   std::string summary, key;
   if (c.entry) {
     entry_report(s, w, c, b, r, summary, key);
   } else {
     birth_report(s, c, b, r, summary, key);
   }
-  if (birth) {  // the birth is the finding
-    if (!c.entry) deliver(s, r.message(summary), as_pending);
+  const bool birth_mode = s.report == kReportBirth;
+  if (birth_mode && !c.entry) {  // the birth is the finding
+    add_lost(r, w);
+    deliver(s, r.message(summary), as_pending);
     return;
   }
-  const uint32_t id = record_origin(s, r, key, summary, /*with_stack=*/!c.entry);
-  w.origin_of_seq[b.seq] = id;
+  const bool stack_at_birth = at_op && b.seq >= w.op_first_seq;
+  w.origin_of_seq[b.seq] = record_origin(s, r, key, summary, /*with_stack=*/!c.entry, stack_at_birth);
 }
 
-void take_finding(Session& s, DeviceWatch& w, const FindingEntry& f, bool as_pending) {
-  const auto it = w.origin_of_seq.find(f.origin_seq);
-  if (it == w.origin_of_seq.end()) {
-    ++w.lost;
-    return;
-  }
+void take_finding(Session& s, TagState& w, const FindingEntry& f, bool as_pending) {
   std::string where;
   if (f.sink == kSinkBackwardBirth) {
     where = "a gradient: a backward formula produced it from finite values";
@@ -123,46 +126,91 @@ void take_finding(Session& s, DeviceWatch& w, const FindingEntry& f, bool as_pen
   } else {
     where = "a result";
   }
-  if (!as_pending || s.mode == kModeAsync) {
-    reached(s, it->second, where);
+  const auto it = w.origin_of_seq.find(f.origin_seq);
+  if (it != w.origin_of_seq.end()) {
+    reached(s, it->second, where, as_pending);
     return;
   }
-  // A sync finding read at a check: kept pending, raised by the caller.
-  const int saved = s.mode;
-  s.mode = kModeAsync;
-  reached(s, it->second, where);
-  s.mode = saved;
+  // The origin's birth was not read (lapped, or its descriptor overwritten):
+  // the finding still stands, without the op that made the values.
+  ErrorReport r("non_finite_output");
+  r.add("reached", where);
+  add_lost(r, w);
+  r.add("mode", s.mode == kModeAsync ? "async" : "sync");
+  deliver(s, r.message("watch: non-finite values reached " + where + "; the op that made them is not known"),
+          as_pending);
+}
+
+// One ring entry, read as a seqlock: 1 taken, 0 not written yet, -1 lapped (lost).
+template <class Entry>
+int read_entry(const Entry* ring, int64_t capacity, int64_t index, Entry& out) {
+  const Entry& e = ring[index % capacity];
+  const int64_t r1 = load_acquire(&e.ready);
+  if (r1 == 0 || r1 - 1 < index) return 0;
+  if (r1 - 1 > index) return -1;
+  std::memcpy(static_cast<void*>(&out), static_cast<const void*>(&e), sizeof(Entry));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return load_acquire(&e.ready) == r1 ? 1 : -1;
 }
 
 }  // namespace
 
-void deferred_harvest(Session& s, bool synchronize, bool as_pending) {
-  DeviceWatch& w = *s.device;
+void add_lost(ErrorReport& r, const TagState& w) {
+  if (w.lost_births + w.lost_findings + w.lost_calls == 0) return;
+  r.add("lost", "watch lost " + std::to_string(w.lost_births + w.lost_calls) + " birth(s) and " +
+                    std::to_string(w.lost_findings) +
+                    " finding(s) of this block before reading them (it keeps " + std::to_string(w.capacity) +
+                    " of each: the device ran that far ahead of the host, or births "
+                    "flooded the record); watch(..., capacity=" +
+                    std::to_string(4 * w.capacity) + ") keeps more");
+}
+
+void harvest(Session& s, bool synchronize, bool as_pending, bool at_op) {
+  TagState& w = *s.tags;
   if (synchronize) {
-    for (DeviceTags& d : w.devices) d.kernels->synchronize(d.device);
+    for (DeviceTags& d : w.devices) d.kernels->synchronize(d.home.device);
+    for (DeviceTags& d : w.devices) d.retired.clear();  // nothing in flight uses them now
+  }
+  const int64_t lost_before = w.lost_births + w.lost_calls;
+  // Every device's births first: a finding on one device may carry an origin born on another.
+  for (DeviceTags& d : w.devices) {
+    const WatchRecord* rec = d.record;
+    if (load_acquire(&rec->flag) == 0) continue;
+    for (;;) {
+      BirthEntry b;
+      const int got = read_entry(rec->births, rec->capacity, d.births_read, b);
+      if (got == 0) break;
+      ++d.births_read;
+      if (got < 0) {
+        ++w.lost_births;
+        continue;
+      }
+      take_birth(s, w, b, as_pending, at_op);
+    }
   }
   for (DeviceTags& d : w.devices) {
-    volatile WatchRecord* rec = d.record;
-    if (rec->flag == 0) continue;
-    while (d.births_read < kMaxBirths && rec->births[d.births_read].ready != 0) {
-      BirthEntry b;
-      b.seq = rec->births[d.births_read].seq;
-      b.output_index = rec->births[d.births_read].output_index;
-      b.nan_count = rec->births[d.births_read].nan_count;
-      b.posinf_count = rec->births[d.births_read].posinf_count;
-      b.neginf_count = rec->births[d.births_read].neginf_count;
-      b.first_bad_index = rec->births[d.births_read].first_bad_index;
-      b.first_bad_value = rec->births[d.births_read].first_bad_value;
-      ++d.births_read;
-      take_birth(s, w, b, as_pending);
-    }
-    while (d.findings_read < kMaxFindings && rec->findings[d.findings_read].ready != 0) {
+    const WatchRecord* rec = d.record;
+    if (load_acquire(&rec->flag) == 0) continue;
+    for (;;) {
       FindingEntry f;
-      f.origin_seq = rec->findings[d.findings_read].origin_seq;
-      f.sink = rec->findings[d.findings_read].sink;
+      const int got = read_entry(rec->findings, rec->capacity, d.findings_read, f);
+      if (got == 0) break;
       ++d.findings_read;
+      if (got < 0) {
+        ++w.lost_findings;
+        continue;
+      }
       take_finding(s, w, f, as_pending);
     }
+  }
+  // Birth mode: a lost birth is a lost finding; say so rather than pass in silence.
+  if (s.report == kReportBirth && w.lost_births + w.lost_calls > lost_before) {
+    ErrorReport r("non_finite_output");
+    add_lost(r, w);
+    r.add("mode", s.mode == kModeAsync ? "async" : "sync");
+    deliver(s,
+            r.message("watch: non-finite values were born in this block, but the record lost their births"),
+            as_pending);
   }
 }
 

@@ -24,7 +24,7 @@ bool mentions_cuda_failure(const std::string& m) {
   ErrorReport r("watch_op_failure");
   r.add("op", op_display_name(op.schema()));
   {
-    SessionLock lock(s.mu);
+    SessionLock lock(*s.mu);
     add_where(r, s, where_now(s));
   }
   describe_inputs(r, op.schema(), args, info);

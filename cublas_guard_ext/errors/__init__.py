@@ -55,10 +55,12 @@ from .inputs import (  # noqa: F401
     DTypeError,
     ExtensionBuildError,
     NonFiniteEntryError,
+    NonFiniteFromNowhereError,
     NonFiniteInputError,
     NonFiniteOutputError,
     ShapeMismatchError,
     SizeLimitError,
+    WatchCaptureError,
     _WatchFinding,
 )
 from .parse import (  # noqa: F401
@@ -95,6 +97,8 @@ __all__ = [
     "SizeLimitError",
     "NonFiniteOutputError",
     "NonFiniteEntryError",
+    "NonFiniteFromNowhereError",
+    "WatchCaptureError",
     "ExtensionBuildError",
     "CublasError",
     "PendingCudaError",

@@ -137,6 +137,9 @@ def _fold_inputs(fields: dict[str, Any]) -> None:
         values = [fields.pop(f"input{i}_{part}", None) for i in range(int(count))]
         key = "input_names" if part == "name" else f"input_{part}" if part == "strides" else f"input_{part}s"
         fields[key] = [_dtype(v) for v in values] if part == "dtype" else values
+    # The absolute maximum of each input's finite values, where the scan read it.
+    absmax = [fields.pop(f"input{i}_absmax", None) for i in range(int(count))]
+    fields["input_absmax"] = absmax if any(v is not None for v in absmax) else None
 
 
 def _coords(index: Any, shape: Any) -> list[int] | None:
@@ -150,8 +153,9 @@ def _coords(index: Any, shape: Any) -> list[int] | None:
 
 
 def _where(f: dict[str, Any]) -> str:
-    if "module" not in f:
-        return "outside the watched model's modules"
+    """Where watch saw the op: a module of the watched model, or which side of it."""
+    if f.get("module") is None:
+        return str(f.get("outside") or "outside the watched model's modules")
     return f"in module '{f['module']}'" if f["module"] else "in the watched model's top level"
 
 

@@ -57,7 +57,11 @@ NATIVE_FIELDS: dict[str, str] = {
     # watch's consequence rule: where a non-finite value was born and what it reached;
     # verify_inputs: the op that produced a value finite and the op that read it non-finite
     "birth_stack": "str",
+    "detected_stack": "str",  # a birth read after its op returned: where watch read it
     "reached": "str",
+    "lost": "str",  # births or findings the record lost, and how to keep more
+    "outside": "str",  # an op outside every module of the watched model: which side of it
+    "product": "bool",  # the op multiplies its inputs (the overflow note's threshold)
     "name": "str",
     "producer": "str",
     "reader": "str",
@@ -78,6 +82,7 @@ NATIVE_FIELDS: dict[str, str] = {
     "nan_count": "int",
     "posinf_count": "int",
     "neginf_count": "int",
+    "zero_count": "int",
     "first_bad_index": "int",
     "first_bad_coords": "ints",
     "first_bad_value": "float",
@@ -143,6 +148,7 @@ NATIVE_FAMILIES: tuple[tuple[str, str], ...] = (
     (r"(a|b|c)_(alignment|storage_offset)", "int"),
     (r"input\d+_(shape|strides)", "ints"),
     (r"input\d+_(name|dtype|device)", "str"),
+    (r"input\d+_absmax", "float"),
     (r"scalar_\w+", "float"),
 )
 # The prefixes and suffixes the native side builds family names from, as written in csrc/
@@ -157,6 +163,7 @@ FAMILY_SUFFIXES = (
     "_alignment",
     "_storage_offset",
     "_name",
+    "_absmax",
 )
 
 # Fields the Python side adds to a report's fields (never in a payload).
@@ -170,6 +177,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "input_strides": "list",  # format._fold_inputs
     "input_dtypes": "list",
     "input_devices": "list",
+    "input_absmax": "list",  # format._fold_inputs: the inputs' absolute maxima (magnitudes.py)
     "missing": "str",
     "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
     "name": "str",  # NonFiniteEntryError, raised by watch.py
@@ -182,6 +190,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "failed_error": "str",
     "failed_report": "str",
     "local_error": "str",
+    "when": "str",  # WatchCaptureError: when the capture was asked for
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -1,19 +1,11 @@
-"""watch's deferred protocol (issue 20: one protocol, two devices), run on the CPU.
-
-The deferred protocol is what the CUDA path runs without a host sync: tag slots per storage,
-one scan per output that decides from its inputs' tags, a record written only on a find,
-errors built at the raise points from the record and the ring of call descriptors. Here it
-runs through its CPU kernels (``cublas_guard_testing.watch_deferred_protocol``) and must give
-the same findings (class, op, module, phase, reached, counts, message) as the direct path."""
+"""watch's scenarios, one protocol: each runs a small model under watch and must raise the class
+it names (None: silent), with the op or the argument named. The other watch test files check
+each scenario's fields and message in detail; here they run side by side, so a change to the
+protocol shows in one place."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,35 +17,14 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 
-native = importlib.import_module("cublas_guard_ext._watch_native")
-HOOK = torch.ops.cublas_guard_testing.watch_deferred_protocol
 
-FIELDS = (
-    "op", "module", "phase", "backward_node", "reached", "output_index", "nan_count", "posinf_count",
-    "neginf_count", "first_bad_index", "first_bad_value", "shape", "name", "role", "birth_stack",
-    "num_inputs", "input0_shape", "input0_name",
-)  # fmt: skip
-
-
-def outcome(scenario: Callable[[], Any]) -> tuple | None:
-    """What a scenario raised: the error's class, its fields and its message; None when silent."""
+def outcome(scenario: Callable[[], Any]) -> cg.GuardError | None:
+    """What a scenario raised; None when silent."""
     try:
         scenario()
     except cg.GuardError as e:
-        fields = getattr(e, "fields", {})
-        return (type(e).__name__, {k: fields.get(k) for k in FIELDS}, str(e))
+        return e
     return None
-
-
-def run_both(scenario: Callable[[], Any]) -> tuple[tuple | None, tuple | None]:
-    results = []
-    for deferred in (False, True):  # one call site: the birth stacks are comparable
-        HOOK(deferred)
-        try:
-            results.append(outcome(scenario))
-        finally:
-            HOOK(False)
-    return results[0], results[1]
 
 
 # -- scenarios: each builds its inputs from a fixed seed and returns nothing ----------------
@@ -303,103 +274,11 @@ SCENARIOS: dict[str, tuple[Callable[[], None], str | None]] = {
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_deferred_protocol_gives_the_direct_paths_findings(name):
+def test_each_scenario_raises_its_class_naming_the_op_or_argument(name):
     scenario, expected = SCENARIOS[name]
-    direct, deferred = run_both(scenario)
-    assert (direct[0] if direct else None) == expected  # the scenario tests what it says
-    if expected is not None:
-        assert direct[1]["op"] is not None or direct[1]["name"] is not None
-    assert deferred == direct
+    err = outcome(scenario)
+    assert (type(err).__name__ if err is not None else None) == expected, str(err)
+    if err is not None:
+        assert err.fields["op"] is not None or err.fields["name"] is not None
+        assert err.fields["nan_count"] + err.fields["posinf_count"] + err.fields["neginf_count"] > 0
     tc.nothing_left()
-
-
-def test_the_hook_selects_the_deferred_protocol_at_block_start():
-    seen = []
-    for on in (False, True, False):
-        HOOK(on)
-        try:
-            with cg.watch(nn.Linear(2, 2), mode="sync"):
-                seen.append(native.protocol())
-        finally:
-            HOOK(False)
-    assert seen == ["direct", "deferred", "direct"]
-    assert native.protocol() is None
-
-
-def test_deferred_births_come_from_the_record_not_the_host_table():
-    # the deferred path never tells the host a value is finite: every output is scanned on
-    # the device, and known_finite() is False for it (the direct path knows it)
-    x = torch.randn(8)
-    for on, known in ((False, True), (True, False)):
-        HOOK(on)
-        try:
-            with cg.watch(None, mode="sync"):
-                y = x * 2.0 + 1.0
-                assert native.known_finite(y) is known
-        finally:
-            HOOK(False)
-
-
-def test_the_hook_needs_the_testing_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUBLAS_GUARD_EXT_TESTING")
-    with pytest.raises(
-        RuntimeError,
-        match="watch_deferred_protocol is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it",
-    ):
-        HOOK(True)
-    monkeypatch.setenv("CUBLAS_GUARD_EXT_TESTING", "1")
-    with cg.watch(nn.Linear(2, 2), mode="sync"):
-        assert native.protocol() == "direct"  # the refused call changed nothing
-
-
-def test_the_environment_selects_the_protocol_and_the_hook_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = []
-    for env, hook in (("1", False), ("0", False), ("0", True)):
-        monkeypatch.setenv("CUBLAS_GUARD_WATCH_DEFERRED", env)
-        HOOK(hook)
-        try:
-            with cg.watch(nn.Linear(2, 2), mode="sync"):
-                seen.append(native.protocol())
-        finally:
-            HOOK(False)
-    assert seen == ["deferred", "direct", "deferred"]
-
-
-def test_verify_inputs_runs_the_direct_path():
-    HOOK(True)
-    try:
-        with cg.watch(nn.Linear(2, 2), mode="sync", verify_inputs=True):
-            assert native.protocol() == "direct"
-    finally:
-        HOOK(False)
-
-
-# The existing watch tests whose assertions do not depend on the direct path's scan savings
-# (stats) or its host table, run whole in a subprocess with CUBLAS_GUARD_WATCH_DEFERRED=1.
-DIRECT_ONLY = (
-    "not moving_ops_are_not_scanned and not bernoulli_and_fills and not scaling_by_at_most_one"
-    " and not scaling_an_unknown_input and not composite_ops_reuse and not known_table"
-    " and not known_values_carry and not narrowing_moves_are_scanned and not moving_op_output_with"
-    " and not known_values_spare_rescans and not inplace_chain_spares_scans"
-    " and not square_root_scaled_by_a_scalar"
-)
-
-
-def test_existing_watch_tests_pass_under_the_deferred_protocol():
-    here = Path(__file__).parent
-    env = dict(os.environ, CUBLAS_GUARD_WATCH_DEFERRED="1", CUBLAS_GUARD_EXT_TESTING="1")
-    files = [
-        "test_watch_consequence.py", "test_watch.py", "test_watch_values.py", "test_watch_threads.py",
-        "test_watch_capture.py", "test_watch_verify.py", "test_watch_reraise.py", "test_watch_integration.py",
-        "test_watch_minilm.py",
-    ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", DIRECT_ONLY, *files],
-        cwd=here,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout

@@ -13,6 +13,7 @@
 //
 // NEVER RUN ON A GPU: written and compile-checked (nvcc, sm_80 and sm_90) on a
 // machine with no GPU; the CPU kernels (watch_device_cpu.cpp) are what the tests run.
+#include "cuda/cuda_backend.h"
 #include "watch/watch_device_kernels.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -267,6 +268,10 @@ void launch_typed(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t*
   const T* data = static_cast<const T*>(t.const_data_ptr());
   TagArgs args = a;
   void* params[] = {&data, &n, &g, &args, &tags, &seq_tags, &rec, &counters, &scratch};
+  // The grid is capped at kMaxBlocks, so only a device with smaller limits (or a test's lowered
+  // ones) can refuse it; the check is the same one every kernel of ours passes first.
+  check_launch_fits("cublas_guard watch_scan_kernel", dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                    "watch");
   // The launch's own status (cudaLaunchKernel returns it), not cudaGetLastError's:
   // an earlier, unrelated failure still pending in this thread is not this launch's.
   const cudaError_t status =

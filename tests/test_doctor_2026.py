@@ -197,4 +197,6 @@ def test_doctor_reads_a_capsule(tmp_path, monkeypatch, inject_fault) -> None:
         text=True,
         timeout=300,
     )
-    assert missing.returncode == 1 and "[FAIL] capsule" in missing.stdout
+    # a file that is no capsule is one line on stderr and exit 2, before any report
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "cannot read" in missing.stderr and "nope.pt" in missing.stderr

@@ -191,6 +191,22 @@ PYTHON_FIELDS: dict[str, str] = {
     "failed_report": "str",
     "local_error": "str",
     "when": "str",  # WatchCaptureError: when the capture was asked for
+    # TrainingGuard (errors/steps.py): NonFiniteStepError, TrainingDivergedError
+    "step": "int",
+    "loss": "float",
+    "bad_gradient_count": "int",
+    "bad_gradients": "list",  # the first few parameters' names
+    "classification": "str",  # "transient" / "persistent", from the replay
+    "finding": "str",  # the replay's watch finding, its message
+    "refused_by": "str",  # the guarded layer that refused its input inside the step
+    "refusal": "dict",  # that refusal's fields (role, counts)
+    "note": "str",
+    "history": "list",  # the last steps' loss and gradient norm
+    "consecutive_skips": "int",
+    "skipped_steps": "list",
+    "param_absmax": "float",
+    "param_absmax_name": "str",
+    "param_dtype": "str",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -37,7 +37,7 @@ def test_doctor_json_is_valid_and_complete() -> None:
     result = run_doctor("--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"summary", "checks", "environment"}
+    assert set(report) == {"summary", "checks", "environment", "next_steps"}
     statuses = [c["status"] for c in report["checks"]]
     assert report["summary"] == {
         "failed": statuses.count("FAIL"),
@@ -67,7 +67,11 @@ def test_doctor_text_output() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
     assert "cublas_guard_ext doctor" in result.stdout
-    assert "0 failed" in result.stdout and " ok" in result.stdout.splitlines()[-1]
+    lines = result.stdout.splitlines()
+    summary = next(line for line in lines if " failed, " in line)
+    assert summary.startswith("0 failed") and summary.endswith(" ok")
+    # The report ends with what to run next, ready to paste.
+    assert "Next, ready to paste:" in lines[lines.index(summary) + 2]
     tf32 = next(line for line in result.stdout.splitlines() if "] TF32" in line)
     if torch.version.cuda is None:  # a CPU-only torch has no TF32 GEMMs to report on
         assert tf32.startswith("[skip]") and "not applicable" in tf32, tf32
@@ -225,7 +229,7 @@ def test_healthy_gpu_environment_passes() -> None:
             "mismatched pair",
         ),
         ({"extension.built_with_torch": "1.13.0"}, "extension build", "FAIL", "rebuild"),
-        ({"extension.cuda_compiled": False}, "extension CUDA kernels", "FAIL", "without CUDA"),
+        ({"extension.cuda_compiled": False}, "extension's CUDA", "FAIL", "has no CUDA kernels"),
         (
             {
                 "tf32": {
@@ -273,6 +277,7 @@ def test_first_cuda_use_warns_once_for_an_unsupported_gpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
     monkeypatch.setattr(facts, "_checked_devices", set())
+    monkeypatch.setattr(facts, "require_cuda_kernels", lambda: None)  # as a build with CUDA kernels
     with pytest.warns(RuntimeWarning, match="sm_120 is not in sm_80, sm_90"):
         facts.first_cuda_use(torch.device("cuda", 3))
     import warnings

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
-from cublas_guard_ext._native import facts
+from cublas_guard_ext._native import facts, libraries
 from cublas_guard_ext.tools import doctor
 
 from conftest import assert_matches
@@ -175,6 +175,18 @@ def gpu_env(**changes) -> dict:
             "path": "/x/_C.so",
         },
         "libraries": ["/nv/lib/libcublas.so.13.1.1", "/nv/lib/libcublasLt.so.13.1.1"],
+        # What doctor's library_facts() gathers (tools/doctor_libraries.py), healthy.
+        "cuda_libraries": {
+            "loaded": {
+                "libcublas": [{"path": "/nv/lib/libcublas.so.13.1.1", "version": "13.1.1"}],
+                "libcublasLt": [{"path": "/nv/lib/libcublasLt.so.13.1.1", "version": "13.1.1"}],
+            },
+            "installed": {},
+            "conflicts": [],
+            "cublas_distributions": [{"name": "nvidia-cublas", "version": "13.1.1.3", "cuda_major": 13}],
+            "lt_missing_symbols": [],
+            "pip_toolkit_command": 'pip install "cuda-toolkit[nvcc,cccl]==13.0.3"',
+        },
         "devices": [
             {
                 "index": 0,
@@ -204,7 +216,7 @@ def test_healthy_gpu_environment_passes() -> None:
     items = doctor.checks(gpu_env(), probe=False)
     assert all(c.status in ("OK", "WARN") for c in items), [c for c in items if c.status == "FAIL"]
     assert status_of(items, "GPU arch vs torch") == "OK"
-    assert status_of(items, "cuBLAS libraries") == "OK"
+    assert status_of(items, "loaded libraries") == "OK" and status_of(items, "known-bad builds") == "OK"
 
 
 @pytest.mark.parametrize(
@@ -217,16 +229,41 @@ def test_healthy_gpu_environment_passes() -> None:
         ({"devices.0.free_memory": 10 << 20}, "GPU memory", "FAIL", "0.01 GiB free"),
         ({"devices.0.free_memory": 2 << 30}, "GPU memory", "WARN", "2.00 GiB free"),
         (
-            {"libraries": ["/a/libcublas.so.13", "/b/libcublas.so.12", "/a/libcublasLt.so.13"]},
-            "cuBLAS libraries",
+            {
+                "cuda_libraries.conflicts": libraries.conflicts(
+                    {
+                        "libcublas": ["/a/libcublas.so.13", "/b/libcublas.so.13"],
+                        "libcublasLt": ["/a/libcublasLt.so.13"],
+                    },
+                    ["/b"],
+                    lambda path: None,
+                )
+            },
+            "loaded libraries: libcublas",
             "FAIL",
-            "several copies",
+            "mapped twice",
         ),
         (
-            {"libraries": ["/a/libcublas.so.13.1", "/b/libcublasLt.so.12.8"]},
-            "cuBLAS libraries",
-            "WARN",
-            "mismatched pair",
+            {
+                "cuda_libraries.conflicts": libraries.conflicts(
+                    {"libcublas": ["/a/libcublas.so.13"], "libcublasLt": ["/b/libcublasLt.so.13"]},
+                    ["/b"],
+                    lambda path: None,
+                )
+            },
+            "loaded libraries: libcublasLt",
+            "FAIL",
+            "LD_LIBRARY_PATH's entry /b",
+        ),
+        (
+            {
+                "devices.0.compute_capability": "10.0",
+                "torch_arch_list": ["sm_90", "sm_100"],
+                "cuda_libraries.loaded.libcublas.0.version": "13.0.2",
+            },
+            "known-bad builds",
+            "FAIL",
+            "#178333",
         ),
         ({"extension.built_with_torch": "1.13.0"}, "extension build", "FAIL", "rebuild"),
         ({"extension.cuda_compiled": False}, "extension's CUDA", "FAIL", "has no CUDA kernels"),

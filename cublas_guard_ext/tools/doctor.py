@@ -67,7 +67,6 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
             "GPU arch vs torch",
             "GPU arch vs extension",
             "driver vs runtime",
-            "cuBLAS libraries",
             "GPU memory",
             "live cuBLAS probe",
         ):
@@ -143,35 +142,6 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
                         else "free memory: smaller batch, torch.cuda.empty_cache(), other processes (nvidia-smi)",
                     )
                 )
-        libs = env["libraries"]
-        cublas = [p for p in libs if re.search(r"libcublas\.so", os.path.basename(p))]
-        cublas_lt = [p for p in libs if re.search(r"libcublasLt\.so", os.path.basename(p))]
-        if len(cublas) > 1 or len(cublas_lt) > 1:
-            out.append(
-                Check(
-                    "cuBLAS libraries",
-                    FAIL,
-                    f"several copies loaded: {cublas + cublas_lt}",
-                    "remove the duplicate CUDA installs from LD_LIBRARY_PATH",
-                )
-            )
-        elif cublas and cublas_lt:
-            pair = (facts.version_from_path(cublas[0]), facts.version_from_path(cublas_lt[0]))
-            same_dir = os.path.dirname(cublas[0]) == os.path.dirname(cublas_lt[0])
-            status = OK if same_dir and pair[0] == pair[1] else WARN
-            out.append(
-                Check(
-                    "cuBLAS libraries",
-                    status,
-                    f"libcublas {cublas[0]}, libcublasLt {cublas_lt[0]}"
-                    + ("" if status == OK else " (a mismatched pair is a known cause of cuBLAS failures)"),
-                    ""
-                    if status == OK
-                    else "make both come from the same CUDA release (check LD_LIBRARY_PATH)",
-                )
-            )
-        else:
-            out.append(Check("cuBLAS libraries", WARN, "libcublas is not loaded yet (no GEMM has run)"))
         if probe:
             out.append(_probe_cuda())
 

@@ -144,6 +144,14 @@ def test_one_library_mapped_twice_fails(fake_cuda) -> None:
     assert conflict["stray"] == str(system / "libcublasLt.so.13") and conflict["kind"] == "mapped_twice"
 
 
+@needs_gcc
+def test_an_unmapped_copy_is_never_loaded_to_ask_it_anything(fake_cuda) -> None:
+    path = str(fake_cuda["system"] / "libcublasLt.so.13")  # never loaded by this process
+    assert libraries._query_version("libcublasLt", path) is None
+    assert libraries.exports(path, "cublasLtGetVersion") is None
+    assert path not in libraries.mapped().get("libcublasLt", [])
+
+
 def test_conflicts_are_a_function_of_the_facts() -> None:
     owner = {
         "/pip/libcublas.so.13": "nvidia-cublas 13.1.1.3",

@@ -55,6 +55,15 @@ def _maps_text() -> str:
         return ""
 
 
+def _loaded_handle(path: str) -> ctypes.CDLL | None:
+    """A handle on ``path`` only if it is already loaded (RTLD_NOLOAD: never a new load,
+    also when the file at that path was replaced on disk since, e.g. by a pip upgrade)."""
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except (OSError, AttributeError):
+        return None
+
+
 def mapped(own_path: str | None = None, maps_text: str | None = None) -> dict[str, list[str]]:
     """The files each followed library is mapped from in this process: key -> paths (one
     per distinct file, in map order). More than one path for a key is a library mapped twice."""
@@ -65,7 +74,7 @@ def mapped(own_path: str | None = None, maps_text: str | None = None) -> dict[st
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
-        path = parts[5].strip().removesuffix(" (deleted)")
+        path = parts[5].strip().removesuffix(" (deleted)")  # replaced on disk since it was mapped
         if path in seen:
             continue
         seen.add(path)
@@ -117,9 +126,11 @@ def distribution_of(path: str) -> str | None:
 
 def _query_version(key: str, path: str) -> str | None:
     """The version a mapped library reports about itself (ctypes on an already mapped file
-    returns the same handle: nothing new is loaded). Never call it on an unmapped copy."""
+    returns the same handle: nothing new is loaded). Never called on an unmapped copy."""
+    lib = _loaded_handle(path)
+    if lib is None:
+        return None
     try:
-        lib = ctypes.CDLL(path)
         if key == "libcublasLt":
             lib.cublasLtGetVersion.restype = ctypes.c_size_t
             v = int(lib.cublasLtGetVersion())
@@ -159,10 +170,8 @@ def file_version(path: str) -> str | None:
 
 def exports(path: str, symbol: str) -> bool | None:
     """Whether a *mapped* library exports ``symbol`` (None if it cannot be asked)."""
-    try:
-        return hasattr(ctypes.CDLL(path), symbol)
-    except OSError:
-        return None
+    lib = _loaded_handle(path)
+    return None if lib is None else hasattr(lib, symbol)
 
 
 # ---------------------------------------------------------------------------

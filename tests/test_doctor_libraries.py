@@ -26,6 +26,12 @@ from cublas_guard_ext.tools import doctor, doctor_libraries
 needs_gcc = pytest.mark.skipif(
     shutil.which("gcc") is None or not sys.platform.startswith("linux"), reason="needs gcc and ld.so (Linux)"
 )
+# The fake libcublas.so.13 / libcublasLt.so.13 loaded before torch: a CUDA torch would bind its
+# own NEEDED libcublas.so.13 to them by soname. There, CI's CUDA build stage runs the real case
+# (torch's pip cuBLAS and a second libcublasLt on LD_LIBRARY_PATH, .ci/cuda_build_check.sh).
+fake_cublas_before_torch = pytest.mark.skipif(
+    torch.version.cuda is not None, reason="a CUDA torch binds its libcublas.so.13 to the fakes by soname"
+)
 
 
 def _shared(path: Path, source: str, *link: str) -> None:
@@ -98,6 +104,7 @@ def run_doctor_after(preload: list[str], fake: dict[str, Path], ld_library_path:
 
 
 @needs_gcc
+@fake_cublas_before_torch
 def test_libcublaslt_from_a_folder_on_ld_library_path_fails_and_names_it(fake_cuda) -> None:
     system, pip_lib = fake_cuda["system"], fake_cuda["pip_lib"]
     result, report, rows = run_doctor_after([str(pip_lib / "libcublas.so.13")], fake_cuda, str(system))
@@ -122,6 +129,7 @@ def test_libcublaslt_from_a_folder_on_ld_library_path_fails_and_names_it(fake_cu
 
 
 @needs_gcc
+@fake_cublas_before_torch
 def test_the_same_process_without_the_stray_folder_passes(fake_cuda) -> None:
     result, report, rows = run_doctor_after([str(fake_cuda["pip_lib"] / "libcublas.so.13")], fake_cuda, None)
     assert result.returncode == 0, [r for r in rows.values() if r["status"] == "FAIL"]
@@ -131,6 +139,7 @@ def test_the_same_process_without_the_stray_folder_passes(fake_cuda) -> None:
 
 
 @needs_gcc
+@fake_cublas_before_torch
 def test_one_library_mapped_twice_fails(fake_cuda) -> None:
     system, pip_lib = fake_cuda["system"], fake_cuda["pip_lib"]
     preload = [str(system / "libcublasLt.so.13"), str(pip_lib / "libcublasLt.so.13")]  # by path: two copies
@@ -360,6 +369,10 @@ def test_next_steps_for_a_gpu_user() -> None:
     assert "Next, ready to paste:" in text
 
 
+@pytest.mark.skipif(
+    torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"),
+    reason="this build has CUDA kernels (CI's CUDA build stage checks a build without them)",
+)
 def test_a_cuda_torch_without_cuda_kernels_raises_a_typed_error_at_the_first_cuda_call(monkeypatch) -> None:
     # The dispatcher's own registry: this CPU build has no CUDA kernel for the op.
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")

@@ -239,7 +239,7 @@ def test_healthy_gpu_environment_passes() -> None:
                     lambda path: None,
                 )
             },
-            "loaded libraries: libcublas",
+            "loaded libraries: libcublas mapped twice",
             "FAIL",
             "mapped twice",
         ),
@@ -251,7 +251,7 @@ def test_healthy_gpu_environment_passes() -> None:
                     lambda path: None,
                 )
             },
-            "loaded libraries: libcublasLt",
+            "loaded libraries: libcublas and libcublasLt folders",
             "FAIL",
             "LD_LIBRARY_PATH's entry /b",
         ),

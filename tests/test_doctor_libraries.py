@@ -109,7 +109,7 @@ def test_libcublaslt_from_a_folder_on_ld_library_path_fails_and_names_it(fake_cu
     system, pip_lib = fake_cuda["system"], fake_cuda["pip_lib"]
     result, report, rows = run_doctor_after([str(pip_lib / "libcublas.so.13")], fake_cuda, str(system))
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    row = rows["loaded libraries: libcublasLt"]
+    row = rows["loaded libraries: libcublas and libcublasLt folders"]
     assert row["status"] == "FAIL", row
     assert "different folders" in row["reason"] and str(system / "libcublasLt.so.13") in row["reason"]
     assert f"from LD_LIBRARY_PATH's entry {system}" in row["reason"]
@@ -145,7 +145,7 @@ def test_one_library_mapped_twice_fails(fake_cuda) -> None:
     preload = [str(system / "libcublasLt.so.13"), str(pip_lib / "libcublasLt.so.13")]  # by path: two copies
     result, report, rows = run_doctor_after(preload, fake_cuda, f"/nonexistent:{system}")
     assert result.returncode == 1
-    row = rows["loaded libraries: libcublasLt"]
+    row = rows["loaded libraries: libcublasLt mapped twice"]
     assert row["status"] == "FAIL" and "mapped twice" in row["reason"], row
     assert f"{system / 'libcublasLt.so.13'} (from LD_LIBRARY_PATH's entry {system})" in row["reason"]
     assert row["fix"].startswith(f"export LD_LIBRARY_PATH=/nonexistent   # without {system}")
@@ -440,3 +440,13 @@ def test_render_marks_each_copy_in_a_conflict() -> None:
     assert "/sys/libcublasLt.so.13  (LD_LIBRARY_PATH entry /sys, no pip wheel)  <-- CONFLICT (stray)" in text
     assert "/pip/libcublas.so.13  (pip: nvidia-cublas 13.1.1.3)  <-- CONFLICT" in text
     assert "/pip/libcublasLt.so.13  (no pip wheel)" in text
+
+
+def test_a_fix_of_several_lines_stays_in_its_column() -> None:
+    fix = libraries.preload_fix("/pip")
+    text = doctor.render([doctor.Check("loaded libraries: x", "FAIL", "why", fix)], gpu_env(), steps=[])
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if "fix: import ctypes" in line)
+    column = lines[first].index("import ctypes")
+    assert [line[column:] for line in lines[first : first + 4]] == fix.splitlines()
+    assert all(not line[:column].strip() for line in lines[first + 1 : first + 4])

@@ -352,8 +352,10 @@ def render(items: list[Check], env: dict, steps: list[dict[str, str]] | None = N
     width = max(len(c.name) for c in items)
     for check in items:
         lines.append(f"[{_MARK[check.status]}] {check.name:<{width}}  {check.reason}")
-        if check.fix:
-            lines.append(f"       {'':<{width}}  fix: {check.fix}")
+        if check.fix:  # a fix of several lines (the preload lines) stays in its column
+            first, *rest = check.fix.splitlines()
+            lines.append(f"       {'':<{width}}  fix: {first}")
+            lines += [f"       {'':<{width}}       {line}" for line in rest]
     counts = summary(items)
     lines.append("")
     lines.append(

@@ -34,6 +34,13 @@ def library_facts(own_path: str | None = None) -> dict[str, Any]:
     return facts
 
 
+def _conflict_name(conflict: dict[str, Any]) -> str:
+    """One row name per conflict (two conflicts may concern one library)."""
+    if conflict["kind"] == "mapped_twice":
+        return f"loaded libraries: {conflict['library']} mapped twice"
+    return "loaded libraries: libcublas and libcublasLt folders"
+
+
 def _precise_cublas(lib_facts: dict[str, Any], cublas: dict[str, Any] | None) -> str | None:
     """The loaded cuBLAS's version, as precise as known: the installed wheel's four parts when
     they agree with the three the library reports."""
@@ -52,9 +59,7 @@ def library_checks(env: dict[str, Any]) -> list[Check]:
     conflicts = lib_facts.get("conflicts") or []
     loaded_conflicts = [c for c in conflicts if c["kind"] in ("mapped_twice", "split_cublas")]
     for conflict in loaded_conflicts:
-        out.append(
-            Check(f"loaded libraries: {conflict['library']}", FAIL, conflict["message"], conflict["fix"])
-        )
+        out.append(Check(_conflict_name(conflict), FAIL, conflict["message"], conflict["fix"]))
     if not loaded_conflicts:
         loaded = {
             k: v for k, v in (lib_facts.get("loaded") or {}).items() if v and k != libraries.OWN_LIBRARY

@@ -180,7 +180,7 @@ if [[ -d $TORCH_EXTENSIONS_DIR ]] && find "$TORCH_EXTENSIONS_DIR" -name '*.so' |
 fi
 
 # ---- 6. doctor: a stray libcublasLt on LD_LIBRARY_PATH (pytorch #170676) ------------
-stage "doctor: stray libcublasLt on LD_LIBRARY_PATH"
+stage "doctor: stray libcublasLt"
 # A second libcublasLt.so.13 in a folder on LD_LIBRARY_PATH, loaded by name before torch
 # (as a process that imports another CUDA package first does). It comes from another
 # nvidia-cublas wheel (STRAY_CUBLAS_SPEC); if that cannot be downloaded, from a copy of the
@@ -233,7 +233,7 @@ PY
 )
 
 # ---- 7. CUDA kernels from pip's toolkit alone ---------------------------------------
-stage "pip toolkit: install + CUDA build"
+stage "pip toolkit: CUDA build"
 # The system toolkit hidden (CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1, no CUDA_HOME, no nvcc on
 # PATH); the toolkit comes from the one pip command the build itself names. One arch: the
 # point is the toolchain, stage 3 built two.
@@ -272,7 +272,7 @@ PY
 )
 
 # ---- 8. no toolkit at all: a CPU-only build that says so, and a typed error ---------
-stage "no toolkit: typed error + pip command"
+stage "no toolkit: typed error"
 "$VPY" -m pip uninstall --quiet --yes nvidia-cuda-nvcc
 NONE_LOG=$CACHE/cuda_build_no_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true

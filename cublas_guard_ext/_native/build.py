@@ -40,11 +40,12 @@ def _sibling(name: str):
 
 
 _toolkit = _sibling("toolkit")
-# Used by setup.py and the loader under these names (defined in toolkit.py).
-decide_cuda, cuda_fallback_note, record_cuda_failure = (
+# Used by setup.py, the loader and the tests under these names (defined in toolkit.py).
+decide_cuda, cuda_fallback_note, record_cuda_failure, link_cudart_by_name = (
     _toolkit.decide_cuda,
     _toolkit.cuda_fallback_note,
     _toolkit.record_cuda_failure,
+    _toolkit.link_cudart_by_name,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
@@ -226,18 +227,12 @@ def cuda_failed_before(build: BuildPlan, build_directory: str) -> str | None:
 # JIT cache key: one build directory per incompatible environment
 # ---------------------------------------------------------------------------
 def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, object]:
-    """Everything that makes a JIT build unusable elsewhere, from resolved facts only.
-
-    The environment's prefix is in it, so two venvs never share (and rebuild
-    over) one directory even with the same torch; the flags and include dirs
-    (which name the source checkout) are in it, so another checkout or another
-    flag set gets its own directory too; the CUDA toolkit is in it by its real
-    path and its nvcc's release, so a build by another nvcc is another build.
-    Nothing depends on how the process started: the private header folder
-    (cuda_wheel_include_dir) lives under TORCH_EXTENSIONS_DIR, which each process may
-    set differently, so it enters by its name (a digest of what it holds), not its
-    location. Source edits are not in it: ninja rebuilds the changed files in place.
-    """
+    """Everything that makes a JIT build unusable elsewhere, from resolved facts only: the
+    prefix (two venvs never share a directory), torch, the flags and include dirs (another
+    checkout is another build), the toolkit's real path and nvcc's release. Nothing depends
+    on how the process started: the private header folder lives under TORCH_EXTENSIONS_DIR,
+    which processes may set differently, so it enters by its (digest) name, not its place.
+    Source edits are not in it: ninja rebuilds the changed files in place."""
     import torch
 
     def portable(values: list[str]) -> list[str]:
@@ -459,15 +454,6 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
         Path(path).write_text(new_text)
 
 
-def link_cudart_by_name(path: str, library: str) -> None:
-    """In torch's build.ninja, link ``library`` (``:libcudart.so.13``) where torch wrote
-    ``-lcudart``: pip's toolkit ships only the versioned runtime."""
-    text = Path(path).read_text()
-    new_text = re.sub(r"(?<=\s)-lcudart(?=\s|$)", f"-l{library}", text, flags=re.M)
-    if new_text != text:
-        Path(path).write_text(new_text)
-
-
 def _ninja_jobs() -> int:
     max_jobs = os.environ.get("MAX_JOBS", "")
     if max_jobs.isdigit() and int(max_jobs) > 0:
@@ -599,7 +585,7 @@ def torch_build_hooks(stream: TextIO | None = None, title: str | None = None) ->
         try:
             rewrite_ninja_file(path, pch=pch)
             if _pending_cudart:
-                link_cudart_by_name(path, _pending_cudart[0])
+                _toolkit.link_cudart_by_name(path, _pending_cudart[0])
         except OSError as exc:  # the build still works without our additions
             print(f"{PROGRESS_PREFIX} could not annotate {path}: {exc}", file=stream or sys.stderr)
 

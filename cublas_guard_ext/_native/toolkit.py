@@ -107,6 +107,15 @@ def cudart_link_name(cuda_home: str) -> str | None:
     return None
 
 
+def link_cudart_by_name(path: str, library: str) -> None:
+    """In torch's build.ninja, link ``library`` (``:libcudart.so.13``) where torch wrote
+    ``-lcudart``: pip's toolkit ships only the versioned runtime."""
+    text = Path(path).read_text()
+    new_text = re.sub(r"(?<=\s)-lcudart(?=\s|$)", f"-l{library}", text, flags=re.M)
+    if new_text != text:
+        Path(path).write_text(new_text)
+
+
 # ---------------------------------------------------------------------------
 # torch's CUDA pins (its metadata), and the one pip command that brings a toolkit
 # ---------------------------------------------------------------------------

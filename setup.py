@@ -31,15 +31,21 @@ def make_extension(build_plan):
     # Paths relative to setup.py, as setuptools wants them.
     sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
     Extension = CUDAExtension if build_plan.with_cuda else CppExtension
-    return Extension(
+    extension = Extension(
         name="cublas_guard_ext._C",
         sources=sources,
         include_dirs=build_plan.include_dirs,
         extra_compile_args={"cxx": build_plan.cxx_flags, "nvcc": build_plan.nvcc_flags},
         extra_link_args=build_plan.ldflags,
-        libraries=build_plan.libraries,  # CppExtension appends torch's libraries after these
+        libraries=list(build_plan.libraries),  # CppExtension appends torch's libraries after these
         library_dirs=build_plan.library_dirs,
     )
+    if build_plan.cudart_library:
+        # pip's toolkit has only libcudart.so.N: link it by file name instead of torch's -lcudart.
+        extension.libraries = [
+            build_plan.cudart_library if lib == "cudart" else lib for lib in extension.libraries
+        ]
+    return extension
 
 
 class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):

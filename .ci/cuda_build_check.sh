@@ -10,7 +10,13 @@
 #   * the build runs in a temporary copy of the tree (tracked + untracked-but-not-
 #     ignored files, i.e. what a commit of the working tree would hold), installed
 #     NON-editable into that venv;
-#   * the tests run from the copy against the INSTALLED package (checked, see below).
+#   * the tests run from the copy against the INSTALLED package (checked, see below);
+#   * then, in the same venv: doctor with a second libcublasLt on LD_LIBRARY_PATH, loaded
+#     before torch (it must FAIL naming the folder and the entry, and pass without it); a CUDA
+#     build with the system toolkit hidden and pip's toolkit (the `cuda-toolkit[nvcc,cccl]`
+#     of torch's pin) installed, whose CUDA kernels must be registered; and with no toolkit at
+#     all, a CPU-only build whose log names that pip command and whose first CUDA call raises
+#     ExtensionBuildError (checked on the dispatcher's registry: there is no GPU).
 #
 # Environment:
 #   BASE_PYTHON        interpreter that creates the venv (default: python3)
@@ -21,6 +27,7 @@
 #                      the build needs a list, and two archs keep it short)
 #   CI_CACHE           cache directory (default: .ci-cache)
 #   CI_KEEP_VENVS      1: keep the venv between runs (default: delete it at the end)
+#   STRAY_CUBLAS_SPEC  the wheel the stray libcublasLt comes from (default: nvidia-cublas==13.0.0.19)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -171,3 +178,122 @@ if [[ -d $TORCH_EXTENSIONS_DIR ]] && find "$TORCH_EXTENSIONS_DIR" -name '*.so' |
   echo "note: the tests JIT-built an extension (in $TORCH_EXTENSIONS_DIR):"
   find "$TORCH_EXTENSIONS_DIR" -name '*.so'
 fi
+
+# ---- 6. doctor: a stray libcublasLt on LD_LIBRARY_PATH (pytorch #170676) ------------
+stage "doctor: stray libcublasLt"
+# A second libcublasLt.so.13 in a folder on LD_LIBRARY_PATH, loaded by name before torch
+# (as a process that imports another CUDA package first does). It comes from another
+# nvidia-cublas wheel (STRAY_CUBLAS_SPEC); if that cannot be downloaded, from a copy of the
+# installed wheel's own file (same version, another folder: doctor must FAIL all the same).
+STRAY=$WORK/stray-cuda/lib64
+mkdir -p "$STRAY" "$WORK/wheel"
+STRAY_CUBLAS_SPEC=${STRAY_CUBLAS_SPEC:-nvidia-cublas==13.0.0.19}
+if timeout 300 "$VPY" -m pip download --quiet --no-deps -d "$WORK/wheel" "$STRAY_CUBLAS_SPEC" \
+  && (cd "$WORK/wheel" && unzip -q -j -o ./*.whl '*/libcublasLt.so.*' -d "$STRAY"); then
+  echo "stray copy: libcublasLt from $STRAY_CUBLAS_SPEC"
+else
+  "$VPY" - "$STRAY" <<'PY'
+import glob, os, shutil, sys, sysconfig
+[lt] = glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu*", "lib", "libcublasLt.so.*"))[:1]
+shutil.copy(lt, sys.argv[1])
+print("stray copy: the installed", lt, "copied (no other wheel could be downloaded)")
+PY
+fi
+rm -rf "$WORK/wheel"
+ls -l "$STRAY"
+(cd "$WORK/elsewhere" && LD_LIBRARY_PATH=$STRAY "$VPY" - "$STRAY" <<'PY'
+import contextlib, ctypes, io, json, sys
+stray = sys.argv[1]
+ctypes.CDLL("libcublasLt.so.13")  # by name: LD_LIBRARY_PATH supplies it
+import torch  # noqa: F401  (loads torch's pip libcublas, which finds libcublasLt by soname/RUNPATH)
+from cublas_guard_ext.tools import doctor
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = doctor.main(as_json=True, probe=False)
+report = json.loads(out.getvalue())
+fails = [c for c in report["checks"] if c["status"] == "FAIL"]
+print(doctor.render([doctor.Check(**c) for c in report["checks"]], report["environment"], report["next_steps"]))
+rows = [c for c in fails if c["name"].startswith("loaded libraries") and stray in c["reason"]]
+assert rc == 1 and rows, "doctor did not FAIL on the stray libcublasLt"
+assert f"LD_LIBRARY_PATH's entry {stray}" in rows[0]["reason"], rows[0]
+print("doctor FAILs as it should:", rows[0]["name"])
+PY
+)
+(cd "$WORK/elsewhere" && env -u LD_LIBRARY_PATH "$VPY" - <<'PY'
+import contextlib, io, json
+from cublas_guard_ext.tools import doctor
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = doctor.main(as_json=True, probe=False)
+report = json.loads(out.getvalue())
+fails = [c for c in report["checks"] if c["status"] == "FAIL"]
+assert rc == 0 and not fails, fails
+print("without the stray folder: doctor passes;", report["summary"])
+PY
+)
+
+# ---- 7. CUDA kernels from pip's toolkit alone ---------------------------------------
+stage "pip toolkit: CUDA build"
+# The system toolkit hidden (CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1, no CUDA_HOME, no nvcc on
+# PATH); the toolkit comes from the one pip command the build itself names. One arch: the
+# point is the toolchain, stage 3 built two.
+TOOLKIT_SPEC=$("$VPY" - "$SRC" <<'PY'
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("t", sys.argv[1] + "/cublas_guard_ext/_native/toolkit.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(module.pip_toolkit_spec())
+PY
+)
+echo "pip install \"$TOOLKIT_SPEC\""
+"$VPY" -m pip install --quiet "$TOOLKIT_SPEC"
+NO_SYSTEM_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste -sd:)
+PIP_LOG=$CACHE/cuda_build_pip_toolkit.log
+"$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
+if ! (cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
+  TORCH_CUDA_ARCH_LIST=9.0 "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$PIP_LOG" 2>&1; then
+  tail -n 60 "$PIP_LOG"
+  die "the build with pip's toolkit failed (log: $PIP_LOG)"
+fi
+grep -m1 'cublas_guard_ext: building' "$PIP_LOG"
+grep -q 'cublas_guard_ext: building CUDA extension.*/nvidia/cu[0-9]*' "$PIP_LOG" \
+  || die "setup.py did not build CUDA with pip's toolkit (log: $PIP_LOG)"
+if grep -q 'the CUDA build failed' "$PIP_LOG"; then die "the CUDA compile failed (log: $PIP_LOG)"; fi
+(cd "$WORK/elsewhere" && "$VPY" - <<'PY'
+import subprocess, torch
+from cublas_guard_ext._native import loader
+info = loader.info()
+assert info.kind == "prebuilt" and info.has_cuda_kernels, info
+assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
+needed = subprocess.run(["readelf", "-d", info.path], capture_output=True, text=True).stdout
+assert "libcudart.so.13" in needed, needed
+print("CUDA kernels registered; the extension NEEDs libcudart.so.13:", info.path)
+PY
+)
+
+# ---- 8. no toolkit at all: a CPU-only build that says so, and a typed error ---------
+stage "no toolkit: typed error"
+"$VPY" -m pip uninstall --quiet --yes nvidia-cuda-nvcc
+NONE_LOG=$CACHE/cuda_build_no_toolkit.log
+"$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
+(cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
+  "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$NONE_LOG" 2>&1 \
+  || { tail -n 60 "$NONE_LOG"; die "the CPU-only build failed (log: $NONE_LOG)"; }
+grep -m1 'cublas_guard_ext: building' "$NONE_LOG"
+grep -q 'cublas_guard_ext: building CPU-only extension (WARNING: the extension has no CUDA kernels' "$NONE_LOG" \
+  && grep -qF "pip install \"$TOOLKIT_SPEC\"" "$NONE_LOG" \
+  || die "the install log does not say the kernels are missing with the pip command (log: $NONE_LOG)"
+(cd "$WORK/elsewhere" && "$VPY" - "$TOOLKIT_SPEC" <<'PY'
+import sys, torch
+import cublas_guard_ext as cg
+from cublas_guard_ext._native import facts
+assert not torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
+try:
+    facts.first_cuda_use(torch.device("cuda", 0))  # what the first CUDA call runs first
+except cg.ExtensionBuildError as err:
+    assert err.missing == "CUDA kernels" and f'pip install "{sys.argv[1]}"' in str(err), str(err)
+    print(str(err))
+else:
+    sys.exit("no ExtensionBuildError at the first CUDA call")
+PY
+)

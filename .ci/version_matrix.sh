@@ -10,17 +10,24 @@
 #     kept venv is rebuilt when its package list changes. torch 2.15 is above this machine's pip constraint (torch<=2.14.1),
 #     so the venv's installs run with PIP_CONSTRAINT=/dev/null; every torch is pinned.
 #   * a temporary copy of the tree (tracked + untracked-but-not-ignored files), installed
-#     editable into that venv with CUBLAS_GUARD_EXT_FORCE_CPU=1 (the PyPI wheels of these
-#     torches are CUDA builds; the CUDA build is .ci/cuda_build_check.sh's job);
+#     editable into that venv: for the versions of MATRIX_CUDA_VERSIONS (default "2.15.0") the
+#     way a user's default install does it, a CUDA build since nvcc is present (for one arch,
+#     MATRIX_CUDA_ARCH_LIST, default 9.0, to keep the stage short); for the others
+#     CPU-only (CUBLAS_GUARD_EXT_FORCE_CPU=1; the PyPI wheels of these torches are CUDA
+#     builds, and the full CUDA build is .ci/cuda_build_check.sh's job);
 #   * `python -m cublas_guard_ext demo --steps 20 --no-bench`, then pytest on tests/ with
 #     `-m "not slow"` minus MATRIX_IGNORE (files too slow for the stage's budget; they
-#     run in `make test`).
+#     run in `make test`); for a CUDA build also tests/test_build.py whole (its slow tests
+#     build the extension in subprocesses: the installed build and a JIT build into the
+#     directory the parent process computes, the JIT key's stability).
 #
 # Environment:
 #   MATRIX_TORCH_VERSIONS  torch versions to test (default: "2.11.0 2.15.0")
 #   MATRIX_PYTHON          interpreter that creates the venvs (default: a Python 3.12 from
 #                          PATH or pyenv; if none is found, python3, with a warning)
 #   MATRIX_IGNORE          test files left out (default: see IGNORE below)
+#   MATRIX_CUDA_VERSIONS   versions built with CUDA, as a user's default install (default: 2.15.0)
+#   MATRIX_CUDA_ARCH_LIST  TORCH_CUDA_ARCH_LIST of those builds (default: 9.0)
 #   CI_CACHE               cache directory (default: .ci-cache)
 #   CI_KEEP_VENVS          1: keep the venvs between runs (default: delete each when done)
 # Extra arguments are passed to pytest.
@@ -36,6 +43,8 @@ VERSIONS=${MATRIX_TORCH_VERSIONS:-2.11.0 2.15.0}
 # sanitizer stage run it.
 IGNORE=${MATRIX_IGNORE-tests/test_minilm.py tests/test_watch_minilm.py tests/test_properties.py}
 PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
+CUDA_VERSIONS=${MATRIX_CUDA_VERSIONS-2.15.0}
+CUDA_ARCH_LIST=${MATRIX_CUDA_ARCH_LIST:-9.0}
 
 die() { echo "version_matrix: $*" >&2; exit 1; }
 # shellcheck source=disk.sh
@@ -155,21 +164,29 @@ if torch.__version__.split("+")[0] != want:
     sys.exit(f"the venv holds torch {torch.__version__}, not {want}")
 PY
 
-  # ---- 2. build (CPU-only, editable, in a copy of the tree) -------------------------
-  stage "torch $version: build (CPU)"
+  # ---- 2. build (editable, in a copy of the tree): CUDA as a user's default, or CPU-only
+  build_env=(CUBLAS_GUARD_EXT_FORCE_CPU=1) flavour=CPU-only
+  if [[ " $CUDA_VERSIONS " == *" $version "* ]]; then
+    build_env=(TORCH_CUDA_ARCH_LIST="$CUDA_ARCH_LIST") flavour=CUDA
+  fi
+  stage "torch $version: build ($flavour)"
   src=$WORK/src-$version
   copy_tree "$src"
   log=$CACHE/matrix-build-torch$version.log
   echo "full log: $log"
   "$vpy" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
-  if ! (cd "$src" && CUBLAS_GUARD_EXT_FORCE_CPU=1 PIP_CONSTRAINT=/dev/null \
+  if ! (cd "$src" && env "${build_env[@]}" PIP_CONSTRAINT=/dev/null \
     "$vpy" -m pip install --no-build-isolation --no-deps -v -e .) >"$log" 2>&1; then
     tail -n 60 "$log"
     die "torch $version: build failed (log: $log)"
   fi
   grep -m1 'cublas_guard_ext: building' "$log" || true
-  grep -q 'cublas_guard_ext: building CPU-only extension' "$log" \
-    || die "torch $version: setup.py did not build the CPU-only extension"
+  grep -q "cublas_guard_ext: building $flavour extension" "$log" \
+    || die "torch $version: setup.py did not build the $flavour extension"
+  if grep -q 'the CUDA build failed' "$log"; then
+    grep -m1 'the CUDA build failed' "$log"
+    die "torch $version: the CUDA compile failed and setup.py built CPU-only (log: $log)"
+  fi
   grep 'cublas_guard_ext build: done in' "$log" || true
 
   # ---- 3. the demo ------------------------------------------------------------------
@@ -197,6 +214,13 @@ PY
   # --durations: the slowest tests, to keep the stage within its budget.
   (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
     "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
+  if [[ $flavour == CUDA ]]; then
+    # The slow build tests too: the installed CUDA build is used, and a JIT CUDA build in a
+    # subprocess lands in the directory this process computes (one key however it started).
+    stage "torch $version: pytest tests/test_build.py (CUDA build)"
+    (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version TORCH_CUDA_ARCH_LIST=$CUDA_ARCH_LIST \
+      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/test_build.py "$@")
+  fi
   rm -rf "$src" "$WORK/ext-$version"
   drop_venv "$venv"
 done

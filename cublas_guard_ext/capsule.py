@@ -25,7 +25,6 @@ line.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import hashlib
 import itertools
@@ -42,7 +41,7 @@ import torch
 
 from . import _capsule_file
 from ._capsule_file import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
-from ._native import facts
+from ._native import facts, libraries
 
 FORMAT = "cublas_guard_ext capsule"
 VERSION = 1
@@ -88,38 +87,16 @@ def max_bytes() -> int:
 # ---------------------------------------------------------------------------
 # The environment
 # ---------------------------------------------------------------------------
-def _library_version(path: str, lt: bool) -> str | None:
-    """The version a loaded libcublas / libcublasLt reports about itself."""
-    try:
-        lib = ctypes.CDLL(path)  # already mapped: the same handle, no new load
-        if lt:
-            lib.cublasLtGetVersion.restype = ctypes.c_size_t
-            v = int(lib.cublasLtGetVersion())
-            return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
-        parts = []
-        for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
-            value = ctypes.c_int(0)
-            if lib.cublasGetProperty(prop, ctypes.byref(value)) != 0:
-                return None
-            parts.append(str(value.value))
-        return ".".join(parts)
-    except (OSError, AttributeError):
-        return None
-
-
 def loaded_cublas() -> dict[str, Any]:
     """libcublas and libcublasLt as loaded in this process: path and version, or 'not loaded'."""
     out: dict[str, Any] = {}
     loaded = facts.loaded_libraries(r"libcublas")
-    for key, pattern, lt in (
-        ("libcublas", r"^libcublas\.so", False),
-        ("libcublasLt", r"^libcublasLt\.so", True),
-    ):
+    for key, pattern in (("libcublas", r"^libcublas\.so"), ("libcublasLt", r"^libcublasLt\.so")):
         paths = [p for p in loaded if re.search(pattern, os.path.basename(p))]
         if not paths:
             out[key] = "not loaded"
             continue
-        out[key] = [{"path": p, "version": _library_version(p, lt) or "unknown"} for p in paths]
+        out[key] = [{"path": p, "version": libraries._query_version(key, p) or "unknown"} for p in paths]
     return out
 
 
@@ -147,6 +124,17 @@ def _scan_wheels() -> dict[str, str]:
         return wheels
     except Exception:  # the error path must not fail
         return {}
+
+
+def _loaded_libraries(own_path: str | None) -> dict[str, Any]:
+    """Per library, the files mapped (path, version, pip distribution, the LD_LIBRARY_PATH
+    entry that supplied it), and the conflicts' messages; no search for other copies."""
+    snap = facts._safe(lambda: libraries.snapshot(own_path, with_installed=False), {}) or {}
+    return {
+        "loaded": snap.get("loaded", {}),
+        "ld_library_path": snap.get("ld_library_path", []),
+        "conflicts": [c["message"] for c in snap.get("conflicts", [])],
+    }
 
 
 _BUILD_INFO: dict[str, Any] | None = None  # the extension's build facts do not change
@@ -185,6 +173,8 @@ def environment() -> dict[str, Any]:
         else "unknown",
         "cublas_runtime_version": ext.get("cublas_runtime_version") or "not loaded",
         "libraries": loaded_cublas(),
+        # Which file each CUDA library came from, and the conflicts (doctor --capsule compares them).
+        "loaded_libraries": _loaded_libraries(ext.get("path")),
         "nvidia_wheels": _nvidia_wheels(),
         "tf32": {
             "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),

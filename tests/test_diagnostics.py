@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
-from cublas_guard_ext._native import facts
+from cublas_guard_ext._native import facts, libraries
 from cublas_guard_ext.tools import doctor
 
 from conftest import assert_matches
@@ -37,7 +37,7 @@ def test_doctor_json_is_valid_and_complete() -> None:
     result = run_doctor("--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"summary", "checks", "environment"}
+    assert set(report) == {"summary", "checks", "environment", "next_steps"}
     statuses = [c["status"] for c in report["checks"]]
     assert report["summary"] == {
         "failed": statuses.count("FAIL"),
@@ -67,7 +67,11 @@ def test_doctor_text_output() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
     assert "cublas_guard_ext doctor" in result.stdout
-    assert "0 failed" in result.stdout and " ok" in result.stdout.splitlines()[-1]
+    lines = result.stdout.splitlines()
+    summary = next(line for line in lines if " failed, " in line)
+    assert summary.startswith("0 failed") and summary.endswith(" ok")
+    # The report ends with what to run next, ready to paste.
+    assert "Next, ready to paste:" in lines[lines.index(summary) + 2]
     tf32 = next(line for line in result.stdout.splitlines() if "] TF32" in line)
     if torch.version.cuda is None:  # a CPU-only torch has no TF32 GEMMs to report on
         assert tf32.startswith("[skip]") and "not applicable" in tf32, tf32
@@ -171,6 +175,18 @@ def gpu_env(**changes) -> dict:
             "path": "/x/_C.so",
         },
         "libraries": ["/nv/lib/libcublas.so.13.1.1", "/nv/lib/libcublasLt.so.13.1.1"],
+        # What doctor's library_facts() gathers (tools/doctor_libraries.py), healthy.
+        "cuda_libraries": {
+            "loaded": {
+                "libcublas": [{"path": "/nv/lib/libcublas.so.13.1.1", "version": "13.1.1"}],
+                "libcublasLt": [{"path": "/nv/lib/libcublasLt.so.13.1.1", "version": "13.1.1"}],
+            },
+            "installed": {},
+            "conflicts": [],
+            "cublas_distributions": [{"name": "nvidia-cublas", "version": "13.1.1.3", "cuda_major": 13}],
+            "lt_missing_symbols": [],
+            "pip_toolkit_command": 'pip install "cuda-toolkit[nvcc,cccl]==13.0.3"',
+        },
         "devices": [
             {
                 "index": 0,
@@ -200,7 +216,7 @@ def test_healthy_gpu_environment_passes() -> None:
     items = doctor.checks(gpu_env(), probe=False)
     assert all(c.status in ("OK", "WARN") for c in items), [c for c in items if c.status == "FAIL"]
     assert status_of(items, "GPU arch vs torch") == "OK"
-    assert status_of(items, "cuBLAS libraries") == "OK"
+    assert status_of(items, "loaded libraries") == "OK" and status_of(items, "known-bad builds") == "OK"
 
 
 @pytest.mark.parametrize(
@@ -213,19 +229,44 @@ def test_healthy_gpu_environment_passes() -> None:
         ({"devices.0.free_memory": 10 << 20}, "GPU memory", "FAIL", "0.01 GiB free"),
         ({"devices.0.free_memory": 2 << 30}, "GPU memory", "WARN", "2.00 GiB free"),
         (
-            {"libraries": ["/a/libcublas.so.13", "/b/libcublas.so.12", "/a/libcublasLt.so.13"]},
-            "cuBLAS libraries",
+            {
+                "cuda_libraries.conflicts": libraries.conflicts(
+                    {
+                        "libcublas": ["/a/libcublas.so.13", "/b/libcublas.so.13"],
+                        "libcublasLt": ["/a/libcublasLt.so.13"],
+                    },
+                    ["/b"],
+                    lambda path: None,
+                )
+            },
+            "loaded libraries: libcublas mapped twice",
             "FAIL",
-            "several copies",
+            "mapped twice",
         ),
         (
-            {"libraries": ["/a/libcublas.so.13.1", "/b/libcublasLt.so.12.8"]},
-            "cuBLAS libraries",
-            "WARN",
-            "mismatched pair",
+            {
+                "cuda_libraries.conflicts": libraries.conflicts(
+                    {"libcublas": ["/a/libcublas.so.13"], "libcublasLt": ["/b/libcublasLt.so.13"]},
+                    ["/b"],
+                    lambda path: None,
+                )
+            },
+            "loaded libraries: libcublas and libcublasLt folders",
+            "FAIL",
+            "LD_LIBRARY_PATH's entry /b",
+        ),
+        (
+            {
+                "devices.0.compute_capability": "10.0",
+                "torch_arch_list": ["sm_90", "sm_100"],
+                "cuda_libraries.loaded.libcublas.0.version": "13.0.2",
+            },
+            "known-bad builds",
+            "FAIL",
+            "#178333",
         ),
         ({"extension.built_with_torch": "1.13.0"}, "extension build", "FAIL", "rebuild"),
-        ({"extension.cuda_compiled": False}, "extension CUDA kernels", "FAIL", "without CUDA"),
+        ({"extension.cuda_compiled": False}, "extension's CUDA", "FAIL", "has no CUDA kernels"),
         (
             {
                 "tf32": {
@@ -273,6 +314,7 @@ def test_first_cuda_use_warns_once_for_an_unsupported_gpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
     monkeypatch.setattr(facts, "_checked_devices", set())
+    monkeypatch.setattr(facts, "require_cuda_kernels", lambda: None)  # as a build with CUDA kernels
     with pytest.warns(RuntimeWarning, match="sm_120 is not in sm_80, sm_90"):
         facts.first_cuda_use(torch.device("cuda", 3))
     import warnings

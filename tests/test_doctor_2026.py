@@ -70,7 +70,14 @@ def test_the_wheel_check_is_skipped_where_it_cannot_apply() -> None:
     assert check(env_with(torch_cuda=None), "cuBLAS wheel vs torch").status == "SKIP"
     no_pin = {"torch_requires": None, "installed": None, "loaded": {}}
     item = check(env_with(no_pin), "cuBLAS wheel vs torch")
-    assert item.status == "SKIP" and "pins no nvidia-cublas" in item.reason
+    assert item.status == "SKIP" and "pins neither an nvidia-cublas wheel nor cuda-toolkit" in item.reason
+    # torch 2.14+ pins the cuda-toolkit meta-package; without its metadata the version is unknown.
+    toolkit_only = {
+        "torch_requires": {"name": "cuda-toolkit[cublas]", "version": "13.0.3"},
+        "installed": None,
+    }
+    item = check(env_with({**toolkit_only, "loaded": {}}), "cuBLAS wheel vs torch")
+    assert item.status == "WARN" and item.fix == 'pip install "cuda-toolkit[cublas]==13.0.3"', item
 
 
 def test_libcublas_and_libcublaslt_of_different_releases() -> None:

@@ -72,6 +72,11 @@ LATE_UPWARD: dict[tuple[str, str], str] = {
     ): "the loader raises ExtensionBuildError when a build cannot work; like every "
     "user-facing message it is written in errors.py, imported only where it is raised",
     (
+        "cublas_guard_ext._native.facts",
+        "cublas_guard_ext.errors",
+    ): "the first CUDA call raises ExtensionBuildError when the library has no CUDA kernels "
+    "(require_cuda_kernels); imported only where it is raised, as in the loader",
+    (
         "cublas_guard_ext.ops",
         "cublas_guard_ext.watch",
     ): "check() also raises this thread's pending watch(mode='async') finding; watch "

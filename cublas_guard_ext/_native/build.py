@@ -40,11 +40,12 @@ def _sibling(name: str):
 
 
 _toolkit = _sibling("toolkit")
-# Used by setup.py and the loader under these names (defined in toolkit.py).
-decide_cuda, cuda_fallback_note, record_cuda_failure = (
+# Used by setup.py, the loader and the tests under these names (defined in toolkit.py).
+decide_cuda, cuda_fallback_note, record_cuda_failure, link_cudart_by_name = (
     _toolkit.decide_cuda,
     _toolkit.cuda_fallback_note,
     _toolkit.record_cuda_failure,
+    _toolkit.link_cudart_by_name,
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
@@ -75,6 +76,13 @@ class BuildPlan:
     include_dirs_after: list[str] = field(default_factory=list)
     # Said before compiling (see announce_notes): e.g. nvcc's CUDA differs from torch's.
     notes: list[str] = field(default_factory=list)
+    # The CUDA toolkit the build uses (a resolved fact: the JIT key names it) and its nvcc's
+    # release; None for a CPU build.
+    cuda_home: str | None = None
+    nvcc_version: str | None = None
+    # The CUDA runtime to link instead of torch's ``-lcudart`` (``:libcudart.so.13``) when
+    # the toolkit has only the versioned file, as pip's has; None: torch's flag links.
+    cudart_library: str | None = None
 
 
 def _torch_version_macro() -> str:
@@ -122,14 +130,25 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
     env: dict[str, str] = {}
     include_after: list[str] = []
     notes: list[str] = []
+    library_dirs: list[str] = []
+    cuda_home = nvcc_release = cudart_library = None
     if with_cuda:
         sources += [str(CSRC_DIR / s) for s in CUDA_SOURCES]
         cuda_home = _toolkit.find_cuda_home()
         if cuda_home:
             env["CUDA_HOME"] = cuda_home
-            note = _toolkit.cuda_version_note(_toolkit.nvcc_version(cuda_home), torch.version.cuda, cuda_home)
+            nvcc_release = _toolkit.nvcc_version(cuda_home)
+            note = _toolkit.cuda_version_note(nvcc_release, torch.version.cuda, cuda_home)
             if note:
                 notes.append(note)
+            cudart_library = _toolkit.cudart_link_name(cuda_home)
+            if cudart_library:
+                # pip's toolkit: link the versioned runtime by file name, from its lib folder.
+                library_dirs += [
+                    str(Path(cuda_home) / lib)
+                    for lib in ("lib64", "lib")
+                    if (Path(cuda_home) / lib / cudart_library[1:]).exists()
+                ][:1]
             # Only the wheel headers the toolkit lacks (cuBLAS & co.), searched after the
             # toolkit's: the wheel's own cuda_runtime.h must never shadow the toolkit's.
             private = _toolkit.cuda_wheel_include_dir(
@@ -153,10 +172,13 @@ def plan(with_cuda: bool | None = None) -> BuildPlan:
         ldflags=ldflags,
         include_dirs=include_dirs,
         libraries=cxx_runtime_libraries,
-        library_dirs=cxx_runtime_dirs,
+        library_dirs=cxx_runtime_dirs + library_dirs,
         env=env,
         include_dirs_after=include_after,
         notes=notes,
+        cuda_home=cuda_home,
+        nvcc_version=nvcc_release,
+        cudart_library=cudart_library,
     )
 
 
@@ -168,6 +190,9 @@ def effective_env(build: BuildPlan) -> dict[str, str]:
 
 # The notes of the plan apply_env exported last: said once, before the first compile.
 _pending_notes: list[str] = []
+# The runtime the plan apply_env exported last links instead of torch's -lcudart (see
+# BuildPlan.cudart_library); the JIT build's ninja file gets it (torch_build_hooks).
+_pending_cudart: list[str] = []
 
 
 def apply_env(build: BuildPlan) -> None:
@@ -184,6 +209,7 @@ def apply_env(build: BuildPlan) -> None:
         # cpp_extension read CUDA_HOME at import time; correct its guess too.
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
     _pending_notes[:] = build.notes
+    _pending_cudart[:] = [build.cudart_library] if build.cudart_library else []
     if build.notes and not hasattr(cpp_extension, "_run_ninja_build"):  # no hooks: say it now
         for note in build.notes:
             print(f"{PROGRESS_PREFIX} NOTE: {note}", file=sys.stderr, flush=True)
@@ -201,15 +227,21 @@ def cuda_failed_before(build: BuildPlan, build_directory: str) -> str | None:
 # JIT cache key: one build directory per incompatible environment
 # ---------------------------------------------------------------------------
 def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, object]:
-    """Everything that makes a JIT build unusable elsewhere.
-
-    The environment's prefix is in it, so two venvs never share (and rebuild
-    over) one directory even with the same torch; the flags and include dirs
-    (which name the source checkout) are in it, so another checkout or another
-    flag set gets its own directory too. Source edits are not: ninja rebuilds
-    the changed files in place.
-    """
+    """Everything that makes a JIT build unusable elsewhere, from resolved facts only: the
+    prefix (two venvs never share a directory), torch, the flags and include dirs (another
+    checkout is another build), the toolkit's real path and nvcc's release. Nothing depends
+    on how the process started: the private header folder lives under TORCH_EXTENSIONS_DIR,
+    which processes may set differently, so it enters by its (digest) name, not its place.
+    Source edits are not in it: ninja rebuilds the changed files in place."""
     import torch
+
+    def portable(values: list[str]) -> list[str]:
+        out = []
+        for value in values:
+            for directory in build.include_dirs_after:
+                value = value.replace(directory, os.path.basename(directory))
+            out.append(value)
+        return out
 
     return {
         "prefix": os.path.realpath(prefix if prefix is not None else sys.prefix),
@@ -220,17 +252,21 @@ def jit_cache_key(build: BuildPlan, prefix: str | None = None) -> dict[str, obje
         "python": sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag,
         "compiler": os.environ.get("CXX", "c++"),
         "with_cuda": build.with_cuda,
+        "cuda_home": os.path.realpath(build.cuda_home) if build.with_cuda and build.cuda_home else None,
+        # The nvcc major too: a build by nvcc 13 must not be loaded under a CUDA 12 runtime.
+        "nvcc": build.nvcc_version if build.with_cuda else None,
+        "cudart": build.cudart_library if build.with_cuda else None,
         # The list torch will build for: the same before and after apply_env ran.
         "arch_list": effective_env(build).get("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST"))
         if build.with_cuda
         else None,
-        "cxx_flags": build.cxx_flags,
-        "nvcc_flags": build.nvcc_flags if build.with_cuda else [],
+        "cxx_flags": portable(build.cxx_flags),
+        "nvcc_flags": portable(build.nvcc_flags) if build.with_cuda else [],
         "ldflags": build.ldflags,
         "libraries": build.libraries,
         "library_dirs": build.library_dirs,
         "include_dirs": build.include_dirs,
-        "include_dirs_after": build.include_dirs_after,
+        "include_dirs_after": [os.path.basename(d) for d in build.include_dirs_after],
         "pch": pch_enabled(),
     }
 
@@ -548,6 +584,8 @@ def torch_build_hooks(stream: TextIO | None = None, title: str | None = None) ->
         original_write(path, *args, **kwargs)
         try:
             rewrite_ninja_file(path, pch=pch)
+            if _pending_cudart:
+                _toolkit.link_cudart_by_name(path, _pending_cudart[0])
         except OSError as exc:  # the build still works without our additions
             print(f"{PROGRESS_PREFIX} could not annotate {path}: {exc}", file=stream or sys.stderr)
 

@@ -167,7 +167,35 @@ def error_context() -> dict[str, Any]:
             cc = (props.major, props.minor)
             context["gpu"] = f"{props.name}, compute capability {cc[0]}.{cc[1]}"
             context["arch_check"] = arch_support(cc, _safe(torch.cuda.get_arch_list, []))[1]
+    # Read only here, when an error is built (the maps and LD_LIBRARY_PATH, nothing else):
+    # two copies of a library, or libcublas and libcublasLt from two folders, come first
+    # among a cuBLAS error's likely causes.
+    from . import libraries
+
+    conflicts = libraries.quick_conflicts()
+    if conflicts:
+        context["library_conflicts"] = [{"message": c["message"], "fix": c["fix"]} for c in conflicts]
     return context
+
+
+def require_cuda_kernels() -> None:
+    """Raise ExtensionBuildError, naming the pip command that brings a CUDA toolkit, when the
+    loaded library has no CUDA kernel for ``cublas_guard::linear`` (built where no toolkit
+    was found): the first CUDA call says why, instead of the dispatcher's "no kernel"."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"):
+        return
+    from ..errors import ExtensionBuildError  # late: errors imports this module
+    from . import toolkit
+
+    info = native_build_info()
+    raise ExtensionBuildError(
+        missing="CUDA kernels",
+        detail=f"the loaded extension ({info.get('kind')}: {info.get('path')}) was built without CUDA "
+        f"({info.get('detail')}); torch {torch.__version__} runs CUDA {torch.version.cuda}",
+        fix=toolkit.missing_kernels_note(
+            torch.version.cuda, "it was built where no CUDA toolkit (nvcc) was found, or CPU-only on purpose"
+        ),
+    )
 
 
 _checked_devices: set[int] = set()
@@ -177,6 +205,7 @@ _checked_lock = threading.Lock()
 def first_cuda_use(device: torch.device) -> None:
     """Once per device: warn when this GPU cannot run torch's or the extension's kernels."""
     index = device.index if device.index is not None else _safe(torch.cuda.current_device, 0)
+    require_cuda_kernels()
     with _checked_lock:
         if index in _checked_devices:
             return

@@ -18,36 +18,184 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+
+# Set to 1, the build looks only at pip's CUDA toolkit (site-packages/nvidia/cuNN), never a
+# system one (CUDA_HOME, /usr/local/cuda, nvcc on PATH): how CI proves the pip-only setup on a
+# machine that has a system toolkit too.
+IGNORE_SYSTEM_CUDA_ENV = "CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA"
+# The pip toolkit's extras that a CUDA build of the extension needs: nvcc (with the runtime,
+# the crt headers and nvvm) and cccl (cub/thrust/libcu++, which ATen's CUDA headers include).
+PIP_TOOLKIT_EXTRAS = "nvcc,cccl"
+
+
+def _is_toolkit(root: str | None) -> bool:
+    return bool(
+        root
+        and (Path(root) / "bin" / "nvcc").exists()
+        and (Path(root) / "include" / "cuda_runtime.h").exists()
+    )
+
+
+def _site_dirs() -> list[str]:
+    """The folders pip installs into for this interpreter (purelib, platlib, then sys.path's)."""
+    dirs = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    return list(dict.fromkeys(d for d in dirs if d))
+
+
+def find_pip_toolkit(torch_cuda: str | None) -> str | None:
+    """pip's CUDA toolkit of torch's CUDA major (``site-packages/nvidia/cu13`` from
+    ``pip install "cuda-toolkit[nvcc,cccl]==..."``): its root when it has nvcc, else None."""
+    if not torch_cuda:
+        return None
+    major = torch_cuda.split(".")[0]
+    for base in _site_dirs():
+        root = os.path.join(base, "nvidia", f"cu{major}")
+        if _is_toolkit(root):
+            return root
+    return None
 
 
 def find_cuda_home() -> str | None:
     """A CUDA toolkit root with bin/nvcc and include/cuda_runtime.h, if any.
 
     torch's own guess can be a wrapper's prefix (``/usr/local`` when
-    ``/usr/local/bin/nvcc`` is a script), so every candidate is verified.
+    ``/usr/local/bin/nvcc`` is a script), so every candidate is verified. A system
+    toolkit comes first (CUDA_HOME, CUDA_PATH, torch's guess, /usr/local/cuda, nvcc on
+    PATH); without one, pip's toolkit of torch's CUDA major (find_pip_toolkit).
     """
     from torch.utils import cpp_extension
 
-    candidates = [
-        os.environ.get("CUDA_HOME"),
-        os.environ.get("CUDA_PATH"),
-        cpp_extension.CUDA_HOME,
-        "/usr/local/cuda",
-    ]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates: list[str | None] = []
+    if os.environ.get(IGNORE_SYSTEM_CUDA_ENV) != "1":
+        candidates += [
+            os.environ.get("CUDA_HOME"),
+            os.environ.get("CUDA_PATH"),
+            cpp_extension.CUDA_HOME,
+            "/usr/local/cuda",
+        ]
+        nvcc = shutil.which("nvcc")
+        if nvcc:
+            candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     for root in candidates:
-        if (
-            root
-            and (Path(root) / "bin" / "nvcc").exists()
-            and (Path(root) / "include" / "cuda_runtime.h").exists()
-        ):
+        if _is_toolkit(root):
             return root
+    return find_pip_toolkit(_torch_cuda())
+
+
+def _torch_cuda() -> str | None:
+    import torch
+
+    return torch.version.cuda
+
+
+def cudart_link_name(cuda_home: str) -> str | None:
+    """``:libcudart.so.13`` when ``cuda_home`` ships only the versioned runtime (pip's
+    nvidia-cuda-runtime has no unversioned ``libcudart.so``, so torch's ``-lcudart`` cannot
+    link); None when ``-lcudart`` finds a library."""
+    for lib in ("lib64", "lib"):
+        if (Path(cuda_home) / lib / "libcudart.so").exists():
+            return None
+    for lib in ("lib64", "lib"):
+        versioned = sorted(glob.glob(os.path.join(cuda_home, lib, "libcudart.so.[0-9]*")), key=len)
+        if versioned:
+            return ":" + os.path.basename(versioned[0])
     return None
+
+
+def link_cudart_by_name(path: str, library: str) -> None:
+    """In torch's build.ninja, link ``library`` (``:libcudart.so.13``) where torch wrote
+    ``-lcudart``: pip's toolkit ships only the versioned runtime."""
+    text = Path(path).read_text()
+    new_text = re.sub(r"(?<=\s)-lcudart(?=\s|$)", f"-l{library}", text, flags=re.M)
+    if new_text != text:
+        Path(path).write_text(new_text)
+
+
+# ---------------------------------------------------------------------------
+# torch's CUDA pins (its metadata), and the one pip command that brings a toolkit
+# ---------------------------------------------------------------------------
+_PIN = re.compile(r"^\s*([A-Za-z0-9_.-]+)\s*(?:\[([^\]]*)\])?\s*==\s*([0-9][\w.]*?)(?:\.\*)?\s*(?:;(.*))?$")
+
+
+def _parse_pins(requires: list[str]) -> list[tuple[str, list[str], str, str]]:
+    """(name, extras, version, marker) of every ``name[extras]==version`` requirement."""
+    out = []
+    for req in requires:
+        match = _PIN.match(req)
+        if match:
+            extras = [e.strip() for e in (match.group(2) or "").split(",") if e.strip()]
+            out.append(
+                (match.group(1).lower().replace("_", "-"), extras, match.group(3), match.group(4) or "")
+            )
+    return out
+
+
+def torch_cuda_pins(
+    torch_requires: list[str] | None = None, toolkit_requires: list[str] | None = None
+) -> dict[str, str]:
+    """The CUDA versions torch's metadata pins: ``cuda-toolkit`` (the meta-package torch
+    2.14+ pins, ``cuda-toolkit[cublas,cudart,...]==13.0.3``), and each nvidia wheel, read
+    directly (``nvidia-cublas-cu12==...``, older torches) or through cuda-toolkit's own
+    metadata for the extras torch asks for. Empty when torch pins nothing (a CPU, conda or
+    source build). Both lists are read from the installed metadata when not given."""
+    from importlib import metadata
+
+    def requires_of(name: str) -> list[str]:
+        try:
+            return list(metadata.requires(name) or [])
+        except metadata.PackageNotFoundError:
+            return []
+
+    pins: dict[str, str] = {}
+    torch_extras: list[str] = []
+    for name, extras, version, _marker in _parse_pins(
+        torch_requires if torch_requires is not None else requires_of("torch")
+    ):
+        if name == "cuda-toolkit":
+            pins["cuda-toolkit"] = version
+            torch_extras = extras
+        elif name.startswith("nvidia-"):
+            pins[name] = version
+    if "cuda-toolkit" in pins:
+        for name, _extras, version, marker in _parse_pins(
+            toolkit_requires if toolkit_requires is not None else requires_of("cuda-toolkit")
+        ):
+            extra = re.search(r"extra\s*==\s*['\"]([\w-]+)['\"]", marker)
+            if extra and extra.group(1) in torch_extras and name not in pins:
+                pins[name] = version
+    return pins
+
+
+def pip_toolkit_spec(pins: dict[str, str] | None = None, torch_cuda: str | None = None) -> str:
+    """The requirement that brings the CUDA compiler and headers matching torch's CUDA
+    (``cuda-toolkit[nvcc,cccl]==13.0.3``): the ``cuda-toolkit`` version torch pins, else its
+    CUDA release."""
+    pins = torch_cuda_pins() if pins is None else pins
+    torch_cuda = torch_cuda if torch_cuda is not None else _torch_cuda()
+    version = pins.get("cuda-toolkit")
+    pin = f"=={version}" if version else f"=={'.'.join((torch_cuda or '13.0').split('.')[:2])}.*"
+    return f"cuda-toolkit[{PIP_TOOLKIT_EXTRAS}]{pin}"
+
+
+def pip_toolkit_command(pins: dict[str, str] | None = None, torch_cuda: str | None = None) -> str:
+    """The one pip command that brings it (pip_toolkit_spec)."""
+    return f'pip install "{pip_toolkit_spec(pins, torch_cuda)}"'
+
+
+def missing_kernels_note(torch_cuda: str | None = None, why: str | None = None) -> str:
+    """What to say when a CUDA torch gets an extension without CUDA kernels (at install, at
+    the first CUDA call, in doctor): the same words and the same pip command everywhere."""
+    why = why or "no CUDA toolkit (nvcc) was found when it was built"
+    return (
+        f"the extension has no CUDA kernels ({why}): CUDA tensors cannot go through it. Fix: "
+        f"{pip_toolkit_command(torch_cuda=torch_cuda)} (the CUDA compiler matching torch's CUDA), "
+        "then rebuild: pip install --no-build-isolation -e ."
+    )
 
 
 def cublas_include_dirs() -> list[str]:
@@ -208,9 +356,9 @@ def decide_cuda() -> tuple[bool, str]:
         if force:
             raise RuntimeError(
                 "FORCE_CUDA=1 but no CUDA toolkit (bin/nvcc + include/cuda_runtime.h) was "
-                "found; set CUDA_HOME to the toolkit root"
+                f"found; set CUDA_HOME to the toolkit root, or {pip_toolkit_command(torch_cuda=torch.version.cuda)}"
             )
-        return False, "no CUDA toolkit found (set CUDA_HOME to build the CUDA kernels)"
+        return False, f"WARNING: {missing_kernels_note(torch.version.cuda)}"
     nvcc = nvcc_version(cuda_home)
     if nvcc and nvcc.split(".")[0] != torch.version.cuda.split(".")[0]:
         note = cuda_version_note(nvcc, torch.version.cuda, cuda_home)

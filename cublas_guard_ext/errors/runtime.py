@@ -50,9 +50,13 @@ class CublasError(GuardError, RuntimeError):
         f = self.fields
         entry = CUBLAS_STATUS.get(self.status)
         lines = []
-        if entry and entry[2]:
+        causes = [
+            f"the loaded libraries conflict: {c['message']}"
+            for c in (f.get("environment") or {}).get("library_conflicts") or []
+        ] + list(entry[2] if entry else [])
+        if causes:
             lines.append("likely causes, most likely first:")
-            lines += [f"  {i}. {c}" for i, c in enumerate(entry[2], 1)]
+            lines += [f"  {i}. {c}" for i, c in enumerate(causes, 1)]
         if "m" in f:
             api = f" via {f['api']}" if f.get("api") else ""
             lines.append(
@@ -88,6 +92,9 @@ class CublasError(GuardError, RuntimeError):
     def _next_steps(self) -> list[str]:
         entry = CUBLAS_STATUS.get(self.status)
         steps = list(entry[3]) if entry else ["run `python -m cublas_guard_ext doctor`"]
+        conflicts = (self.fields.get("environment") or {}).get("library_conflicts") or []
+        if conflicts:  # the most likely cause's fix first, ready to paste (the preload lines too)
+            steps[0:0] = conflicts[0]["fix"].splitlines()
         data_type = str(self.fields.get("data_type", ""))
         if self.status in (8, 15) and data_type in ("CUDA_R_16BF", "CUDA_R_16F"):
             # NOT_SUPPORTED / ARCH_MISMATCH in half precision: the GPU or the cuBLAS build.

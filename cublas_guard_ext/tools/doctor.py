@@ -25,6 +25,7 @@ from .._native.facts import FAIL, OK, SKIP, WARN
 from ..errors import GuardError
 from ..nn import SafeLinear
 from .doctor_cublas import Check, capsule_checks, checks_2026, cublas_facts  # noqa: F401  (re-exported)
+from .doctor_libraries import library_checks, library_facts, render_libraries
 
 
 def _workspace_bytes(config: str | None) -> int | None:
@@ -66,7 +67,6 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
             "GPU arch vs torch",
             "GPU arch vs extension",
             "driver vs runtime",
-            "cuBLAS libraries",
             "GPU memory",
             "live cuBLAS probe",
         ):
@@ -74,15 +74,6 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
     else:
         runtime = ext.get("cudart_runtime_version")
         driver = ext.get("driver_version")
-        if not ext.get("cuda_compiled"):
-            out.append(
-                Check(
-                    "extension CUDA kernels",
-                    FAIL,
-                    "a GPU is visible but the extension was built without CUDA",
-                    "install a CUDA toolkit (nvcc) and rebuild: pip install --no-build-isolation -e .",
-                )
-            )
         if driver and runtime and driver < runtime:
             out.append(
                 Check(
@@ -151,35 +142,6 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
                         else "free memory: smaller batch, torch.cuda.empty_cache(), other processes (nvidia-smi)",
                     )
                 )
-        libs = env["libraries"]
-        cublas = [p for p in libs if re.search(r"libcublas\.so", os.path.basename(p))]
-        cublas_lt = [p for p in libs if re.search(r"libcublasLt\.so", os.path.basename(p))]
-        if len(cublas) > 1 or len(cublas_lt) > 1:
-            out.append(
-                Check(
-                    "cuBLAS libraries",
-                    FAIL,
-                    f"several copies loaded: {cublas + cublas_lt}",
-                    "remove the duplicate CUDA installs from LD_LIBRARY_PATH",
-                )
-            )
-        elif cublas and cublas_lt:
-            pair = (facts.version_from_path(cublas[0]), facts.version_from_path(cublas_lt[0]))
-            same_dir = os.path.dirname(cublas[0]) == os.path.dirname(cublas_lt[0])
-            status = OK if same_dir and pair[0] == pair[1] else WARN
-            out.append(
-                Check(
-                    "cuBLAS libraries",
-                    status,
-                    f"libcublas {cublas[0]}, libcublasLt {cublas_lt[0]}"
-                    + ("" if status == OK else " (a mismatched pair is a known cause of cuBLAS failures)"),
-                    ""
-                    if status == OK
-                    else "make both come from the same CUDA release (check LD_LIBRARY_PATH)",
-                )
-            )
-        else:
-            out.append(Check("cuBLAS libraries", WARN, "libcublas is not loaded yet (no GEMM has run)"))
         if probe:
             out.append(_probe_cuda())
 
@@ -217,6 +179,7 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
         )
     )
     out += checks_2026(env)
+    out += library_checks(env)
     return out
 
 
@@ -287,18 +250,79 @@ def _probe_cuda() -> Check:
     return Check("live cuBLAS probe", OK, "a guarded 16x64x32 GEMM ran and matches F.linear")
 
 
-def report_json(items: list[Check], env: dict[str, Any]) -> str:
+def report_json(items: list[Check], env: dict[str, Any], steps: list[dict[str, str]] | None = None) -> str:
     return json.dumps(
-        {"summary": summary(items), "checks": [asdict(c) for c in items], "environment": env},
+        {
+            "summary": summary(items),
+            "checks": [asdict(c) for c in items],
+            "environment": env,
+            "next_steps": steps if steps is not None else next_steps(items, env),
+        },
         indent=2,
         default=str,
     )
 
 
+def next_steps(items: list[Check], env: dict[str, Any], capsule: str | None = None) -> list[dict[str, str]]:
+    """What to run next, ready to paste, for this situation: [{"why", "command"}]. The
+    fixes of the FAILs first, then the capsule's replay, then the CUDA debugging runs."""
+    steps: list[dict[str, str]] = []
+    # A conflict among the loaded libraries first: the other FAILs are often its symptoms.
+    fails = sorted(
+        (c for c in items if c.status == FAIL and c.fix),
+        key=lambda c: not c.name.startswith("loaded libraries"),
+    )
+    for check in fails:
+        if all(step["command"] != check.fix for step in steps):
+            steps.append({"why": f"fix: {check.name}", "command": check.fix})
+    recorded = capsule or _newest_capsule()
+    if recorded:
+        steps.append(
+            {
+                "why": "run the failing call alone: does it fail by itself?",
+                "command": f"python -m cublas_guard_ext replay {recorded}",
+            }
+        )
+    if env.get("torch_cuda"):
+        steps += [
+            {
+                "why": "raise a CUDA error at the kernel that failed, not at a later call",
+                "command": "CUDA_LAUNCH_BLOCKING=1 python train.py",
+            },
+            {
+                "why": "find out-of-bounds accesses (torch's caching allocator hides them without the variable)",
+                "command": "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer python train.py",
+            },
+            {
+                "why": "the same under torchrun, one sanitizer per rank",
+                "command": "PYTORCH_NO_CUDA_MEMORY_CACHING=1 torchrun --no-python compute-sanitizer python train.py",
+            },
+        ]
+    elif not steps:
+        steps.append(
+            {
+                "why": f"torch {env.get('torch')} is a CPU-only build: there is no CUDA to debug; "
+                "for NaN/Inf, name the op where it was born",
+                "command": "python -c 'import cublas_guard_ext as cg; help(cg.watch)'",
+            }
+        )
+    return steps
+
+
+def _newest_capsule() -> str | None:
+    """The newest failure capsule in the capsule folder, if any (a recent cuBLAS error's)."""
+    try:
+        folder = _capsule.directory()
+        found = sorted(folder.glob(f"*{_capsule.SUFFIX}"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return None
+    return str(found[-1]) if found else None
+
+
 _MARK = {"OK": "ok  ", "WARN": "WARN", "FAIL": "FAIL", "SKIP": "skip"}
 
 
-def render(items: list[Check], env: dict) -> str:
+def render(items: list[Check], env: dict, steps: list[dict[str, str]] | None = None) -> str:
     ext = env["extension"]
     lines = [
         "cublas_guard_ext doctor",
@@ -315,8 +339,7 @@ def render(items: list[Check], env: dict) -> str:
             f"{facts.cuda_version_text(ext.get('cudart_runtime_version'))}, cuBLAS "
             f"{ext.get('cublas_runtime_version', 'unknown')}"
         )
-    for lib in env["libraries"]:
-        lines.append(f"  loaded: {lib}")
+    lines += render_libraries(env.get("cuda_libraries"))
     for device in env["devices"]:
         lines.append(
             f"  cuda:{device['index']}: {device.get('name')} (sm {device.get('compute_capability')}), "
@@ -329,14 +352,22 @@ def render(items: list[Check], env: dict) -> str:
     width = max(len(c.name) for c in items)
     for check in items:
         lines.append(f"[{_MARK[check.status]}] {check.name:<{width}}  {check.reason}")
-        if check.fix:
-            lines.append(f"       {'':<{width}}  fix: {check.fix}")
+        if check.fix:  # a fix of several lines (the preload lines) stays in its column
+            first, *rest = check.fix.splitlines()
+            lines.append(f"       {'':<{width}}  fix: {first}")
+            lines += [f"       {'':<{width}}       {line}" for line in rest]
     counts = summary(items)
     lines.append("")
     lines.append(
         f"{counts['failed']} failed, {counts['warnings']} warnings, {counts['skipped']} not checkable "
         f"or not applicable here, {counts['ok']} ok"
     )
+    steps = steps if steps is not None else next_steps(items, env)
+    if steps:
+        lines += ["", "Next, ready to paste:"]
+        for step in steps:
+            lines.append(f"  # {step['why']}")
+            lines += [f"  {line}" for line in step["command"].splitlines()]
     return "\n".join(lines)
 
 
@@ -351,6 +382,7 @@ def main(as_json: bool = False, probe: bool = True, capsule: str | None = None) 
     env.setdefault("cublas", cublas_facts())
     env.setdefault("env", {})
     env["env"].setdefault("CUBLASLT_WORKSPACE_SIZE", os.environ.get("CUBLASLT_WORKSPACE_SIZE"))
+    env.setdefault("cuda_libraries", library_facts(env.get("extension", {}).get("path")))
     items = checks(env, probe=probe)
     if capsule is not None:
         try:
@@ -360,7 +392,8 @@ def main(as_json: bool = False, probe: bool = True, capsule: str | None = None) 
         else:
             env["capsule"] = {"path": capsule, "environment": recorded.get("environment")}
             items += capsule_checks(recorded.get("environment") or {}, _capsule.environment())
-    print(report_json(items, env) if as_json else render(items, env))
+    steps = next_steps(items, env, capsule if capsule is not None and "capsule" in env else None)
+    print(report_json(items, env, steps) if as_json else render(items, env, steps))
     return 1 if any(c.status == "FAIL" for c in items) else 0
 
 

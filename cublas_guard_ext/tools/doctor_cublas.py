@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import capsule as _capsule
+from .._native import toolkit
 from .._native.facts import FAIL, OK, SKIP, WARN
 
 
@@ -28,16 +29,23 @@ class Check:
 # 2026's causes of CUBLAS_STATUS_EXECUTION_FAILED / NOT_SUPPORTED reports
 # ---------------------------------------------------------------------------
 def cublas_facts() -> dict[str, Any]:
-    """The facts the 2026 checks read: the nvidia-cublas wheel torch pins and the one
-    installed, the libcublas/libcublasLt versions actually loaded."""
+    """The facts the 2026 checks read: the nvidia-cublas wheel torch pins (directly, or through
+    the ``cuda-toolkit[cublas,...]`` meta-package torch 2.14+ pins) and the one installed,
+    the libcublas/libcublasLt versions actually loaded."""
     out: dict[str, Any] = {"torch_requires": None, "installed": None, "loaded": {}}
     try:
         from importlib import metadata
 
-        for req in metadata.requires("torch") or []:
-            match = re.match(r"\s*(nvidia-cublas(?:-cu\d+)?)\s*==\s*([\w.]+)", req)
-            if match:
-                out["torch_requires"] = {"name": match.group(1), "version": match.group(2)}
+        pins = toolkit.torch_cuda_pins()
+        for name in ("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-cu12", "nvidia-cublas-cu11"):
+            if name in pins:
+                out["torch_requires"] = {"name": name, "version": pins[name]}
+                if "cuda-toolkit" in pins:
+                    out["torch_requires"]["via"] = f"cuda-toolkit=={pins['cuda-toolkit']}"
+                break
+        else:
+            if "cuda-toolkit" in pins:  # pinned, but cuda-toolkit's own metadata is not installed
+                out["torch_requires"] = {"name": "cuda-toolkit[cublas]", "version": pins["cuda-toolkit"]}
         name = (out["torch_requires"] or {}).get("name")
         for candidate in ([name] if name else []) + [
             "nvidia-cublas",
@@ -47,7 +55,7 @@ def cublas_facts() -> dict[str, Any]:
             try:
                 out["installed"] = {"name": candidate, "version": metadata.version(candidate)}
                 break
-            except metadata.PackageNotFoundError:
+            except (metadata.PackageNotFoundError, ValueError):
                 continue
     except Exception:  # a diagnostic never raises
         pass
@@ -97,8 +105,18 @@ def _library_checks(env: dict[str, Any], cublas: dict[str, Any]) -> list[Check]:
             Check(
                 "cuBLAS wheel vs torch",
                 SKIP,
-                "could not check: torch's metadata pins no nvidia-cublas wheel (a conda or "
-                "system CUDA install)",
+                "could not check: torch's metadata pins neither an nvidia-cublas wheel nor "
+                "cuda-toolkit[cublas] (a conda or system CUDA install)",
+            )
+        )
+    elif required["name"].startswith("cuda-toolkit"):
+        out.append(
+            Check(
+                "cuBLAS wheel vs torch",
+                WARN,
+                f"torch pins cuda-toolkit=={required['version']}, whose metadata (the nvidia-cublas "
+                "version it means) is not installed",
+                f'pip install "cuda-toolkit[cublas]=={required["version"]}"',
             )
         )
     else:
@@ -121,7 +139,9 @@ def _library_checks(env: dict[str, Any], cublas: dict[str, Any]) -> list[Check]:
                     "cuBLAS wheel vs torch",
                     FAIL,
                     f"{installed['name']} {installed['version']} is installed, torch was built with "
-                    f"{required['version']} (a mismatched cuBLAS is behind the 2026 EXECUTION_FAILED "
+                    f"{required['version']}"
+                    + (f" (pinned via {required['via']})" if required.get("via") else "")
+                    + " (a mismatched cuBLAS is behind the 2026 EXECUTION_FAILED "
                     "reports fixed by upgrading it: pytorch/pytorch#174949, #180713)",
                     fix,
                 )
@@ -142,6 +162,7 @@ def _library_checks(env: dict[str, Any], cublas: dict[str, Any]) -> list[Check]:
                     "cuBLAS wheel vs torch",
                     OK,
                     f"{installed['name']} {installed['version']} as torch pins"
+                    + (f" (via {required['via']})" if required.get("via") else "")
                     + (f", loaded {loaded['libcublas']}" if loaded.get("libcublas") else ""),
                 )
             )
@@ -271,12 +292,26 @@ _CAPSULE_FACTS = (
     ("driver", lambda e: e.get("driver")),
     ("libcublas", lambda e: _lib_versions(e, "libcublas")),
     ("libcublasLt", lambda e: _lib_versions(e, "libcublasLt")),
+    *(
+        (f"{key} file", lambda e, key=key: _loaded_paths(e, key))
+        for key in ("libcudart", "libcublas", "libcublasLt", "libnvrtc", "libcudnn")
+    ),
+    (
+        "library conflicts",
+        lambda e: "; ".join((e.get("loaded_libraries") or {}).get("conflicts") or []) or None,
+    ),
     ("GPU", lambda e: (e.get("gpu") or {}).get("name")),
     ("compute capability", lambda e: (e.get("gpu") or {}).get("compute_capability")),
     ("torch arch list", lambda e: " ".join(e.get("torch_arch_list") or [])),
     ("TF32", lambda e: (e.get("tf32") or {}).get("allow_tf32")),
     ("extension build", lambda e: (e.get("extension") or {}).get("kind")),
 )
+
+
+def _loaded_paths(env: dict[str, Any], key: str) -> str | None:
+    """The files a library was mapped from, as the capsule or this machine records them."""
+    copies = ((env.get("loaded_libraries") or {}).get("loaded") or {}).get(key) or []
+    return ", ".join(c.get("path", "?") for c in copies) or None
 
 
 def _lib_versions(env: dict[str, Any], key: str) -> str:

@@ -35,6 +35,7 @@ def _env(**extra: str | None) -> dict[str, str]:
         "CUBLAS_GUARD_EXT_FAULT",
         "RANK",
         "WORLD_SIZE",
+        "PYTHONSAFEPATH",  # the tests compare with python run without -P (CI's installed-package stage sets it)
     ):
         env.pop(key, None)
     env["OMP_NUM_THREADS"] = "1"
@@ -268,6 +269,27 @@ def test_minus_m_runs_a_module_as_python_would(tmp_path: Path) -> None:
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["argv"] == [str(pkg / "train.py"), "a", "--b"]
     assert (seen["name"], seen["spec"], seen["path0"]) == ("__main__", "pkg.train", str(tmp_path))
+
+
+@pytest.mark.parametrize("safe_path", ["", "1"])
+def test_the_script_sees_the_sys_path_plain_python_gives_it(tmp_path: Path, safe_path: str) -> None:
+    """The bootstrap folder is on PYTHONPATH for subprocesses, never on the script's sys.path:
+    under PYTHONSAFEPATH it would otherwise become sys.path[0]."""
+    script = write(tmp_path, "paths.py", "import json, sys\nprint(json.dumps(sys.path))\n")
+    extra = {"PYTHONSAFEPATH": safe_path or None}
+    plain = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(**extra),
+        cwd=str(tmp_path),
+    )
+    guarded = run_script(tmp_path, script, **{k: v for k, v in extra.items() if v is not None})
+    assert plain.returncode == 0 and guarded.returncode == 0, guarded.stderr
+    assert json.loads(guarded.stdout.strip().splitlines()[-1]) == json.loads(
+        plain.stdout.strip().splitlines()[-1]
+    )
 
 
 def test_system_exit_inside_the_script_keeps_its_code_and_writes_no_report(tmp_path: Path) -> None:

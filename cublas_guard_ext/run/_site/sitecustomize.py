@@ -119,8 +119,19 @@ def _bootstrap() -> None:
         sys.excepthook = _before_torch_excepthook
 
 
+def _leave_sys_path_as_python_would() -> None:
+    """Take this folder off sys.path: the script sees the sys.path it would see without run.
+
+    PYTHONPATH keeps it, so subprocesses still start with the bootstrap. Without this, under
+    PYTHONSAFEPATH or ``-P`` (no script folder prepended) this folder would be ``sys.path[0]``,
+    and ``-m pkg.mod`` would not find a package that plain ``python -P`` finds elsewhere.
+    """
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
 try:
     _bootstrap()
 except Exception as _err:  # never break the interpreter's start
     _say(f"bootstrap failed ({type(_err).__name__}: {_err}); the script runs unguarded")
 _chain_to_the_next_sitecustomize()
+_leave_sys_path_as_python_would()

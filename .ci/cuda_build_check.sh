@@ -166,7 +166,7 @@ print("testing cublas_guard_ext from", path)
 if path.startswith(cwd + os.sep):
     sys.exit("imported the source copy, not the installed package")
 # pytest's default import mode puts tests/ (no __init__.py) on sys.path, for
-# `from conftest import ...`, but not the copy's root; and cublas_guard_ext is
+# `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
 # The JIT-build tests skip themselves here: an installed wheel has no csrc/ beside it.
 rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])

@@ -17,7 +17,7 @@
 #     builds, and the full CUDA build is .ci/cuda_build_check.sh's job);
 #   * `python -m cublas_guard_ext demo --steps 20 --no-bench`, then pytest on tests/ with
 #     `-m "not slow"` minus MATRIX_IGNORE (files too slow for the stage's budget; they
-#     run in `make test`); for a CUDA build also tests/test_build.py whole (its slow tests
+#     run in `make test`); for a CUDA build also tests/building/test_build.py whole (its slow tests
 #     build the extension in subprocesses: the installed build and a JIT build into the
 #     directory the parent process computes, the JIT key's stability).
 #
@@ -37,11 +37,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${CI_CACHE:-$ROOT/.ci-cache}
 VERSIONS=${MATRIX_TORCH_VERSIONS:-2.11.0 2.15.0}
 # Left out: the MiniLM files (they need sentence-transformers and the model wheel, which these
-# venvs do not install; `make test` runs them on 2.13) and tests/test_properties.py: on torch
+# venvs do not install; `make test` runs them on 2.13) and tests/linear/test_properties.py: on torch
 # 2.15 (2026-12-01) hypothesis reported its float32 gradient check as flaky (9.67e-5 vs a
 # 1e-5 limit on a value of -0.0049, failing once and passing on replay); `make test` and the
 # sanitizer stage run it.
-IGNORE=${MATRIX_IGNORE-tests/test_minilm.py tests/test_watch_minilm.py tests/test_properties.py}
+IGNORE=${MATRIX_IGNORE-tests/linear/test_minilm.py tests/watch/test_watch_minilm.py tests/linear/test_properties.py}
 PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
 CUDA_VERSIONS=${MATRIX_CUDA_VERSIONS-2.15.0}
 CUDA_ARCH_LIST=${MATRIX_CUDA_ARCH_LIST:-9.0}
@@ -217,9 +217,9 @@ PY
   if [[ $flavour == CUDA ]]; then
     # The slow build tests too: the installed CUDA build is used, and a JIT CUDA build in a
     # subprocess lands in the directory this process computes (one key however it started).
-    stage "torch $version: pytest tests/test_build.py (CUDA build)"
+    stage "torch $version: pytest tests/building/test_build.py (CUDA build)"
     (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version TORCH_CUDA_ARCH_LIST=$CUDA_ARCH_LIST \
-      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/test_build.py "$@")
+      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/building/test_build.py "$@")
   fi
   rm -rf "$src" "$WORK/ext-$version"
   drop_venv "$venv"

@@ -1,4 +1,4 @@
-"""The native library shares torch's C++ runtime (issue 19, item 3).
+"""The native library shares torch's C++ runtime instead of carrying its own.
 
 On the GPU machine a build that carried its own copy of libstdc++'s locale and iostream code
 (g++ linking it statically) crashed the interpreter in the first error message that formatted an

@@ -1,4 +1,4 @@
-"""The bad-input matrix (issue 6): every way an input or a parameter can be wrong.
+"""The bad-input matrix: every way an input or a parameter can be wrong.
 
 Each case checks, on every device the machine has:
 

@@ -50,7 +50,7 @@ def test_doctor_json_is_valid_and_complete() -> None:
     names = [c["name"] for c in report["checks"]]
     for item in ("extension build", "TF32", "CUDA_LAUNCH_BLOCKING", "CUBLAS_WORKSPACE_CONFIG"):
         assert item in names
-    # the seed's checklist: versions, arch, memory; unknowable without a GPU -> SKIP
+    # the GPU checklist: versions, arch, memory; unknowable without a GPU -> SKIP
     if not torch.cuda.is_available():
         for item in ("driver vs runtime", "GPU arch vs torch", "GPU memory", "live cuBLAS probe"):
             check = next(c for c in report["checks"] if c["name"] == item)

@@ -1,5 +1,7 @@
-"""The doctor's checks for 2026's causes of cuBLAS failures, each on faked facts, and
-`doctor --capsule` comparing this machine with a capsule's environment."""
+"""The doctor's checks for the causes of cuBLAS failures on current CUDA releases (a cuBLAS wheel
+that does not match torch, libcublas and libcublasLt of different releases, GPUs CUDA 13 dropped,
+workspace settings on new architectures), each on faked facts, and `doctor --capsule` comparing
+this machine with a capsule's environment."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def check(env: dict, prefix: str) -> doctor.Check:
     return next(c for c in doctor.checks(env, probe=False) if c.name.startswith(prefix))
 
 
-def test_the_healthy_machine_passes_the_new_checks() -> None:
+def test_the_healthy_machine_passes_these_checks() -> None:
     items = doctor.checks_2026(env_with())
     assert [(c.name, c.status) for c in items] == [
         ("cuBLAS wheel vs torch", "OK"),

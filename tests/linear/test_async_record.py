@@ -1,4 +1,4 @@
-"""The async record's claim and call numbers (issue 10).
+"""The async record's claim and call numbers.
 
 The first bad scan claims the record; the host frees the claim once it has taken the report, by
 a store to host memory (no CUDA call: ordered with every stream, possible inside a graph
@@ -62,9 +62,9 @@ def test_a_finding_while_the_record_is_taken_waits_until_it_is_free(device: str)
 
 @requires_cuda
 def test_a_report_frees_the_record_for_a_scan_on_another_stream() -> None:
-    """The claim used to be reset by cudaMemset on the legacy default stream, behind whatever
-    that stream still had queued; a bad scan on a side stream meanwhile found it taken and was
-    dropped. Now the host frees it before the call that takes the report returns."""
+    """The host frees the claim before the call that takes the report returns. A reset queued on
+    the legacy default stream (a cudaMemset) would wait behind whatever that stream still had
+    queued, and a bad scan on a side stream meanwhile would find the claim taken and be dropped."""
     layer = cg.SafeLinear(16, 8, device="cuda", mode="async", name="streams")
     good = torch.randn(4, 16, device="cuda")
     bad1, bad2 = good.clone(), good.clone()
@@ -97,9 +97,9 @@ def _warm_up(layer: cg.SafeLinear, x: torch.Tensor) -> None:
 
 @requires_cuda
 def test_a_report_taken_inside_a_graph_capture_is_raised_and_recording_goes_on() -> None:
-    """The first guarded call of a capture takes a finding recorded before it. The claim reset
-    used to be a cudaMemset, refused inside a capture after the report was taken: the report
-    was lost and the claim stayed taken, so async mode recorded nothing ever after."""
+    """The first guarded call of a capture takes a finding recorded before it. A claim reset by
+    cudaMemset would be refused inside a capture after the report was taken: the report would be
+    lost and the claim stay taken, so async mode would record nothing ever after."""
     layer = cg.SafeLinear(32, 16, device="cuda", mode="async", name="taken_in_capture")
     static_x = torch.randn(8, 32, device="cuda")
     _warm_up(layer, static_x)

@@ -1,4 +1,4 @@
-"""The GOOD half of the input matrix (issue 6): strided and zero-size inputs, layers with zero
+"""The GOOD half of the input matrix: strided and zero-size inputs, layers with zero
 features and sizes at and beyond the 32-bit limit give F.linear's results and gradients."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fast eager entry (issue 12): the same op as torch.ops, the same results and errors.
+"""The fast eager entry: the same op as torch.ops, the same results and errors.
 
 ``cublas_guard_ext.ops._fast_linear`` calls ``cublas_guard::linear`` through a
 typed dispatcher handle (csrc/python_module.cpp). It must agree with
@@ -148,7 +148,7 @@ def test_safelinear_takes_the_fast_entry_and_falls_back(monkeypatch: pytest.Monk
     torch.testing.assert_close(
         out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6
     )
-    # A torch function mode sees the call on the torch.ops path, as before.
+    # A torch function mode sees the call on the torch.ops path, as it sees any op.
     seen = _Seen()
     with seen, torch.no_grad():
         torch.testing.assert_close(layer(x), out, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""The GEMM path (CUBLAS_GUARD_GEMM_PATH=legacy|lt, issue 19): which routine a call starts with,
+"""The GEMM path (CUBLAS_GUARD_GEMM_PATH=legacy|lt): which routine a call starts with,
 when a cuBLASLt attempt falls back to cublasGemmEx, and the bias prefill's CPU twin, all on any
 machine; then, on a GPU, both paths against F.linear and the fallback and the failure report."""
 

@@ -1,4 +1,4 @@
-"""The GPU run's first answers (benchmarks/gpu/gpu_check.sh's smoke step, issue 19): half and double
+"""The GPU run's first answers (benchmarks/gpu/gpu_check.sh's smoke step): half and double
 precision forward and backward against F.linear on both GEMM paths, and the scan of more than
 2^31 elements, contiguous and strided. They skip without a GPU. (The smoke step also runs
 test_libstdcxx.py, the 64-bit routines of test_dtypes.py and one watch producer test on CUDA.)

@@ -1,5 +1,5 @@
 """A CUDA graph replays the scans it captured, whatever the clean-parameter cache said at capture
-time: a NaN written into a weight between replays is reported (issue 19).
+time: a NaN written into a weight between replays is reported.
 
 The CPU has no graphs; the decisions a capture changes (scan the parameters in every captured
 call, mark nothing clean) are the device-independent code's, run here through the test hook

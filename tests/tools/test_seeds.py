@@ -1,7 +1,7 @@
 """The per-test seeds of conftest.py: the same in every process, and named when a test fails.
 
 Each check runs a planted test file in a fresh pytest process next to a copy of this suite's
-conftest.py (and its helpers), with two different PYTHONHASHSEEDs (what made `hash(nodeid)` seeds change per run).
+conftest.py (and its helpers), with two different PYTHONHASHSEEDs (hash() of a str is salted per process; the seed must not be).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TrainingGuard (issue 22): a bad step is never applied, is replayed under watch and named,
+"""TrainingGuard: a bad step is never applied, is replayed under watch and named,
 classified transient or persistent; "skip" equals a run without that batch, bitwise."""
 
 from __future__ import annotations

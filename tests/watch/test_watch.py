@@ -1,4 +1,4 @@
-"""watch(): the op and module that first produced NaN/Inf, forward and backward (issue 13)."""
+"""watch(): the op and module that first produced NaN/Inf, forward and backward."""
 
 from __future__ import annotations
 

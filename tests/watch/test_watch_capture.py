@@ -1,4 +1,4 @@
-"""CUDA graph capture and watch (issue 20, defect 2): refused with a typed error before anything
+"""CUDA graph capture and watch: refused with a typed error before anything
 is captured. watch reads its findings on the host, which a capture forbids (``.item()`` during
 capture fails with cudaErrorStreamCaptureUnsupported and invalidates the capture)."""
 

@@ -1,4 +1,4 @@
-"""watch judges a non-finite value by its consequences (issue 20, defect 1).
+"""watch judges a non-finite value by its consequences, not by its birth.
 
 A NaN/Inf carries its origin (op, module, phase, the Python stack at its birth) and becomes a
 finding only when it reaches a result that matters: the watched model's outputs, a loss, a

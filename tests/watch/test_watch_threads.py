@@ -1,4 +1,4 @@
-"""watch's per-block state shared with the threads that run its backward (issue 20, defect 3).
+"""watch's per-block state shared with the threads that run its backward.
 
 Autograd runs the backward nodes of a graph on the thread that calls backward (CPU) or on its
 device threads (CUDA), with the session of the thread whose forward built them, while that

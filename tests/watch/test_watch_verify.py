@@ -1,4 +1,4 @@
-"""watch(..., verify_inputs=True): non-finite values from nowhere (issue 20).
+"""watch(..., verify_inputs=True): non-finite values from nowhere.
 
 An input watch saw produced finite, at the same version, is non-finite when an op reads it: no
 op made it. A write outside stream order (a stream race, memory freed too early), or here a

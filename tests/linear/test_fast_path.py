@@ -209,7 +209,7 @@ def test_no_autograd_node_without_gradients_and_the_same_gradients_with() -> Non
     assert layer(x).grad_fn is None and not layer(x).requires_grad
 
 
-def test_forward_ad_on_the_op_is_refused_as_before() -> None:
+def test_forward_ad_on_the_op_is_refused_with_torchs_jvp_error() -> None:
     import torch.autograd.forward_ad as fwAD
 
     w, b = torch.randn(5, 16), torch.randn(5)

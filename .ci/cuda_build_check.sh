@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prove the FULL CUDA build (CUDAExtension: nvcc + g++ compile, link) works on a
 # machine with a CUDA toolkit but no GPU, and that the result imports and passes the
-# test suite (the CUDA-only tests skip without a GPU; the CPU ones must pass with
-# the CUDA build of torch and of the extension).
+# test suite, both tiers (the CUDA-only tests skip without a GPU; the CPU ones must pass with
+# the CUDA build of torch and of the extension; the slow tier's compile and subprocess tests
+# are the ones that see a torch other than the pinned one here).
 #
 # It never touches the project's .venv or the source tree's _C*.so:
 #   * torch with CUDA goes into its own venv, .ci-cache/venv-cu, deleted at the end

@@ -93,6 +93,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_replay_and_doctor_refuse_foreign_files_in_one_line_and_run_nothing(foreign_files):
     marker, files = foreign_files
     for kind, paths in files.items():

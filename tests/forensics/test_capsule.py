@@ -293,6 +293,7 @@ def _payload_error(kind: str, **fields) -> errors.GuardError:
     return errors.from_payload({"kind": kind, "layer": NAME, **fields})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["forward", "grad_input", "grad_weight"])
 def test_an_error_around_the_gemm_records_the_planned_call(folder, phase: str) -> None:
     """A PendingCudaError or CudaLaunchError is raised before the GEMM: the capsule holds the
@@ -325,6 +326,7 @@ def test_an_error_around_the_gemm_records_the_planned_call(folder, phase: str) -
     assert "planned from its operands" in cg.replay(err.capsule)["verdict"]
 
 
+@pytest.mark.slow
 def test_unreadable_operands_replay_on_synthetic_values(folder) -> None:
     """In a broken CUDA context nothing on the device can be read: the capsule keeps the
     layout and says so, and the replay says it ran on synthetic values (meta tensors
@@ -358,6 +360,7 @@ def _fresh_env(**changes: str | None) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_replay_reproduced_with_the_fault_and_not_without(folder, inject_fault, monkeypatch) -> None:
     err, _ = failing_forward(inject_fault)
     monkeypatch.setenv("CUBLAS_GUARD_EXT_FAULT", "gemm:13:1")  # the replay's process fails once
@@ -386,6 +389,7 @@ def test_replay_reproduced_with_the_fault_and_not_without(folder, inject_fault, 
     assert "watch(model)" in result["verdict"]
 
 
+@pytest.mark.slow
 def test_replay_cli(folder, inject_fault) -> None:
     err, _ = failing_forward(inject_fault)
     out = subprocess.run(
@@ -419,6 +423,7 @@ def test_replay_cli(folder, inject_fault) -> None:
     assert bad.returncode == 2 and "cannot read" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec,expect",
     [
@@ -438,6 +443,7 @@ def test_a_fresh_process_takes_its_fault_from_the_environment(spec: str, expect:
     assert out.returncode != 0 and expect in out.stderr and "CublasError" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "spec,testing,message",
     [
@@ -531,6 +537,7 @@ def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[1])
 
 
+@pytest.mark.slow
 def test_watch_reraise_writes_a_capsule(folder) -> None:
     """watch() re-raises another op's cuBLAS failure typed: it gets a capsule too (no guarded
     GEMM call in it: the replay says there is nothing of ours to run)."""

@@ -34,6 +34,7 @@ def run_doctor(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_doctor_json_is_valid_and_complete() -> None:
     result = run_doctor("--json")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -64,6 +65,7 @@ def test_doctor_json_is_valid_and_complete() -> None:
     assert env["extension"]["built_with_torch"].split("+")[0] == torch.__version__.split("+")[0]
 
 
+@pytest.mark.slow
 def test_doctor_text_output() -> None:
     result = run_doctor()
     assert result.returncode == 0, result.stderr
@@ -125,6 +127,7 @@ def test_the_guard_mode_variable_is_checked(value, status, monkeypatch) -> None:
         assert check.fix == "unset it or set one of async, off, sync"
 
 
+@pytest.mark.slow
 def test_doctor_fails_on_an_invalid_guard_mode() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "doctor", "--json"],

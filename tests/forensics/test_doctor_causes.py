@@ -163,6 +163,7 @@ def test_capsule_checks_name_what_differs() -> None:
     assert "capsule environment" not in items
 
 
+@pytest.mark.slow
 def test_doctor_reads_a_capsule(tmp_path, monkeypatch, inject_fault) -> None:
     monkeypatch.setenv("CUBLAS_GUARD_CAPSULE_DIR", str(tmp_path))
     inject_fault("gemm", 13)

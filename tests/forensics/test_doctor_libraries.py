@@ -104,6 +104,7 @@ def run_doctor_after(preload: list[str], fake: dict[str, Path], ld_library_path:
     return result, report, {c["name"]: c for c in report["checks"]}
 
 
+@pytest.mark.slow
 @needs_gcc
 @fake_cublas_before_torch
 def test_libcublaslt_from_a_folder_on_ld_library_path_fails_and_names_it(fake_cuda) -> None:
@@ -129,6 +130,7 @@ def test_libcublaslt_from_a_folder_on_ld_library_path_fails_and_names_it(fake_cu
     assert report["next_steps"][0]["command"] == row["fix"]
 
 
+@pytest.mark.slow
 @needs_gcc
 @fake_cublas_before_torch
 def test_the_same_process_without_the_stray_folder_passes(fake_cuda) -> None:
@@ -139,6 +141,7 @@ def test_the_same_process_without_the_stray_folder_passes(fake_cuda) -> None:
     assert "QUICK 0" in result.stderr
 
 
+@pytest.mark.slow
 @needs_gcc
 @fake_cublas_before_torch
 def test_one_library_mapped_twice_fails(fake_cuda) -> None:
@@ -200,6 +203,7 @@ def _fake_dist(site: Path, folder: str, name: str, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
+@pytest.mark.slow
 def test_cu12_and_cu13_cublas_wheels_together_fail(tmp_path) -> None:
     site = tmp_path / "site-packages"
     _fake_dist(site, "nvidia_cublas_cu12-12.8.4.1.dist-info", "nvidia-cublas-cu12", "12.8.4.1")
@@ -318,6 +322,7 @@ def test_an_extension_compiled_by_another_cuda_major_warns() -> None:
     assert row.status == "FAIL" and row.fix.startswith('pip install "cuda-toolkit[nvcc,cccl]==13.0.3", then')
 
 
+@pytest.mark.slow
 def test_the_json_carries_every_new_field() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "doctor", "--json", "--no-probe"],

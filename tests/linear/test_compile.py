@@ -15,6 +15,10 @@ import cublas_guard_ext as cg
 
 from helpers import assert_matches
 
+# Every test here compiles (Dynamo, Inductor, export, TorchScript): seconds each, and the first
+# pays for importing the compiler stack.
+pytestmark = pytest.mark.slow
+
 NAN = float("nan")
 INF = float("inf")
 BACKENDS = ["aot_eager", "inductor"]

@@ -373,6 +373,7 @@ def test_meta_kernels_propagate_dtypes() -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_torch_compile_per_dtype(dtype) -> None:
     torch._dynamo.reset()
@@ -476,6 +477,7 @@ def test_autocast_scan_reports_non_finite_by_layer() -> None:
     assert info.value.first_bad_coords == [1, 2] and info.value.posinf_count == 1
 
 
+@pytest.mark.slow
 def test_autocast_under_compile() -> None:
     torch._dynamo.reset()
     ref, safe = autocast_pair("cpu")

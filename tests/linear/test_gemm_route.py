@@ -204,6 +204,7 @@ def test_a_bad_path_name_is_refused() -> None:
         T.set_gemm_path("fast")
 
 
+@pytest.mark.slow
 def test_the_environment_variable_chooses_the_path_once_per_process() -> None:
     code = "import torch, cublas_guard_ext; print(torch.ops.cublas_guard_testing.gemm_path())"
     env = {**os.environ, "CUBLAS_GUARD_EXT_TESTING": "1"}

@@ -196,6 +196,7 @@ def test_scan_grad_off_by_default(device: str) -> None:
     assert layer.weight.grad.isnan().all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "off"])
 def test_torch_compile_fullgraph_matches_eager(mode: str) -> None:
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from cublas_guard_ext import modes, ops
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_import_loads_neither_dynamo_nor_onnx_nor_transformers():
     code = (
         "import sys, torch; before = set(sys.modules); import cublas_guard_ext; "
@@ -63,6 +65,7 @@ def test_py_typed_is_shipped_as_package_data():
     assert "py.typed" in config["tool"]["setuptools"]["package-data"]["cublas_guard_ext"]
 
 
+@pytest.mark.slow
 def test_version_flag():
     out = subprocess.run(
         [sys.executable, "-m", "cublas_guard_ext", "--version"], capture_output=True, text=True, check=True

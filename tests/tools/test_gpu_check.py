@@ -67,6 +67,7 @@ RUN_STEPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", [1, 2])
 def test_the_dry_run_runs_every_step_and_brings_back_four_files(tmp_path: Path, run: int) -> None:
     result = dry_run(tmp_path, run)
@@ -103,6 +104,7 @@ def test_the_dry_run_runs_every_step_and_brings_back_four_files(tmp_path: Path, 
     assert "<!-- BEGIN preset:gpu -->" in results  # the rest of benchmarks/RESULTS.md is kept
 
 
+@pytest.mark.slow
 def test_more_files_than_come_back_fail_the_run(tmp_path: Path) -> None:
     for i in range(5):
         (tmp_path / f"left-over-{i}.txt").write_text("x")
@@ -183,6 +185,7 @@ def collect(step: str, files: list[str]) -> list[str]:
     return [line for line in result.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow
 def test_the_plugin_selects_by_skip_marker_and_device_parameter_never_twice() -> None:
     files = [
         "tests/linear/test_gpu_smoke.py",
@@ -236,6 +239,7 @@ def test_the_section_rows_say_pass_miss_or_not_run(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.slow
 def test_the_small_memcheck_workload_runs_and_checks_its_results_on_the_cpu() -> None:
     """Run 2's memcheck workload (WORKLOAD_SIZE=small) is the same Python on any device: here it
     runs every path once on the CPU and compares each result with torch's."""

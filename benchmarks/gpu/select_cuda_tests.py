@@ -6,7 +6,7 @@ of the suite lands in at most one step, so no test runs twice in the two runs:
   smoke   run 1's first answers: the items under SMOKE (node-id prefixes), except their CPU
           parametrizations (a ``device``-like parameter that is "cpu");
   tests   run 1's xdist run: every other CUDA test, except watch's;
-  watch   run 2: watch's CUDA tests (every ``tests/test_watch*.py`` file, whatever its name:
+  watch   run 2: watch's CUDA tests (every file under ``tests/watch/``, whatever its name:
           the watch workstream adds and renames them).
 
 A CUDA test is one that skips without a GPU -- it carries a ``skipif`` marker (on the test, its
@@ -27,12 +27,12 @@ STEPS = ("smoke", "tests", "watch")
 # runtime in a fresh process, half and double precision forward and backward on both GEMM paths,
 # every dtype's _64 routine through the lowered size limit, one watch producer test on CUDA.
 SMOKE = (
-    "tests/test_libstdcxx.py",
-    "tests/test_gpu_smoke.py::test_cuda_half_and_double_forward_backward_match_f_linear",
-    "tests/test_dtypes.py::test_split_and_64bit_per_dtype",
-    "tests/test_watch.py::test_per_device_forward_producer_named_by_module_and_op",
+    "tests/building/test_libstdcxx.py",
+    "tests/linear/test_gpu_smoke.py::test_cuda_half_and_double_forward_backward_match_f_linear",
+    "tests/linear/test_dtypes.py::test_split_and_64bit_per_dtype",
+    "tests/watch/test_watch.py::test_per_device_forward_producer_named_by_module_and_op",
 )
-WATCH_FILES = re.compile(r"^tests/test_watch[^/]*\.py::")
+WATCH_FILES = re.compile(r"^tests/watch/[^/]*\.py::")
 _REASON = re.compile(r"\b(CUDA|GPU)\b", re.I)
 
 

@@ -1,0 +1,75 @@
+"""Two gloo ranks on the CPU, each a subprocess running a test file as its worker script
+(``script worker RANK INIT_FILE SCENARIO OUT_DIR``, rendezvous through ``init_method=file://``):
+training/test_distributed.py, test_fsdp.py and test_training_guard_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WORLD = 2
+
+
+LONG_TIMEOUT_S = 60.0  # the gloo timeout of the other scenarios
+
+
+PROCESS_LIMIT_S = 120.0  # no worker may run longer than this (else: a hang)
+
+
+def launch(scenario: str, tmp_path: Path, script: str) -> tuple[list[dict], list[int], list[float]]:
+    """Start both ranks (``script worker RANK INIT_FILE SCENARIO OUT_DIR``); wait for each
+    (bounded); return their results, exit codes, and the seconds from the start to each
+    process's exit."""
+    init_file = tmp_path / "rendezvous"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, "worker", str(rank), str(init_file), scenario, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(WORLD)
+    ]
+    codes, ends, logs = [], [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, PROCESS_LIMIT_S - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"scenario {scenario!r}: a rank hung past {PROCESS_LIMIT_S} s")
+        codes.append(p.returncode)
+        ends.append(time.monotonic() - start)
+        logs.append(out.decode(errors="replace"))
+    results = []
+    for rank in range(WORLD):
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no result; its output:\n{logs[rank][-3000:]}"
+        results.append(json.loads(path.read_text()))
+    return results, codes, ends
+
+
+def assert_the_other_rank_failed_fast(
+    results: list[dict], codes: list[int], ends: list[float], label: str, bad_rank: int, bad_step: int
+) -> None:
+    """The rank that saw no bad value fails in its next collective, promptly (the peer's
+    closed connection, not the timeout), and every process ends."""
+    other = results[1 - bad_rank]
+    assert other["status"] == "error" and codes[1 - bad_rank] == 2, (codes, other)
+    assert other["steps_done"] == bad_step
+    assert other["elapsed"] - other["step_started"] < LONG_TIMEOUT_S - 5, "it waited for the timeout"
+    print(
+        f"\n[{label}] rank {1 - bad_rank} got {other['other_error']['type']} after "
+        f"{other['elapsed'] - other['step_started']:.1f} s in the step: "
+        f"{other['other_error']['message'][:160]!r}; processes exited at "
+        f"{', '.join(f'{e:.1f}' for e in ends)} s after launch"
+    )
+    assert max(ends) < PROCESS_LIMIT_S

@@ -171,7 +171,7 @@ const char* gemm_ex_refused_reduction(int dtype, int reduction);
 // half-precision dtype: allow_{bf16,fp16}_reduced_precision_reduction.
 int torch_reduction_option(int dtype);
 
-struct GemmCall;  // guard.h
+struct GemmCall;  // linear/gemm_plan.h
 // Raises the CublasError (CUBLAS_STATUS_NOT_SUPPORTED, refused before the
 // call) naming `setting`, for `call` (cublasGemmEx's arguments).
 [[noreturn]] void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting,

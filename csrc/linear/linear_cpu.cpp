@@ -1,7 +1,7 @@
 // The CPU backend: the same op behind the same checks, computing with torch's
 // CPU BLAS. It executes the exact column-major call cuBLAS would receive, so
 // the argument plan, the limits and every failure report are exercised on CPU.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>

@@ -16,7 +16,7 @@
 // are alive for the whole call: Python copies what it keeps before returning.
 #include <Python.h>
 
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "report/call_scope.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>

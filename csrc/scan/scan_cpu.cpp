@@ -8,7 +8,7 @@
 // counting pass runs only over the blocks where that answer is yes. On x86 an
 // AVX2 copy of the hot loop is picked at run time (the build targets baseline
 // x86-64, i.e. SSE2); see benchmarks/investigations/NOTES.md for why and what it gains.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -23,7 +23,7 @@
 #include <vector>
 
 // ---------------------------------------------------------------------------
-// The fast eager entry (issue 12). `torch.ops.cublas_guard.linear.default(...)`
+// The fast eager entry. `torch.ops.cublas_guard.linear.default(...)`
 // parses its arguments against the schema into a boxed stack on every call
 // (several microseconds); this calls the same op through the dispatcher with a
 // typed handle, so every dispatch key (Autograd, Autocast, Python modes, the

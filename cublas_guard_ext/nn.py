@@ -128,7 +128,8 @@ class SafeLinear(nn.Linear):
     @torch.jit.unused
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         # The fast entry (see cublas_guard_ext.ops.fast_linear): the same op, the
-        # same checks; None sends the call down ops.linear, which decides as before.
+        # same checks; None sends the call down ops.linear, which decides the
+        # same way through torch.ops.
         # The parameters are read once: a parametrized weight (spectral_norm, weight_norm)
         # is computed at each read, and spectral_norm's power iteration moves its buffers
         # at each one in training, so a second read would make a different layer.

@@ -338,8 +338,8 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
   }
 }
 
-// The report's device and math-mode text: built only for a failure (issue 12:
-// no string work on the clean path).
+// The report's device and math-mode text: built only for a failure: no
+// string work on the clean path, which is per-call host cost.
 void describe_for_report(GemmContext& ctx, int device, cublasHandle_t handle, at::ScalarType dtype) {
   ctx.device = describe_device(device);
   ctx.gemm_path = gemm_path_name(gemm_path());

@@ -1,6 +1,6 @@
 // Which GEMM a call takes, and the bias prefill, kept free of the CUDA headers
 // so that the CPU build compiles them and their tests run on any machine
-// (issue 19). cuda/linear.cu and cuda/lt_gemm.cu call these; the test hooks in
+// without a GPU. cuda/linear.cu and cuda/lt_gemm.cu call these; the test hooks in
 // gemm_route.cpp run them on the CPU.
 //
 // Two paths, chosen once per process by CUBLAS_GUARD_GEMM_PATH:

@@ -1,9 +1,9 @@
-// The guarded linear, device-independent: the argument checks, the value
-// scans (sync, async, inside a CUDA graph capture), the bias, the GEMM plan
-// (linear/gemm_plan.cpp) and the out-of-memory report. The CPU and CUDA
-// kernels differ only in their LinearBackend.
+// The guarded linear's entry points, device-independent: the argument checks
+// (linear/checks.cpp), the value scans (linear/value_scans.cpp), how the bias
+// enters, the GEMM plan (linear/gemm_plan.cpp) and the out-of-memory report.
+// The CPU and CUDA kernels differ only in their LinearBackend.
 #include "linear/linear_op.h"
-#include "linear/param_cache.h"
+#include "linear/value_scans.h"
 #include "report/async_registry.h"
 #include "report/call_scope.h"
 
@@ -17,104 +17,6 @@
 namespace cublas_guard {
 
 namespace {
-
-// A tensor to scan and the role it plays in the error message.
-struct ScanJob {
-  const at::Tensor* tensor;
-  TensorRole role;
-};
-
-void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int64_t layer_id, int64_t call_id,
-                 AsyncRecord* record, int* claim) {
-  target.record = record;
-  target.claim = claim;
-  target.layer_id = layer_id;
-  target.call_id = call_id;
-  target.role = role;
-  target.numel = t.numel();
-  target.ndim = t.dim();
-  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kRecordMaxDims); ++d) {
-    target.shape[d] = t.size(d);
-  }
-}
-
-bool first_role_is_backward(const std::vector<ScanJob>& jobs) {
-  return !jobs.empty() && jobs.front().role == kRoleGradOutput;
-}
-
-// Async mode inside a CUDA graph capture. A capture records the scan kernels
-// and runs none of them: every replay scans whatever the tensors hold then.
-// So a captured call must scan the parameters whatever the clean-parameter
-// cache says (a weight written between replays, by an optimizer step or a
-// copy_, is seen by the replay's scan, never by the cache), and it proves
-// nothing clean (no scan ran), so it marks nothing. The call's number is
-// baked into the graph; its replays are counted on the device (the first scan
-// increments, the others read).
-struct CaptureState {
-  bool captured = false;
-  int64_t* replays = nullptr;
-};
-
-CaptureState capture_state(const LinearBackend& be, GuardMode mode, c10::Device device) {
-  CaptureState state;
-  if (mode == GuardMode::kAsync && be.capture_replay_counter != nullptr) {
-    state.captured = be.capture_replay_counter(device, &state.replays);
-  }
-  return state;
-}
-
-// Whether a parameter (weight, bias) is scanned in this call: always in a
-// capture, else only when the cache does not know it clean.
-bool must_scan_parameter(const CaptureState& capture, const at::Tensor& t) {
-  return capture.captured || !parameter_known_clean(t);
-}
-
-// Scans the jobs. Sync: one host synchronization for all of them, then raise
-// for the first bad one. Async: enqueue scans that fill the record if needed.
-//
-// With `prefill_out`, the first job's scan (the input's) also writes
-// `prefill_bias` into every row of it, in the same launch.
-void guard_values(const LinearBackend& be, GuardMode mode, const std::string& layer,
-                  const std::vector<ScanJob>& jobs, const CaptureState& capture = {},
-                  at::Tensor* prefill_out = nullptr, const at::Tensor* prefill_bias = nullptr) {
-  if (jobs.empty()) return;
-  auto scan_job = [&](int64_t i, at::Tensor slot, const AsyncTarget* target) {
-    if (i == 0 && prefill_out != nullptr) {
-      be.scan_into_prefilling(*jobs[0].tensor, std::move(slot), target, layer, *prefill_out, *prefill_bias);
-    } else {
-      be.scan_into(*jobs[i].tensor, std::move(slot), target, layer);
-    }
-  };
-  const at::Tensor& first = *jobs.front().tensor;
-  const auto n = static_cast<int64_t>(jobs.size());
-  if (mode == GuardMode::kSync) {
-    at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
-    for (int64_t i = 0; i < n; ++i) scan_job(i, results[i], nullptr);
-    at::Tensor host = be.fetch(results, layer);
-    const int64_t* counts = host.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      raise_if_non_finite(*jobs[i].tensor, counts + i * kScanFields, tensor_role_name(jobs[i].role), layer);
-    }
-  } else {
-    AsyncRecord* record = nullptr;
-    int* claim = nullptr;
-    be.async_slot(first.device(), &record, &claim);
-    const auto ids = next_layer_call(layer, first_role_is_backward(jobs));
-    for (int64_t i = 0; i < n; ++i) {
-      AsyncTarget target;
-      fill_target(target, *jobs[i].tensor, jobs[i].role, ids.first, ids.second, record, claim);
-      target.captured = capture.captured;
-      target.counts_replay = capture.captured && i == 0;
-      target.replays = capture.replays;
-      // No result tensor: nothing reads it; the record is the async report.
-      scan_job(i, at::Tensor(), &target);
-    }
-  }
-  if (capture.captured) return;  // recorded, not run: nothing is known clean
-  for (const auto& job : jobs) {
-    if (job.role == kRoleWeight || job.role == kRoleBias) mark_parameter_clean(*job.tensor);
-  }
-}
 
 // Allocations in a guarded call that run out of memory are reported with the
 // device's numbers and the request (torch raises its own OOM otherwise).

@@ -9,6 +9,7 @@ CPU_SOURCES = (
     "testing.cpp",
     "linear/checks.cpp",
     "linear/linear_common.cpp",
+    "linear/value_scans.cpp",
     "linear/gemm_plan.cpp",
     "linear/param_cache.cpp",
     "linear/linear_cpu.cpp",

@@ -1,6 +1,6 @@
 """cublas_guard_ext micro-benchmarks: SafeLinear vs nn.Linear, the scan vs the naive checks,
 the GEMM alone. Writes summary.md, results.json and overhead.png, updates RESULTS.md,
-and prints PASS/MISS for each target of issue 5.
+and prints PASS/MISS for each target of benchmarks/harness/targets.py.
 
     python benchmarks/run.py --preset cpu      # this 2-core CPU machine (< 10 minutes)
     python benchmarks/run.py --preset gpu      # an H200 (~4 minutes)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         choices=["fixed", "linear", "scan"],
-        help="run only the cases of this kind (fixed: the fixed cost per call, issue 12)",
+        help="run only the cases of this kind (fixed: the fixed cost per call)",
     )
     ap.add_argument("--dry-run", action="store_true", help="print the cases and exit")
     ap.add_argument(
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerender(args.from_json, args.out, args.results_md)
 
     if sys.flags.optimize:
-        print("run.py: the seed's check uses assert; run without -O", file=sys.stderr)
+        print("run.py: the two-assert check uses assert; run without -O", file=sys.stderr)
         return 2
 
     import torch

@@ -1,4 +1,4 @@
-"""What TrainingGuard costs on a healthy training step (issue 22; target <= 1.03x on the CPU).
+"""What TrainingGuard costs on a healthy training step (target <= 1.03x on the CPU).
 
 One training step of all-MiniLM-L6-v2 (8 sequences x 56 tokens, MSE on the embeddings,
 AdamW) as a plain loop (closure, then ``optimizer.step()``) and through
@@ -11,7 +11,7 @@ medians of wall time and process CPU time; the ratios compare two medians of one
     python benchmarks/training_guard_bench.py --threads 1        # ~2-4 minutes on a CPU
     python benchmarks/training_guard_bench.py --device cuda      # a GPU, if there is one
     python benchmarks/training_guard_bench.py --device cuda --model gpt2 --bf16 --fused
-        # the issue's GPU target: a GPT-2-small step (GPT2Config defaults, random weights,
+        # TrainingGuard's GPU target: a GPT-2-small step (GPT2Config defaults, random weights,
         # 8 x 512 tokens, bf16 autocast), <= 1.02x
 """
 

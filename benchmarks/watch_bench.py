@@ -1,9 +1,9 @@
-"""What watch() costs on a real training step (issues 13 and 20).
+"""What watch() costs on a real training step.
 
 One training step (forward, backward, AdamW step) without and with ``cublas_guard_ext.watch(model,
 mode="async")`` around the whole step, and for orientation with an empty Python TorchDispatchMode
 around it. The model is all-MiniLM-L6-v2 (8 sequences x 56 tokens, MSE on the embeddings) or, with
-``--model gpt2``, GPT-2 small built from its config (issue 20's GPU workload, with ``--bf16``). The
+``--model gpt2``, GPT-2 small built from its config (watch's GPU workload, with ``--bf16``). The
 variants run interleaved (A, B, C, A, B, C, ...) and the figures are medians; a ratio compares two
 medians of the same interleaved run. On the CPU the table gives wall time and process CPU time (the
 CPU time is the steadier figure on a busy machine; with one torch thread it is the step's own work).
@@ -11,7 +11,7 @@ The ratio line is printed last.
 
     python benchmarks/watch_bench.py --threads 1                        # ~1-3 minutes here
     python benchmarks/watch_bench.py --device cuda                      # ~30 s on a GPU
-    python benchmarks/watch_bench.py --device cuda --model gpt2 --bf16  # issue 20's target, <= 1.10x
+    python benchmarks/watch_bench.py --device cuda --model gpt2 --bf16  # watch's GPU target, <= 1.10x
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 // hooks have their own namespace (testing.cpp), the package's private entry
 // points theirs (cublas_guard_internal, defined where they are implemented),
 // so what a user sees under torch.ops.cublas_guard is the product only.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -6,7 +6,7 @@
 // sys.modules there.
 #include <Python.h>
 
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "op_handles.h"
 #include "watch/watch.h"
 
@@ -23,7 +23,7 @@
 #include <vector>
 
 // ---------------------------------------------------------------------------
-// The fast eager entry (issue 12). `torch.ops.cublas_guard.linear.default(...)`
+// The fast eager entry. `torch.ops.cublas_guard.linear.default(...)`
 // parses its arguments against the schema into a boxed stack on every call
 // (several microseconds); this calls the same op through the dispatcher with a
 // typed handle, so every dispatch key (Autograd, Autocast, Python modes, the
@@ -131,16 +131,16 @@ PyMethodDef module_methods[] = {
      "Marks cuda:index as having had its first-use diagnostics."},
     {nullptr, nullptr, 0, nullptr}};
 
-// The module's table: the entries above, then watch's.
+// The module's methods: the entries above, then watch's.
 PyMethodDef* all_methods() {
-  static std::vector<PyMethodDef> table = [] {
+  static std::vector<PyMethodDef> methods = [] {
     std::vector<PyMethodDef> t;
     for (PyMethodDef* m = module_methods; m->ml_name != nullptr; ++m) t.push_back(*m);
     for (PyMethodDef* m = watch::python_methods(); m->ml_name != nullptr; ++m) t.push_back(*m);
     t.push_back({nullptr, nullptr, 0, nullptr});
     return t;
   }();
-  return table.data();
+  return methods.data();
 }
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cublas_guard_ext._C", nullptr, -1, all_methods()};

@@ -8,8 +8,8 @@
 //   set_size_limit        lower the 32-bit size limit so the _64 paths run on small tensors
 //   simulate_cuda_errors  run pending_errors.h's decisions against a model of the
 //                         CUDA runtime's last-error rules (any build, no GPU needed)
-//   clean_cache_stats     the parameter cache's counters (defined in linear_common.cpp)
-#include "guard.h"
+//   clean_cache_stats     the parameter cache's counters (defined in linear/param_cache.cpp)
+#include "linear/linear_op.h"
 #include "report/pending_errors.h"
 
 #include <c10/util/Exception.h>
@@ -31,8 +31,9 @@ void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_c
 }  // namespace watch
 
 // ---------------------------------------------------------------------------
-// Fault injection and the lowered size limit: the state production code reads
-// (a relaxed load per GEMM) and the setters only tests may call.
+// Fault injection: the state production code reads (a relaxed load per GEMM)
+// and the setters only tests may call. The size limit's state is the GEMM
+// plan's (linear/gemm_plan.cpp); only its test setter is here.
 // ---------------------------------------------------------------------------
 namespace {
 
@@ -42,24 +43,14 @@ struct InjectedFault {
 };
 
 std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)>& faults() {
-  static std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)> table;
-  return table;
+  static std::array<InjectedFault, static_cast<size_t>(FaultSite::kCount)> by_site;
+  return by_site;
 }
 
 // Production code reads this on every GEMM; a relaxed atomic load is the whole cost.
 std::atomic<bool>& any_fault_armed() {
   static std::atomic<bool> armed{false};
   return armed;
-}
-
-std::atomic<int64_t>& size_limit() {
-  static std::atomic<int64_t> limit{2147483647};  // INT_MAX: cuBLAS's int arguments
-  return limit;
-}
-
-std::atomic<bool>& allow_64bit() {
-  static std::atomic<bool> allowed{true};
-  return allowed;
 }
 
 void require_testing_env(const char* what) {
@@ -156,13 +147,8 @@ int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
   require_testing_env("the size limit override");
   TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
                     "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
-  allow_64bit().store(allow_64bit_api);
-  return size_limit().exchange(limit);
+  return set_gemm_size_limit(limit, allow_64bit_api);
 }
-
-int64_t gemm_size_limit() { return size_limit().load(std::memory_order_relaxed); }
-
-bool gemm_64bit_allowed() { return allow_64bit().load(std::memory_order_relaxed); }
 
 namespace {
 

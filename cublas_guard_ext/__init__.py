@@ -26,19 +26,23 @@ from .errors import (
     GraphCaptureError,
     GuardError,
     NonFiniteEntryError,
+    NonFiniteFromNowhereError,
     NonFiniteInputError,
     NonFiniteOutputError,
+    NonFiniteStepError,
     OutOfMemoryError,
     PendingCudaError,
     ShapeMismatchError,
     SizeLimitError,
+    TrainingDivergedError,
+    WatchCaptureError,
 )
 from .modes import guard
 from .nn import SafeConv1D, SafeLinear, name_layers
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
 from .swap import Coverage, coverage, replace_linear, restore_linear
-from .training import NonFiniteStepError, TrainingDivergedError, TrainingGuard
-from .watch import NonFiniteFromNowhereError, WatchCaptureError, watch
+from .training import TrainingGuard
+from .watch import watch
 
 __version__ = "0.1.0"
 

@@ -83,7 +83,7 @@ def _current_when_traced() -> Mode:
 
 # What ``torch._dynamo.assume_constant_result`` does (Dynamo calls the function once while tracing
 # and puts its result in the graph as a constant), without importing torch._dynamo here: that
-# import alone costs over a second, at every ``import cublas_guard_ext``. tests/test_modes.py
+# import alone costs over a second, at every ``import cublas_guard_ext``. tests/linear/test_modes.py
 # checks that the decorator still sets exactly this.
 _current_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 

@@ -110,7 +110,7 @@ class SafeLinear(nn.Linear):
             # CUBLAS_GUARD_MODE are Python state a scripted model cannot read.
             mode = self.mode
             # Literal codes (TorchScript takes no global ints): _native/codes.py's values,
-            # checked by tests/test_codes.py.
+            # checked by tests/package/test_codes.py.
             code = 1 if mode is None else (0 if mode == "off" else (2 if mode == "async" else 1))
             x = input
             cast = self.dtype_policy == "cast" and (
@@ -128,7 +128,8 @@ class SafeLinear(nn.Linear):
     @torch.jit.unused
     def _eager_forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
         # The fast entry (see cublas_guard_ext.ops.fast_linear): the same op, the
-        # same checks; None sends the call down ops.linear, which decides as before.
+        # same checks; None sends the call down ops.linear, which decides the
+        # same way through torch.ops.
         # The parameters are read once: a parametrized weight (spectral_norm, weight_norm)
         # is computed at each read, and spectral_norm's power iteration moves its buffers
         # at each one in training, so a second read would make a different layer.
@@ -399,7 +400,7 @@ class SafeConv1D(nn.Module):
     ``Conv1D`` (``isinstance(m, Conv1D)`` still holds, so PEFT and transformers' pruning treat
     it as one). The forward is the guarded linear of ``x`` with ``W.t()`` (a view, no copy):
     the same checks, scans and typed errors as SafeLinear's, and on the CPU bitwise the
-    output of Conv1D's ``addmm`` (tests/test_replace_linear.py). Parameters, ``state_dict``
+    output of Conv1D's ``addmm`` (tests/linear/test_replace_linear.py). Parameters, ``state_dict``
     keys and hooks are Conv1D's own (shared with the module it replaced). Options: ``mode``,
     ``guard_name``, ``scan_grad``, ``dtype_policy`` as SafeLinear's.
     """

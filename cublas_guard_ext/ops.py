@@ -3,7 +3,7 @@
 All rules live in the native ops; these functions only pick the op and pass
 the layer name and mode. Native errors arrive already typed: the native side
 raises the exception class from :mod:`cublas_guard_ext.errors` itself (see
-csrc/python_errors.cpp), in forward, in backward and in compiled graphs.
+csrc/report/python_errors.cpp), in forward, in backward and in compiled graphs.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ def _exported_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def check_features(x: torch.Tensor, in_features: int, name: str | None = None) -> None:
-    """The seed's ``check_input_feature``, fused: every check, one pass, no prints.
+    """Check an input as a guarded layer with ``in_features`` would, before any GEMM: dtype,
+    shape and values, fused into one pass, no prints.
 
     Raises :class:`DTypeError`, :class:`ShapeMismatchError`,
     :class:`NonFiniteInputError` (or, on CUDA, :class:`PendingCudaError`)

@@ -20,6 +20,8 @@ from . import errors, modes
 from ._native import loader as _loader
 from ._native.codes import MODE_CODES
 from .errors import NonFiniteFromNowhereError, WatchCaptureError
+from .errors.format import _dtype, _fold_inputs
+from .errors.parse import _typed_from_native_message
 
 _loader.load()
 if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
@@ -76,7 +78,7 @@ def _name_allowed(name: str, patterns: list[str]) -> bool:
 
 def _typed(message: str) -> errors.GuardError:
     """The typed finding for a native message; where it arrived and where it was born are added."""
-    err = errors._typed_from_native_message(message)
+    err = _typed_from_native_message(message)
     if err is None:
         return errors.GuardError(message)
     f = err.fields
@@ -150,8 +152,8 @@ def _op_failure(payload: str, original: Any, message: str) -> BaseException:
     fields.pop("kind", None)
     for key, value in list(fields.items()):
         if key.endswith("_dtype"):
-            fields[key] = errors._dtype(value)
-    errors._fold_inputs(fields)
+            fields[key] = _dtype(value)
+    _fold_inputs(fields)
     fields["original_error"] = message.strip().splitlines()[0][:400] if message.strip() else message
     status = re.search(r"CUBLAS_STATUS_[A-Z_]+", message)
     cls: type[errors.GuardError]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU memory checkers (issue 6): compute-sanitizer memcheck and racecheck on a small workload that
+# GPU memory checkers: compute-sanitizer memcheck and racecheck on a small workload that
 # exercises the guard's own CUDA code -- the scan (contiguous, strided, misaligned, single- and
 # multi-block sizes, the async-mode record) and the checked GEMM (forward + backward) -- and
 # compares every result with torch's, so a wrong answer under the sanitizer also fails.

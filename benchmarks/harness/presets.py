@@ -1,7 +1,7 @@
 """The presets: which cases a run measures on which device, with how many rounds and what budget.
 
-`cpu` fits this project's 2-core machine in under 10 minutes, `gpu` an H200 in about 4 (the issue's
-full grid), `quick` and `smoke` are fast looks (smoke exercises every code path with tiny sizes).
+`cpu` fits this project's 2-core machine in under 10 minutes, `gpu` an H200 in about 4 (the full
+benchmark grid), `quick` and `smoke` are fast looks (smoke exercises every code path with tiny sizes).
 suite.py turns a preset into its cases and measures them.
 """
 
@@ -35,7 +35,7 @@ class Preset:
     # bf16/fp16/fp64 rows: forward (no_grad, TF32 off) at these shapes, the scan at these sizes.
     dtype_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     dtype_scan_sizes: list[int] = field(default_factory=list)
-    # The fixed cost per call (issue 12): SafeLinear in each mode beside nn.Linear at
+    # The fixed cost per call: SafeLinear in each mode beside nn.Linear at
     # these shapes, dtypes, torch thread counts ([] = leave torch's) and directions.
     fixed_shapes: list[tuple[int, int, int]] = field(default_factory=list)
     fixed_dtypes: list[str] = field(default_factory=lambda: ["float32"])
@@ -64,7 +64,7 @@ def cpu_mem_available() -> int:
 
 
 CPU_SUBSET_NOTE = (
-    "CPU subset of the issue's grid (the 2-core CPU runs fp32 GEMMs at roughly 50-100 GFLOP/s, so "
+    "CPU subset of the benchmark grid (the 2-core CPU runs fp32 GEMMs at roughly 50-100 GFLOP/s, so "
     "M >= 4096 or M = 512 with K = 4096 would take seconds per call): M in {1, 32, 512} x (K, N) in "
     "{(256, 256), (1024, 1024)}; M in {1, 32} x (4096, 4096); M = 1 x (4096, 11008); plus the CPU "
     "target shape M = K = N = 1024. TF32 is a CUDA tensor-core mode: it does not exist on the CPU, "
@@ -116,7 +116,7 @@ def preset(name: str) -> Preset:
             # ~10 s: 4 groups of 4 members x 15 rounds x 10 ms, plus warm-up.
             fixed_shapes=[(32, 1024, 1024)],
             fixed_dtypes=["float32", "bfloat16"],
-            note="The issue's full grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
+            note="The full benchmark grid: M in {1, 32, 512, 4096, 8192} x (K, N) in {(256, 256), "
             "(1024, 1024), (4096, 4096), (4096, 11008)}, TF32 off and on, forward and forward+backward.",
         )
     if name == "gpu-check":

@@ -55,7 +55,7 @@ How it is measured: every group of functions compared with each other runs inter
 {timer}; the figures are medians of the rounds and every ratio compares medians of one group. Forward
 runs under `torch.no_grad()`; forward+backward is `torch.autograd.grad(layer(x), (x, weight, bias), g)`
 (three GEMMs). SafeLinear shares nn.Linear's parameters (`SafeLinear.from_linear`). "decision" = the
-host knows the answer: `cg.scan(x).all_finite`, `bool(torch.isfinite(x).all())`, and the seed's
+host knows the answer: `cg.scan(x).all_finite`, `bool(torch.isfinite(x).all())`, and the two-assert check
 `assert not torch.isnan(x).any()` + `assert not torch.isinf(x).any()`. "scan op alone" is
 `torch.ops.cublas_guard.scan(x)` without reading the result.{extra}"""
 

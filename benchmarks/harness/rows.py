@@ -125,7 +125,7 @@ def _paired(base: list[float], other: list[float]) -> tuple[float, float]:
 
 
 def fixed_rows(records: list[dict]) -> list[dict]:
-    """The fixed cost per call (issue 12): each mode's time and its difference to nn.Linear."""
+    """The fixed cost per call: each mode's time and its difference to nn.Linear."""
     rows = []
     for rec in records:
         if rec["kind"] != "fixed":

@@ -24,7 +24,7 @@ from cublas_guard_ext.tools import bench
 from .presets import Preset, cpu_mem_available
 
 MODES = ("sync", "async", "off")
-# Measured beside float32 (whose groups carry no dtype param, as before).
+# Measured beside float32 (whose groups carry no dtype param: their keys stay those of the float32-only runs).
 EXTRA_DTYPES = ("bfloat16", "float16", "float64")
 
 
@@ -111,7 +111,7 @@ FIXED_MEMBERS = ("nn.Linear", "off", "async", "sync")
 
 
 def fixed_plan(p: Preset) -> list[Group]:
-    """The fixed-cost groups (issue 12), small shapes first; right after the target cases."""
+    """The fixed-cost groups, small shapes first; right after the target cases."""
     groups = []
     for m, k, n in sorted(p.fixed_shapes, key=lambda s: s[0] * s[1] * s[2]):
         for dtype in p.fixed_dtypes:

@@ -1,7 +1,7 @@
 """The targets (PASS / MISS / NOT RUN) each preset is held to, from the derived rows.
 
-One place for every threshold the issues set (issue 5: the scan's bandwidth and speed-up,
-SafeLinear against nn.Linear / F.linear; issue 12: the fixed cost per call), so that the table
+One place for every threshold the project holds itself to (the scan's bandwidth and speed-up,
+SafeLinear against nn.Linear / F.linear, the fixed cost per call), so that the table
 in RESULTS.md and the PASS/MISS lines run.py prints cannot disagree.
 """
 
@@ -200,7 +200,7 @@ def targets(scan: list[dict], linear: list[dict], device: torch.device) -> list[
     out.append(
         _target(
             "gpu-scan-vs-seed",
-            "scan with its decision >= 2.7x faster than the seed's check, 256 MiB and more",
+            "scan with its decision >= 2.7x faster than the two-assert check, 256 MiB and more",
             v,
             2.7,
             ">=",

@@ -1,4 +1,4 @@
-"""Per-call cost breakdown of SafeLinear's eager path (issue 12), CPU.
+"""Per-call cost breakdown of SafeLinear's eager path, CPU.
 
 Every piece is timed interleaved with the others in one process: each round
 times N calls of each piece in turn; the figure is the median over rounds of

@@ -1,4 +1,4 @@
-"""Where one small SafeLinear call spends its host time, by op (issue 12), beside nn.Linear.
+"""Where one small SafeLinear call spends its host time, by op, beside nn.Linear.
 
 torch.profiler over a batch of forward calls under no_grad at M=32, K=N=1024 (the GPU goal's shape),
 per layer: nn.Linear, SafeLinear off and async. The table lists every dispatcher op (ours and the

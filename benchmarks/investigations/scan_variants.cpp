@@ -1,6 +1,6 @@
 // Diagnostic variants of the CPU scan's hot loop, for benchmarks/investigations/scan_variants.py.
 // Each variant runs at::parallel_reduce(grain 1 << 16) over a contiguous float32 tensor
-// exactly as csrc/scan_cpu.cpp does, and returns only "any non-finite?" (no counting pass:
+// exactly as csrc/scan/scan_cpu.cpp does, and returns only "any non-finite?" (no counting pass:
 // the inputs are clean, so that pass never runs in the real scan either).
 //   v0_single_acc : the scan before this change (one scalar-loop accumulator, auto-vectorized
 //                   to SSE2 by -O3 with one vector accumulator)

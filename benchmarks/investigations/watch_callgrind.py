@@ -1,4 +1,4 @@
-"""Instruction counts of MiniLM training steps, plain against watched (issue 20's CPU target).
+"""Instruction counts of MiniLM training steps, plain against watched (watch's CPU target, <= 1.10x).
 
 Counts that do not move with the machine's load: run under callgrind, which dumps
 its counters at every call of getppid() (``--dump-before=getppid``); this script

@@ -2,8 +2,8 @@
 #pragma once
 
 #include "cuda/launch_limits.h"
-#include "guard.h"
 #include "linear/gemm_route.h"
+#include "linear/linear_op.h"
 
 #include <cuda_runtime.h>
 

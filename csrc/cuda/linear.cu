@@ -61,7 +61,7 @@ static_assert(cuda_code::kNotReady == cudaErrorNotReady && cuda_code::kAssert ==
               "pending_errors.h's cuda_code values must match cudaError_t");
 
 namespace {
-// How the forward's bias reaches the output (guard.h's BiasHandling): the lt
+// How the forward's bias reaches the output (linear/linear_op.h's BiasHandling): the lt
 // path adds it in cuBLASLt's epilogue (bfloat16/float16); otherwise (the
 // legacy path's GEMMs, and float32/float64 on both paths) our prefill writes
 // it, fused into the input's scan when one runs (one launch of ours before
@@ -338,8 +338,8 @@ cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
   }
 }
 
-// The report's device and math-mode text: built only for a failure (issue 12:
-// no string work on the clean path).
+// The report's device and math-mode text: built only for a failure: no
+// string work on the clean path, which is per-call host cost.
 void describe_for_report(GemmContext& ctx, int device, cublasHandle_t handle, at::ScalarType dtype) {
   ctx.device = describe_device(device);
   ctx.gemm_path = gemm_path_name(gemm_path());

@@ -11,7 +11,7 @@
 // fixed at registration as torch.library.register_autocast would), through
 // autocast's weight cache, and redispatch. float64 tensors are not eligible
 // and stay float64, as for nn.Linear.
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "op_handles.h"
 
 #include <ATen/autocast_mode.h>

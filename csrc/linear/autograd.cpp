@@ -9,7 +9,7 @@
 //                            db = sum(dy)
 //   gi = g W           dgi -> dg = dgi W^T = linear(dgi, W^T) via grad_weight's dual
 //   gw = g^T x         dgw -> dg = x dgw^T,  dx = g dgw
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "op_handles.h"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -153,8 +153,9 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
 
 // Whether an autograd node is needed: a gradient will be recorded (grad mode on
 // and an input requires one) or an input carries a forward-mode tangent (the
-// C++ Function then refuses it, as it always did). Otherwise the call goes
-// straight below autograd: no node, no saved state, no string copy (issue 12).
+// C++ Function then refuses it). Otherwise the call goes
+// straight below autograd: no node, no saved state, no string copy: the
+// per-call host cost of an inference call stays that of the op.
 bool needs_node(std::initializer_list<const at::Tensor*> inputs) {
   const bool grad_mode = at::GradMode::is_enabled();
   for (const at::Tensor* t : inputs) {

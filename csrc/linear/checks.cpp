@@ -1,9 +1,8 @@
 // The argument rules. Each rule lives here once; the CPU, CUDA and Meta
 // kernels all call these functions, and Python only translates what they raise.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <algorithm>
-#include <limits>
 #include <string>
 
 namespace cublas_guard {
@@ -143,127 +142,6 @@ void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const
                            " NaN, " + std::to_string(counts[kPosInfCount]) + " +Inf, " +
                            std::to_string(counts[kNegInfCount]) + " -Inf; first at flat index " +
                            std::to_string(first) + " " + c10::str(c10::IntArrayRef(coords)));
-}
-
-void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer) {
-  // cuBLAS's own INVALID_VALUE rules, checked here so the message can say which one failed.
-  const int64_t rows_a = call.trans_a ? call.k : call.m;
-  const int64_t rows_b = call.trans_b ? call.n : call.k;
-  const char* broken = nullptr;
-  if (call.m < 0 || call.n < 0 || call.k < 0) {
-    broken = "m, n and k must be >= 0";
-  } else if (call.lda < std::max<int64_t>(1, rows_a)) {
-    broken = "lda >= max(1, rows of A as stored)";
-  } else if (call.ldb < std::max<int64_t>(1, rows_b)) {
-    broken = "ldb >= max(1, rows of B as stored)";
-  } else if (call.ldc < std::max<int64_t>(1, call.m)) {
-    broken = "ldc >= max(1, m)";
-  }
-  if (broken != nullptr) {
-    ErrorReport report("cublas");
-    // Reported as the status cuBLAS would have returned, with the rule named,
-    // and never sent: cuBLAS would only say INVALID_VALUE.
-    report.add("layer", layer).add("status", int64_t{7});
-    report.add("status_name", "CUBLAS_STATUS_INVALID_VALUE").add("rule", broken);
-    report.add("precheck", true).add("purpose", call.purpose);
-    report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
-    report.add("m", call.m).add("n", call.n).add("k", call.k);
-    report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-    report.add("api", call.routine).add("data_type", call.data_type);
-    report.add("compute_type", call.compute_type);
-    report.raise_runtime_error("layer '" + layer + "': " + call.routine + " arguments break the rule " +
-                               broken);
-  }
-  // The caller splits n and k into pieces within the limit; m and the leading
-  // dimensions cannot be split (ldc >= m, and a leading dimension is a stride).
-  const int64_t limit = gemm_size_limit();
-  const std::pair<const char*, int64_t> args[] = {{"m", call.m},     {"n", call.n},     {"k", call.k},
-                                                  {"lda", call.lda}, {"ldb", call.ldb}, {"ldc", call.ldc}};
-  for (const auto& arg : args) {
-    if (arg.second <= limit) continue;
-    if (has_64bit_api && gemm_64bit_allowed()) {
-      call.use_64bit = true;
-      return;
-    }
-    ErrorReport report("size_limit");
-    report.add("layer", layer).add("argument", arg.first).add("value", arg.second);
-    report.add("limit", limit).add("purpose", call.purpose);
-    report.add("m", call.m).add("n", call.n).add("k", call.k);
-    report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-    report.add("api", call.routine).add("data_type", call.data_type);
-    report.raise_value_error("layer '" + layer + "': " + call.routine + " argument " + arg.first + " = " +
-                             std::to_string(arg.second) + " exceeds cuBLAS's 32-bit limit " +
-                             std::to_string(limit) + " and this cuBLAS has no 64-bit API");
-  }
-}
-
-ColumnMajorView as_column_major(const at::Tensor& matrix, bool fit_limit) {
-  ColumnMajorView view;
-  const int64_t rows = matrix.size(0), cols = matrix.size(1);
-  const int64_t row_stride = matrix.stride(0), col_stride = matrix.stride(1);
-  // For a dim of size <= 1 its stride is meaningless; cuBLAS only needs ld >= the stored rows.
-  // A leading dimension beyond cuBLAS's 32-bit limit (a huge batch stored as the
-  // stride) cannot be split away: copy into the other layout when that one fits.
-  const int64_t limit = fit_limit ? gemm_size_limit() : std::numeric_limits<int64_t>::max();
-  const bool rows_contiguous =
-      (cols <= 1 || col_stride == 1) && (rows <= 1 || row_stride >= std::max<int64_t>(1, cols));
-  const bool cols_contiguous =
-      (rows <= 1 || row_stride == 1) && (cols <= 1 || col_stride >= std::max<int64_t>(1, rows));
-  const int64_t row_ld = rows <= 1 ? std::max<int64_t>(1, cols) : row_stride;
-  const int64_t col_ld = cols <= 1 ? std::max<int64_t>(1, rows) : col_stride;
-  // Keep a layout unless its ld is beyond the limit and the other layout's
-  // (rows for column-major, cols for row-major) would fit.
-  if (rows_contiguous && (row_ld <= limit || rows > limit)) {
-    view.storage = matrix;
-    view.transposed = true;  // stored as the column-major [cols x rows] matrix, i.e. R^T
-    view.ld = row_ld;
-  } else if (cols_contiguous && (col_ld <= limit || cols > limit)) {
-    view.storage = matrix;
-    view.transposed = false;
-    view.ld = col_ld;
-  } else if (rows <= cols) {
-    // Zero strides (expand), overlapping or doubly strided views: one copy, in
-    // the layout whose leading dimension is the smaller dim, so that a huge
-    // batch dimension never becomes a leading dimension (32-bit limit).
-    view.storage = matrix.t().contiguous().t();
-    view.transposed = false;
-    view.ld = std::max<int64_t>(1, rows);
-    view.copied = true;
-  } else {
-    view.storage = matrix.contiguous();
-    view.transposed = true;
-    view.ld = std::max<int64_t>(1, cols);
-    view.copied = true;
-  }
-  view.data = view.storage.data_ptr();
-  return view;
-}
-
-bool scan_geometry(const at::Tensor& t, ScanGeometry& g) {
-  // Merge dims from the innermost outwards, dropping size-1 dims, in logical order.
-  int64_t sizes[64];
-  int64_t strides[64];
-  int n = 0;
-  for (int64_t d = t.dim() - 1; d >= 0; --d) {
-    const int64_t size = t.size(d), stride = t.stride(d);
-    if (size == 1) continue;
-    if (n > 0 && strides[n - 1] * sizes[n - 1] == stride) {
-      sizes[n - 1] *= size;  // dim d continues dim n-1's run: one longer dim
-      continue;
-    }
-    if (n == 64) return false;
-    sizes[n] = size;
-    strides[n] = stride;
-    ++n;
-  }
-  if (n > kMaxScanDims) return false;
-  g.ndim = n;
-  for (int i = 0; i < n; ++i) {  // store outermost first, innermost last
-    g.sizes[i] = sizes[n - 1 - i];
-    g.strides[i] = strides[n - 1 - i];
-  }
-  g.contiguous = n == 0 || (n == 1 && g.strides[0] == 1);
-  return true;
 }
 
 }  // namespace cublas_guard

@@ -7,7 +7,7 @@
 #include "linear/gemm_route.h"
 
 #include "cuda/launch_limits.h"
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "scan/strided_index.h"
 
 #include <ATen/Context.h>

@@ -1,6 +1,6 @@
 // Which GEMM a call takes, and the bias prefill, kept free of the CUDA headers
 // so that the CPU build compiles them and their tests run on any machine
-// (issue 19). cuda/linear.cu and cuda/lt_gemm.cu call these; the test hooks in
+// without a GPU. cuda/linear.cu and cuda/lt_gemm.cu call these; the test hooks in
 // gemm_route.cpp run them on the CPU.
 //
 // Two paths, chosen once per process by CUBLAS_GUARD_GEMM_PATH:
@@ -171,7 +171,7 @@ const char* gemm_ex_refused_reduction(int dtype, int reduction);
 // half-precision dtype: allow_{bf16,fp16}_reduced_precision_reduction.
 int torch_reduction_option(int dtype);
 
-struct GemmCall;  // guard.h
+struct GemmCall;  // linear/gemm_plan.h
 // Raises the CublasError (CUBLAS_STATUS_NOT_SUPPORTED, refused before the
 // call) naming `setting`, for `call` (cublasGemmEx's arguments).
 [[noreturn]] void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting,

@@ -1,7 +1,7 @@
 // The CPU backend: the same op behind the same checks, computing with torch's
 // CPU BLAS. It executes the exact column-major call cuBLAS would receive, so
 // the argument plan, the limits and every failure report are exercised on CPU.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -34,7 +34,8 @@ GemmNames gemm_names_cpu(at::ScalarType dtype) {
 
 int gemm_cpu(const GemmCall& call, GemmContext& ctx) {
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) {
-    // Read only by a failure's report: built only then (issue 12).
+    // Read only by a failure's report: built only then
+    // (no string work on the clean path).
     ctx.math_mode = std::string("cpu (torch addmm, ") + call.data_type + ")";
     ctx.device = "cpu";
     return injected;

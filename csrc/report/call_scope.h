@@ -13,7 +13,7 @@
 //
 // The call number counts every guarded call of the process (forward and both
 // gradient GEMMs together) with one relaxed atomic increment: "the capsule is
-// call 1234" places a failure in a run without a lock or a per-layer table on
+// call 1234" places a failure in a run without a lock or a per-layer map on
 // the hot path.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Error reports: structured fields -> the JSON payload line Python parses.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <c10/util/Exception.h>
 
@@ -41,15 +41,6 @@ std::string json_string(const std::string& s) {
 }
 
 }  // namespace
-
-GuardMode parse_mode(int64_t mode) {
-  constexpr auto off = static_cast<int64_t>(GuardMode::kOff);
-  constexpr auto sync = static_cast<int64_t>(GuardMode::kSync);
-  constexpr auto async = static_cast<int64_t>(GuardMode::kAsync);
-  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ", off,
-                    " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
-  return static_cast<GuardMode>(mode);
-}
 
 ErrorReport::ErrorReport(std::string kind) : kind_(std::move(kind)) {}
 

@@ -7,7 +7,7 @@
 // [inner x outer]. So the capsule holds the piece of a split GEMM, a copy made
 // for an unusable layout, and the alignment cuBLAS got, and a replay runs the
 // same arguments on the same bytes (cublas_guard_ext.capsule_replay).
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/ops/from_blob.h>
 

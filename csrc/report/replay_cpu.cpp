@@ -5,7 +5,7 @@
 // site, so that a capsule from an injected failure replays as reproduced while
 // the fault is armed (CUBLAS_GUARD_EXT_FAULT in the replay's environment) and
 // as not reproduced without it. The CUDA kernel is report/replay_cuda.cu.
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "report/replay.h"
 
 #include <ATen/ops/from_blob.h>

@@ -12,7 +12,7 @@
 // CUDA_LAUNCH_BLOCKING=1 by the replay) is raised with its name, so the
 // replay can tell a broken context from a status. The "gemm" fault site is
 // consulted first, as the guard's own GEMM does.
-#include "guard.h"
+#include "linear/linear_op.h"
 #include "report/replay.h"
 
 #include <ATen/cuda/CUDAContext.h>

@@ -8,7 +8,7 @@
 // counting pass runs only over the blocks where that answer is yes. On x86 an
 // AVX2 copy of the hot loop is picked at run time (the build targets baseline
 // x86-64, i.e. SSE2); see benchmarks/investigations/NOTES.md for why and what it gains.
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -297,6 +297,36 @@ void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* 
     out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
   }
   if (target != nullptr && total.first != kNone) fill_record_cpu(*target, total);
+}
+
+// The scan's layout of a tensor (dims merged where their strides allow),
+// computed on the host for the CPU scan above and the CUDA scan (cuda/scan.cu)
+// alike.
+bool scan_geometry(const at::Tensor& t, ScanGeometry& g) {
+  // Merge dims from the innermost outwards, dropping size-1 dims, in logical order.
+  int64_t sizes[64];
+  int64_t strides[64];
+  int n = 0;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (size == 1) continue;
+    if (n > 0 && strides[n - 1] * sizes[n - 1] == stride) {
+      sizes[n - 1] *= size;  // dim d continues dim n-1's run: one longer dim
+      continue;
+    }
+    if (n == 64) return false;
+    sizes[n] = size;
+    strides[n] = stride;
+    ++n;
+  }
+  if (n > kMaxScanDims) return false;
+  g.ndim = n;
+  for (int i = 0; i < n; ++i) {  // store outermost first, innermost last
+    g.sizes[i] = sizes[n - 1 - i];
+    g.strides[i] = strides[n - 1 - i];
+  }
+  g.contiguous = n == 0 || (n == 1 && g.strides[0] == 1);
+  return true;
 }
 
 }  // namespace cublas_guard

@@ -24,7 +24,7 @@
 
 namespace cublas_guard {
 
-constexpr int kStridedIndexMaxDims = 16;  // guard.h's kMaxScanDims (scan.cu asserts it)
+constexpr int kStridedIndexMaxDims = 16;  // linear/linear_op.h's kMaxScanDims (scan.cu asserts it)
 
 // n / divisor for n, divisor in [1, 2^31) (n may be 0).
 struct FastDivider32 {

@@ -39,7 +39,7 @@
 
 #include <Python.h>
 
-#include "guard.h"
+#include "linear/linear_op.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>

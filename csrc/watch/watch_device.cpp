@@ -22,7 +22,7 @@ namespace watch {
 namespace {
 
 std::array<DeviceKernels, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)>&
-kernel_table() {
+kernels_by_device_type() {
   static std::array<DeviceKernels, static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES)> t;
   return t;
 }
@@ -33,11 +33,11 @@ TestSeam current_seam;
 }  // namespace
 
 void register_device_kernels(c10::DeviceType type, const DeviceKernels& kernels) {
-  kernel_table()[static_cast<size_t>(type)] = kernels;
+  kernels_by_device_type()[static_cast<size_t>(type)] = kernels;
 }
 
 const DeviceKernels* device_kernels(c10::DeviceType type) {
-  const DeviceKernels& k = kernel_table()[static_cast<size_t>(type)];
+  const DeviceKernels& k = kernels_by_device_type()[static_cast<size_t>(type)];
   return k.scan != nullptr ? &k : nullptr;
 }
 

@@ -1,5 +1,5 @@
 // csrc/watch/watch_device_kernels.h: the device-specific part of watch, as the
-// host code sees it: a table of functions each device type registers at load
+// host code sees it: a set of functions each device type registers at load
 // time (watch_device_cpu.cpp for the CPU, cuda/watch_scan.cu for CUDA), so the
 // host side never includes CUDA and the CUDA file never includes Python or the
 // dispatcher (watch.h). Only ATen's Tensor class and the PODs of

@@ -23,18 +23,18 @@ namespace watch {
 
 namespace {
 
-struct KernelDepthGuard {
+struct KernelDepthScope {
   int saved = tls_kernel_depth;
-  explicit KernelDepthGuard(bool kernel) {
+  explicit KernelDepthScope(bool kernel) {
     if (kernel) tls_kernel_depth = std::min(tls_kernel_depth, tls_depth);
   }
-  ~KernelDepthGuard() { tls_kernel_depth = saved; }
+  ~KernelDepthScope() { tls_kernel_depth = saved; }
 };
 
-struct DepthGuard {
+struct FallbackDepthScope {
   std::vector<c10::IValue>& saved;
-  explicit DepthGuard(std::vector<c10::IValue>& s) : saved(s) { ++tls_depth; }
-  ~DepthGuard() {
+  explicit FallbackDepthScope(std::vector<c10::IValue>& s) : saved(s) { ++tls_depth; }
+  ~FallbackDepthScope() {
     saved.clear();
     --tls_depth;
   }
@@ -76,13 +76,13 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   const OpInfo& info = op_info(op);
   if (info.skip) {
-    KernelDepthGuard kernel(true);
+    KernelDepthScope kernel(true);
     op.redispatchBoxed(after, stack);
     return;
   }
   if (tls_saved_args.size() <= static_cast<size_t>(tls_depth)) tls_saved_args.resize(tls_depth + 1);
   std::vector<c10::IValue>& saved = tls_saved_args[tls_depth];
-  DepthGuard depth(saved);
+  FallbackDepthScope depth(saved);
   const size_t n = std::min(info.num_args, stack->size());
   saved.assign(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
 
@@ -105,7 +105,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   if (s.verify) run_after_unlock(s);  // a sync verify finding: before the op runs
 
   try {
-    KernelDepthGuard kernel(!info.composite);
+    KernelDepthScope kernel(!info.composite);
     op.redispatchBoxed(after, stack);
   } catch (python_error& e) {
     pybind11::gil_scoped_acquire gil;

@@ -1,5 +1,5 @@
 // watch's methods of the native module cublas_guard_ext._C (python_module.cpp
-// adds them to its table): begin/end a session from a config, the module stack
+// adds them to its method list): begin/end a session from a config, the module stack
 // pushes and pops of the Python hooks, the pending async finding, sinks and
 // entries, and the probes the Python side and the tests use. Hand-written
 // (not pybind11) to keep the per-module hook calls cheap.

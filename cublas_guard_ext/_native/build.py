@@ -289,7 +289,7 @@ def jit_name(build: BuildPlan, prefix: str | None = None) -> str:
 # most of those files' compile time at -O2, so it is done once, into a GCC precompiled header.
 PCH_HEADER = "cublas_guard_pch.h"
 PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
-# Files that do not wait for the PCH: they include only guard.h (ATen's Tensor class) or
+# Files that do not wait for the PCH: they include only linear/linear_op.h (ATen's Tensor class) or
 # torch's Python headers, and gain little from it (loading the 430 MB PCH alone takes about
 # 4 CPU-s, as much as parsing <ATen/core/Tensor.h>; the four: 36 CPU-s without it, 30 with
 # it), so they compile on the second core while the first builds the PCH: the 2-core

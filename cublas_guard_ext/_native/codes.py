@@ -1,14 +1,14 @@
 """The integer codes the native ops take: guard modes and tensor roles, the one Python source.
 
 The op schemas take ints (an int keeps a schema simple for torch.compile). C++ defines the
-same values as ``GuardMode`` (csrc/guard.h) and ``TensorRole`` (csrc/report/async_record.h);
-tests/test_codes.py reads every definition of them in csrc/ and fails when one disagrees
+same values as ``GuardMode`` (csrc/linear/guard_mode.h) and ``TensorRole`` (csrc/report/async_record.h);
+tests/package/test_codes.py reads every definition of them in csrc/ and fails when one disagrees
 with this module. Python code uses these names, never the numbers.
 """
 
 from __future__ import annotations
 
-# GuardMode in csrc/guard.h.
+# GuardMode in csrc/linear/guard_mode.h.
 MODE_CODES: dict[str, int] = {"off": 0, "sync": 1, "async": 2}
 MODE_OFF = MODE_CODES["off"]
 MODE_SYNC = MODE_CODES["sync"]

@@ -10,47 +10,26 @@ Input errors that ``nn.Linear`` itself would raise as ``RuntimeError`` (wrong
 shape, dtype, device) are also ``RuntimeError`` subclasses, so code written
 around ``nn.Linear`` keeps catching them after the swap.
 
-The package, by concern (each module under 600 lines; ``from cublas_guard_ext.errors
-import X`` works for every name, as before the split):
+The package exports exactly ``__all__`` (tests/errors/test_errors_package.py); the helpers
+messages are written from are imported from their module. By concern, each module
+under 600 lines:
 
-* ``status``   the cublasStatus_t table (meaning, causes, next steps)
-* ``format``   the pieces messages are written from (sizes, shapes, memory, environment)
-* ``base``     GuardError
-* ``inputs``   errors about a call's arguments, and watch's findings
-* ``runtime``  errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
-* ``parse``    payload line -> typed exception; the capsule hook
-* ``schema``   every payload field's name and kind, shared with csrc/ (tests/test_payload_schema.py)
+* ``status``      the cublasStatus_t meanings, causes and next steps
+* ``format``      the pieces messages are written from (sizes, shapes, memory, environment)
+* ``magnitudes``  the magnitudes that explain a non-finite value
+* ``base``        GuardError
+* ``inputs``      errors about a call's arguments, and watch's findings
+* ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
+* ``steps``       TrainingGuard's errors (a bad step, a diverged run)
+* ``run``         the errors of ``python -m cublas_guard_ext run``
+* ``parse``       payload line -> typed exception; the capsule hook
+* ``schema``      every payload field's name and kind, shared with csrc/ (tests/errors/test_payload_schema.py)
 """
 
 from __future__ import annotations
 
-# Importable from errors.py before the split: kept so.
-from .._native.facts import error_context  # noqa: F401
-from .base import (  # noqa: F401
-    GuardError,
-)
-from .format import (  # noqa: F401
-    _DTYPES,
-    _PRODUCER_HINTS,
-    _ROUTINES,
-    _bytes,
-    _coords,
-    _counts_text,
-    _distributed_rank,
-    _dtype,
-    _environment_line,
-    _first_bad_line,
-    _fold_inputs,
-    _inputs_line,
-    _layer,
-    _memory_line,
-    _routines_on,
-    _shape,
-    _value_name,
-    _watch_lines,
-    _where,
-)
-from .inputs import (  # noqa: F401
+from .base import GuardError
+from .inputs import (
     DeviceMismatchError,
     DTypeError,
     ExtensionBuildError,
@@ -61,20 +40,10 @@ from .inputs import (  # noqa: F401
     ShapeMismatchError,
     SizeLimitError,
     WatchCaptureError,
-    _WatchFinding,
 )
-from .parse import (  # noqa: F401
-    _BY_KIND,
-    _CAPTURED,
-    _PAYLOAD_RE,
-    PAYLOAD_MARKER,
-    _typed_from_native_message,
-    attach_capsule,
-    from_native,
-    from_payload,
-    parse_payload,
-)
-from .runtime import (  # noqa: F401
+from .parse import PAYLOAD_MARKER, attach_capsule, from_native, from_payload, parse_payload
+from .run import NonFiniteGradientsError, PeerFailedError
+from .runtime import (
     CublasError,
     CublasOutOfMemoryError,
     CudaLaunchError,
@@ -82,10 +51,8 @@ from .runtime import (  # noqa: F401
     OutOfMemoryError,
     PendingCudaError,
 )
-from .status import (  # noqa: F401
-    _NAN_STORY,
-    CUBLAS_STATUS,
-)
+from .status import CUBLAS_STATUS
+from .steps import NonFiniteStepError, TrainingDivergedError
 
 __all__ = [
     "CUBLAS_STATUS",
@@ -106,6 +73,10 @@ __all__ = [
     "GraphCaptureError",
     "OutOfMemoryError",
     "CublasOutOfMemoryError",
+    "NonFiniteStepError",
+    "TrainingDivergedError",
+    "PeerFailedError",
+    "NonFiniteGradientsError",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -2,7 +2,7 @@
 
 The native side (csrc/) writes a payload as ``ErrorReport(kind).add("field", value)``;
 the classes here read it by the same names. This table is the contract:
-tests/test_payload_schema.py reads every ``.add("...")`` key in csrc/ and every field the
+tests/errors/test_payload_schema.py reads every ``.add("...")`` key in csrc/ and every field the
 Python side reads, and fails when a name is on one side only or outside this table, and
 it checks the kinds of real payloads against it (:func:`problems`).
 

@@ -19,37 +19,13 @@ import sys
 import time
 from typing import Any
 
-from ..errors import GuardError
+from ..errors import GuardError, PeerFailedError
 from . import incident, linear, ranks, steps
 from .options import RunOptions
 
 _installed: dict[str, Any] = {}
 _stopping_for: dict[str, Any] = {}  # "peer": the failure record the watchdog is stopping this rank for
 CAPSULE_DIR_ENV = "CUBLAS_GUARD_CAPSULE_DIR"
-
-
-class PeerFailedError(GuardError, RuntimeError):
-    """Another rank of this run failed first; this rank was stopped so that it does not wait in
-    a collective until the collective's timeout."""
-
-    kind = "peer_failed"
-
-    def _headline(self) -> str:
-        f = self.fields
-        return (
-            f"rank {f.get('failed_rank')} failed first ({f.get('failed_error')}); this rank was stopped "
-            "instead of waiting for the collective's timeout"
-        )
-
-    def _details(self) -> list[str]:
-        f = self.fields
-        return [
-            f"rank {f.get('failed_rank')}: host {f.get('failed_host')}, pid {f.get('failed_pid')}",
-            f"its report: {f.get('failed_report') or '(not written)'}",
-        ]
-
-    def _next_steps(self) -> list[str]:
-        return [f"read rank {self.fields.get('failed_rank')}'s report: it names what failed there"]
 
 
 def options() -> RunOptions | None:

@@ -21,7 +21,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._training_state import _bad_flag, _default_group
-from ..training import NonFiniteStepError
+from ..errors import NonFiniteGradientsError
 
 _lock = threading.Lock()
 _counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -29,40 +29,6 @@ _counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKey
 _first: list[weakref.ref] = []
 _handles: list[Any] = []
 _after_step_callbacks: list[Any] = []
-
-
-class NonFiniteGradientsError(NonFiniteStepError):
-    """``run --raise-on-nonfinite-steps``: an optimizer step whose gradients held NaN/Inf; the
-    step was not taken. A :class:`NonFiniteStepError` (catch either) without TrainingGuard's
-    replay: ``--watch`` names the op that produced the value."""
-
-    def _headline(self) -> str:
-        f = self.fields
-        return (
-            f"optimizer step {f.get('step')}: non-finite gradients in {f.get('bad_gradient_count')} "
-            f"parameters; the step was not taken"
-        )
-
-    def _details(self) -> list[str]:
-        f = self.fields
-        lines = [f"optimizer: {f.get('optimizer')}"]
-        if f.get("bad_gradients"):
-            more = f["bad_gradient_count"] - len(f["bad_gradients"])
-            lines.append(
-                "non-finite gradients: "
-                + ", ".join(f["bad_gradients"])
-                + (f" and {more} more" if more > 0 else "")
-            )
-        else:
-            lines.append("this rank's gradients are finite: another rank's were not (all ranks decide alike)")
-        lines.append("parameters and optimizer state are as before this step")
-        return lines
-
-    def _next_steps(self) -> list[str]:
-        return [
-            "name the op that produced it: python -m cublas_guard_ext run --watch ... (the same command)",
-            "or go on past such steps: --skip-nonfinite-steps",
-        ]
 
 
 def completed(optimizer: torch.optim.Optimizer) -> int:

@@ -205,7 +205,8 @@ def isfinite_decision(x: torch.Tensor) -> bool:
 
 
 def seed_check(x: torch.Tensor) -> None:
-    """The seed's ``check_input_feature`` value checks: two passes, two host reads."""
+    """The two-assert value check (``isnan(x).any()``, then ``isinf(x).any()``): the baseline
+    the fused scan is measured against; two passes, two host reads."""
     assert not torch.isnan(x).any(), "NaN in input feature"
     assert not torch.isinf(x).any(), "Inf in input feature"
 

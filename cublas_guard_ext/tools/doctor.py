@@ -39,7 +39,8 @@ def _workspace_bytes(config: str | None) -> int | None:
 
 
 def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]:
-    """The seed's fallback checklist, item by item, plus the build's own facts."""
+    """The checklist for a cuBLAS failure (versions, build, devices, libraries), item by item,
+    plus the build's own facts."""
     env = env if env is not None else facts.environment()
     ext = env["extension"]
     out: list[Check] = []

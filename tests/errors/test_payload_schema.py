@@ -137,15 +137,15 @@ def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
 @pytest.fixture
 def native_messages(monkeypatch):
     """Records the message of each error the native side raises (python_errors.cpp calls
-    cublas_guard_ext.errors._typed_from_native_message with it)."""
+    cublas_guard_ext.errors.parse._typed_from_native_message with it)."""
     seen: list[str] = []
-    real = errors._typed_from_native_message
+    real = errors.parse._typed_from_native_message
 
     def spy(message, native=None):
         seen.append(message)
         return real(message, native)
 
-    monkeypatch.setattr(errors, "_typed_from_native_message", spy)
+    monkeypatch.setattr(errors.parse, "_typed_from_native_message", spy)
     return seen
 
 

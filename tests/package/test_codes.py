@@ -62,9 +62,10 @@ def disagreements(root: Path = CSRC) -> list[str]:
 
 def test_csrc_agrees_with_codes_py() -> None:
     found = cpp_codes()
-    assert {("guard.h", "kSync", "mode", 1), ("report/async_record.h", "kRoleGradOutput", "role", 3)} <= {
-        (w, n, k, v) for w, n, k, v in found
-    }
+    assert {
+        ("linear/guard_mode.h", "kSync", "mode", 1),
+        ("report/async_record.h", "kRoleGradOutput", "role", 3),
+    } <= {(w, n, k, v) for w, n, k, v in found}
     assert {n for _, n, k, _ in found if k == "mode"} >= {"kOff", "kSync", "kAsync"}
     assert {n for _, n, k, _ in found if k == "role"} == set(_ROLE_NAMES)
     assert disagreements() == []

@@ -1,18 +1,23 @@
-// Shared declarations of cublas_guard_ext's native ops.
+// The linear op's shared declarations: what its CPU (.cpp) and CUDA (.cu)
+// implementations, the Meta kernels and the test hooks all need. The scan
+// result layout, the error report that carries structured fields to Python,
+// the argument checks (the single source of truth for every rule), the
+// backend interface and the entry points of the orchestration. The GEMM plan
+// is in linear/gemm_plan.h, the guard modes in linear/guard_mode.h, the async
+// records' registry in report/async_registry.h; this header includes them.
 //
-// Everything that both the CPU (.cpp) and CUDA (.cu) implementations need lives
-// here: the scan result layout, the error report that carries structured fields
-// to Python, the argument checks (the single source of truth for every rule),
-// the column-major GEMM description handed to cuBLAS (or to torch's CPU BLAS),
-// and the test-only hooks. This header includes only ATen's Tensor class: not
-// <ATen/ATen.h> (all of ATen/Functions.h, the biggest part of a compile) and never
-// <torch/extension.h>: every translation unit and nvcc compile it. A file that calls
-// an at:: function includes its per-op header (<ATen/ops/empty.h>).
+// Only ATen's Tensor class is included: not <ATen/ATen.h> (all of
+// ATen/Functions.h, the biggest part of a compile) and never
+// <torch/extension.h>: every translation unit and nvcc compile it. A file that
+// calls an at:: function includes its per-op header (<ATen/ops/empty.h>).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include "linear/gemm_plan.h"
+#include "linear/guard_mode.h"
 #include "report/async_record.h"
+#include "report/async_registry.h"
 
 #include <cstdint>
 #include <string>
@@ -31,11 +36,6 @@ enum ScanField : int64_t {
   kFirstBadIndex = 3,  // flat (row-major, logical) index; -1 when all finite
   kScanFields = 4,
 };
-
-// Guard modes, as passed through the op schema (an int keeps the schema simple
-// for torch.compile). Python's cublas_guard_ext.modes owns the names.
-enum class GuardMode : int64_t { kOff = 0, kSync = 1, kAsync = 2 };
-GuardMode parse_mode(int64_t mode);
 
 // ---------------------------------------------------------------------------
 // Error reports. A report is a kind plus key/value fields; it is thrown as the
@@ -130,79 +130,8 @@ void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other, con
 void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const char* tensor_role,
                          const std::string& layer);
 
-// Largest value cuBLAS's 32-bit int arguments (m, n, k, lda, ldb, ldc) may take.
-// Lowered only by tests (set_size_limit_for_testing) so the limit logic runs on CPU.
-int64_t gemm_size_limit();
-// Whether a call beyond the limit may use the 64-bit API (tests can forbid it
-// to exercise the SizeLimitError path a cuBLAS older than 12 would take).
-bool gemm_64bit_allowed();
-
-// ---------------------------------------------------------------------------
-// Column-major GEMM, with exactly cuBLAS's arguments:
-//   C[m x n] = alpha * op(A)[m x k] * op(B)[k x n] + beta * C
-// A, B and C share one data type (`dtype`). alpha and beta are held as double
-// and converted by the backend to what its routine's compute type takes
-// (float for cublasSgemm and cublasGemmEx with CUBLAS_COMPUTE_32F, double for
-// cublasDgemm).
-// ---------------------------------------------------------------------------
-struct GemmCall {
-  at::ScalarType dtype = at::kFloat;
-  bool trans_a = false;
-  bool trans_b = false;
-  int64_t m = 0, n = 0, k = 0;
-  int64_t lda = 1, ldb = 1, ldc = 1;
-  double alpha = 1.0, beta = 0.0;
-  const void* a = nullptr;
-  const void* b = nullptr;
-  void* c = nullptr;
-  const char* purpose = "forward";  // forward | grad_input | grad_weight
-  // Set by plan_gemm_call: an argument exceeds the 32-bit limit, so the call
-  // goes through cuBLAS's 64-bit API (cublasSgemm_64, cublasGemmEx_64, ...).
-  bool use_64bit = false;
-  // What runs it on this device: the routine (cublasSgemm, cublasGemmEx_64,
-  // torch's CPU addmm, ...), the operands' data type and the compute type.
-  // Set from the backend's gemm_names before planning.
-  const char* routine = "";
-  const char* data_type = "";
-  const char* compute_type = "";
-  std::string chunk;  // "n 0..2147483647 of 3000000000" when the GEMM was split
-  // The forward's bias (m elements, contiguous) for a backend whose GEMM adds it
-  // itself (LinearBackend::bias_handling == kBiasInGemm); beta is 0 then.
-  const void* bias = nullptr;
-};
-
-// The names a backend gives the GEMM it runs for `dtype` (see GemmCall).
-struct GemmNames {
-  const char* routine;
-  const char* routine_64;  // the 64-bit API's routine (the same name when there is no limit)
-  const char* data_type;
-  const char* compute_type;
-};
-
-// Row-major matrices as cuBLAS sees them. A row-major [rows x cols] matrix whose
-// columns are contiguous is a column-major [cols x rows] matrix with ld = row
-// stride; one whose rows are contiguous is its transpose. Anything else is
-// copied once (the caller says so in the docs).
-struct ColumnMajorView {
-  at::Tensor storage;  // keeps a copy alive when one was needed
-  const void* data = nullptr;
-  bool transposed = false;  // true: cuBLAS must use op T to read the row-major matrix
-  int64_t ld = 1;
-  bool copied = false;
-};
-// With `fit_limit` (no 64-bit API to fall back on), a layout whose leading
-// dimension is beyond the 32-bit limit is copied into the other one if that fits.
-ColumnMajorView as_column_major(const at::Tensor& matrix2d, bool fit_limit);
-
-// Checks the arguments of a GEMM against cuBLAS's rules (the limit, m/n/k >= 0,
-// ld >= max(1, rows)) before it is sent; raises SizeLimitError / a cublas
-// INVALID_VALUE report that names the rule.
-// Before a (sub-)GEMM is sent: checks cuBLAS's INVALID_VALUE rules (raising a
-// report that names the broken rule) and the 32-bit limit: beyond it the call
-// is marked use_64bit when the backend has the 64-bit API, else SizeLimitError.
-void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer);
-
-// Raises the CublasError report for a failed status (never returns).
+// What a CublasError report says about a GEMM beyond its GemmCall
+// (linear/gemm_plan.h): the layer, the device and its state, the operands.
 struct GemmContext {
   std::string layer;
   std::string math_mode;     // e.g. "CUBLAS_DEFAULT_MATH", "CUBLAS_TF32_TENSOR_OP_MATH"
@@ -219,6 +148,7 @@ struct GemmContext {
   std::string descriptors;
   std::string gemm_path;  // CUBLAS_GUARD_GEMM_PATH's choice, when the backend has one
 };
+// Raises the CublasError report for a failed status (report/gemm_report.cpp).
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
 
 // ---------------------------------------------------------------------------
@@ -296,15 +226,6 @@ at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& gr
 void check_features(const LinearBackend& backend, const at::Tensor& x, int64_t in_features,
                     const std::string& layer);
 at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
-
-// Async records of every device, read by any guarded call (without waiting)
-// and by the explicit check (after waiting for the devices).
-// The host frees the claim itself (async_record.h): no device hook resets it.
-struct RecordHooks {
-  void (*synchronize)(c10::Device device);
-};
-void register_async_record(c10::Device device, AsyncRecord* record, int* claim, RecordHooks hooks);
-void raise_if_async_recorded(bool synchronize);
 
 // The CPU scan (also the reference the CUDA scan is tested against).
 void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,

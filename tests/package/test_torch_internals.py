@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "torch-internals.md"
 PACKAGE = ROOT / "cublas_guard_ext"
 CSRC = ROOT / "csrc"

@@ -201,7 +201,9 @@ def test_the_script_sees_the_sys_path_plain_python_gives_it(tmp_path: Path, safe
     )
     guarded = run_script(tmp_path, script, **{k: v for k, v in extra.items() if v is not None})
     assert plain.returncode == 0 and guarded.returncode == 0, guarded.stderr
-    assert json.loads(guarded.stdout.strip().splitlines()[-1]) == json.loads(plain.stdout.strip().splitlines()[-1])
+    assert json.loads(guarded.stdout.strip().splitlines()[-1]) == json.loads(
+        plain.stdout.strip().splitlines()[-1]
+    )
 
 
 def test_system_exit_inside_the_script_keeps_its_code_and_writes_no_report(tmp_path: Path) -> None:

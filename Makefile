@@ -1,10 +1,10 @@
-# The README's two commands, `make demo` and `make test`, must work on a fresh
+# The README's two commands, `make demo` and `make test-all`, must work on a fresh
 # machine that has only python3, a C++ compiler and make: every target below
 # sets up the project venv itself, then runs from it.
 #
 #   make test  [PYTEST_ARGS=...]         the fast tier: every test not marked slow (a few minutes)
 #   make test-slow [PYTEST_ARGS=...]     the slow tier: builds, subprocesses, real models, long runs
-#   make test-all [PYTEST_ARGS=...]      both tiers in one run (CI runs them as two stages)
+#   make test-all [PYTEST_ARGS=...]      the whole suite, fast tier first (the README's test command, CI's)
 #   make demo                            run the demo
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
@@ -86,8 +86,11 @@ test: $(BUILD_STAMP)
 test-slow: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
 
+# The README's test command: the whole suite, the fast tier first, so a broken change fails in
+# about a minute and the slow tier runs only when the fast one passed (what CI runs).
 test-all: $(BUILD_STAMP)
-	$(VENV_PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
 
 # The C++/CUDA sources clang-format owns (.clang-format); ruff finds the Python itself (pyproject.toml).
 CXX_FORMAT_SOURCES = $(shell find csrc benchmarks -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' \

@@ -252,6 +252,7 @@ def test_the_bootstrap_failing_says_one_line_and_the_script_runs(tmp_path: Path)
         text=True,
         timeout=TIMEOUT,
         env=env,
+        cwd=str(tmp_path),  # `-c` puts the cwd first on sys.path: not a source tree's package
     )
     assert out.returncode == 0 and out.stdout.strip() == "ran torch.nn.modules.linear"
     (line,) = out.stderr.strip().splitlines()
@@ -307,6 +308,7 @@ def test_a_process_that_never_imports_torch_pays_nothing(tmp_path: Path) -> None
         text=True,
         timeout=60,
         env=cli.environment(opts, script_env()),
+        cwd=str(tmp_path),
     )
     assert out.returncode == 0 and out.stderr == ""
     assert out.stdout.split() == ["False", "False", "_AfterTorchImport"]

@@ -309,18 +309,15 @@ class watch:
                     yield role, name, t
 
     def _check_state(self) -> list[torch.Tensor]:
-        """Parameters and buffers on entry. Off the CPU, one fused check per device and dtype
-        (one host read for the lot), the per-tensor scans only where it found something; on the
-        CPU the per-tensor scans directly (vectorized, and there is no host read to save:
-        ``_foreach_norm(inf)`` is a scalar reduction there, ~60 ms for MiniLM's 22M parameters
-        against ~5 ms). Returns those found finite: the block starts them with a finite tag
-        instead of scanning them again."""
+        """Parameters and buffers on entry: one fused check per device and dtype (one host read
+        for the lot), the per-tensor scans only where it found something. Returns those found
+        finite: the block starts them with a finite tag instead of scanning them again."""
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, str, torch.Tensor]]] = {}
         for item in self._state_tensors():
             groups.setdefault((item[2].device, item[2].dtype), []).append(item)
         finite = []
-        for (device, _), items in groups.items():
-            if device.type != "cpu" and _all_finite([t for _, _, t in items]):
+        for items in groups.values():
+            if _all_finite([t for _, _, t in items]):
                 finite += [t for _, _, t in items]
                 continue
             for role, name, t in items:

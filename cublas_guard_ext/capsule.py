@@ -303,28 +303,28 @@ def _math_mode(device: str, dtype: torch.dtype) -> str:
     return "CUBLAS_DEFAULT_MATH"
 
 
+# A cuBLAS GEMM's arguments as the native error report names them (csrc's gemm report): the
+# capsule's recorded call and run's incident report both read these fields.
+GEMM_ARGUMENT_FIELDS = (
+    "transa",
+    "transb",
+    "m",
+    "n",
+    "k",
+    "lda",
+    "ldb",
+    "ldc",
+    "alpha",
+    "beta",
+    "data_type",
+    "compute_type",
+    "math_mode",
+)
+
+
 def _recorded_call(f: dict[str, Any]) -> dict[str, Any]:
     """The GEMM as the native report describes it (a CublasError from a guarded GEMM)."""
-    call = {
-        key: f.get(key)
-        for key in (
-            "transa",
-            "transb",
-            "m",
-            "n",
-            "k",
-            "lda",
-            "ldb",
-            "ldc",
-            "alpha",
-            "beta",
-            "data_type",
-            "compute_type",
-            "math_mode",
-            "chunk",
-            "workspace_bytes",
-        )
-    }
+    call = {key: f.get(key) for key in (*GEMM_ARGUMENT_FIELDS, "chunk", "workspace_bytes")}
     call["routine"] = f.get("api")
     call["dtype"] = f.get("c_dtype") or f.get("a_dtype")
     call["device"] = str(f.get("c_device") or f.get("a_device") or "")

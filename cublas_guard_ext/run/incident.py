@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..capsule import GEMM_ARGUMENT_FIELDS
 from ..errors import GuardError, magnitudes
 from .options import RunOptions
 from .ranks import file_stem, identity
@@ -35,19 +36,7 @@ CALL_FIELDS = (
     "api",
     "purpose",
     "stage",
-    "transa",
-    "transb",
-    "m",
-    "n",
-    "k",
-    "lda",
-    "ldb",
-    "ldc",
-    "alpha",
-    "beta",
-    "data_type",
-    "compute_type",
-    "math_mode",
+    *GEMM_ARGUMENT_FIELDS,
     "gemm_path",
     "chunk",
     "device",

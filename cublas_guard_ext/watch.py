@@ -110,15 +110,6 @@ def check_pending() -> None:
         raise _typed(message)
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every value of these tensors (one device, one dtype) is finite: one multi-tensor
-    pass and one host read. The largest magnitude of each (no sum that could overflow; a NaN
-    propagates through max), then one isfinite over those."""
-    with torch.no_grad():
-        largest = torch._foreach_norm([t.detach() for t in tensors], float("inf"))
-        return bool(torch.isfinite(torch.stack(largest)).all())
-
-
 def _entry_error(
     role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]
 ) -> errors.GuardError:
@@ -309,15 +300,17 @@ class watch:
                     yield role, name, t
 
     def _check_state(self) -> list[torch.Tensor]:
-        """Parameters and buffers on entry: one fused check per device and dtype (one host read
-        for the lot), the per-tensor scans only where it found something. Returns those found
+        """Parameters and buffers on entry: the project's fused scan on each, one host read per
+        device and dtype, the per-tensor counts only where it found something. (The scan reads
+        ~16 GB/s on one CPU core; ``_foreach_norm(inf)``, used before, 1.3 GB/s: 70 ms of a
+        MiniLM step's 90 MB of parameters.) Returns those found
         finite: the block starts them with a finite tag instead of scanning them again."""
         groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, str, torch.Tensor]]] = {}
         for item in self._state_tensors():
             groups.setdefault((item[2].device, item[2].dtype), []).append(item)
         finite = []
         for items in groups.values():
-            if _all_finite([t for _, _, t in items]):
+            if _native._watch_all_finite([t for _, _, t in items]):
                 finite += [t for _, _, t in items]
                 continue
             for role, name, t in items:

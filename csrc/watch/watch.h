@@ -185,12 +185,16 @@ bool op_allowed(const Session& s, const c10::FunctionSchema& schema);
 // Tensors whose values watch reads: floating, dense, with storage, not a wrapper.
 bool readable(const at::Tensor& t);
 // NaN, +Inf, -Inf and the first bad (flat, row-major) index of t, read on the
-// host with ATen (a sync on CUDA): the entry check, verify_inputs, float64.
+// host (a sync on CUDA): the project's fused scan for its dtypes, ATen for the
+// rest. The entry check of arguments, verify_inputs.
 struct HostCounts {
   int64_t nan = 0, posinf = 0, neginf = 0, first = -1;
   bool bad() const { return first >= 0; }
 };
 HostCounts host_counts(const at::Tensor& t);
+// Whether every value of these tensors is finite: a fused scan each, one host
+// read for the lot (the entry check of parameters and buffers).
+bool all_finite(const std::vector<at::Tensor>& tensors);
 
 // Calls fn(tensor) for every tensor in an argument (a tensor, a list of tensors
 // or of optional tensors).

@@ -3,11 +3,15 @@
 // thread) from its schema and its kernels; see watch.h for the whole design.
 #include "watch/watch.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/any.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/isnan.h>
 #include <ATen/ops/isneginf.h>
 #include <ATen/ops/isposinf.h>
 #include <ATen/ops/logical_not.h>
+#include <ATen/ops/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
@@ -127,9 +131,32 @@ bool readable(const at::Tensor& t) {
   return (t.key_set() & wrappers).empty();
 }
 
+namespace {
+
+// The project's fused scan (cublas_guard::scan: the CPU loop or the CUDA
+// kernel), below autograd: its counts, on t's device.
+at::Tensor fused_scan(const at::Tensor& t) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("cublas_guard::scan", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(t);
+}
+
+}  // namespace
+
 HostCounts host_counts(const at::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   HostCounts c;
+  if (is_guarded_dtype(t.scalar_type())) {
+    const at::Tensor counts = fused_scan(t).cpu();
+    const int64_t* r = counts.data_ptr<int64_t>();
+    c.nan = r[kNanCount];
+    c.posinf = r[kPosInfCount];
+    c.neginf = r[kNegInfCount];
+    c.first = r[kFirstBadIndex];
+    return c;
+  }
   if (at::isfinite(t).all().item<bool>()) return c;
   const at::Tensor flat = t.reshape({-1});
   c.nan = at::isnan(flat).sum().item<int64_t>();
@@ -137,6 +164,16 @@ HostCounts host_counts(const at::Tensor& t) {
   c.neginf = at::isneginf(flat).sum().item<int64_t>();
   c.first = at::logical_not(at::isfinite(flat)).nonzero().select(1, 0).min().item<int64_t>();
   return c;
+}
+
+bool all_finite(const std::vector<at::Tensor>& tensors) {
+  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  std::vector<at::Tensor> bad;  // per tensor, on its device: any non-finite value
+  for (const at::Tensor& t : tensors) {
+    bad.push_back(is_guarded_dtype(t.scalar_type()) ? fused_scan(t).select(0, kFirstBadIndex).ge(0)
+                                                    : at::logical_not(at::isfinite(t)).any());
+  }
+  return bad.empty() || !at::stack(bad).any().item<bool>();
 }
 
 bool op_allowed(const Session& s, const c10::FunctionSchema& schema) {

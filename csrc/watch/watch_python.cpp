@@ -260,6 +260,28 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
   END_HANDLE_TH_ERRORS
 }
 
+PyObject* py_all_finite(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  std::vector<at::Tensor> tensors;
+  for (Py_ssize_t i = 0; i < PySequence_Size(arg); ++i) {
+    PyObject* obj = PySequence_GetItem(arg, i);
+    const bool ok = obj != nullptr && THPVariable_Check(obj);
+    if (ok) tensors.push_back(THPVariable_Unpack(obj));
+    Py_XDECREF(obj);
+    if (!ok) {
+      PyErr_SetString(PyExc_TypeError, "expected a sequence of tensors");
+      return nullptr;
+    }
+  }
+  bool finite = false;
+  {
+    pybind11::gil_scoped_release nogil;
+    finite = all_finite(tensors);
+  }
+  return PyBool_FromLong(finite ? 1 : 0);
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* py_stats(PyObject*, PyObject*) {
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
@@ -368,6 +390,7 @@ PyMethodDef methods[] = {
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"_watch_scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
+    {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},
     {"_watch_stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned) of this thread's watch"},
     {"_watch_key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
     {"_watch_set_key_included", py_set_key_included, METH_O,

@@ -278,22 +278,46 @@ def test_a_watched_cuda_step_makes_no_host_sync():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_fused_entry_check_finds_every_kind_of_bad_value(dtype):
-    """watch's one-read entry check of a device's parameters (used off the CPU): exact for NaN,
-    +Inf and -Inf anywhere, and no overflow on the largest finite values."""
-    from cublas_guard_ext.watch import _all_finite
+    """watch's one-read entry check of a device's parameters: exact for NaN, +Inf and -Inf
+    anywhere, in contiguous, strided and grad-requiring tensors, and no overflow on the
+    largest finite values."""
+    from cublas_guard_ext.watch import _native
 
     big = torch.finfo(dtype).max
     tensors = [
         torch.full((3, 5), big, dtype=dtype),
         torch.full((7,), -big, dtype=dtype),
-        torch.zeros(2, 2, dtype=dtype),
+        torch.zeros(4, 6, dtype=dtype)[:, ::2],
+        torch.zeros(2, 2, dtype=dtype, requires_grad=True),
     ]
-    assert _all_finite(tensors)
+    assert _native._watch_all_finite(tensors)
     for bad in (float("nan"), float("inf"), float("-inf")):
         for which in range(len(tensors)):
-            poisoned = [t.clone() for t in tensors]
-            poisoned[which].view(-1)[-1] = bad
-            assert not _all_finite(poisoned), (bad, which)
+            poisoned = [t.detach().clone() for t in tensors]
+            base = torch.zeros(4, 6, dtype=dtype)
+            poisoned[2] = base[:, ::2]
+            if which == 2:
+                base[-1, 4] = bad  # an element the strided view holds
+            else:
+                poisoned[which].view(-1)[-1] = bad
+            assert not _native._watch_all_finite(poisoned), (bad, which)
+    hidden = torch.zeros(4, 6, dtype=dtype)
+    hidden[0, 1] = float("nan")  # outside the strided view: not its value
+    assert _native._watch_all_finite([hidden[:, ::2]])
+
+
+def test_the_entry_check_reads_dtypes_the_fused_scan_does_not():
+    from cublas_guard_ext.watch import _native
+
+    fp8 = getattr(torch, "float8_e5m2", None)
+    if fp8 is None:
+        pytest.skip("this torch has no float8_e5m2")
+    t = torch.zeros(5, dtype=fp8)
+    assert _native._watch_all_finite([t]) and _native._watch_all_finite([])
+    t[3] = float("inf")
+    assert not _native._watch_all_finite([t])
+    with pytest.raises(TypeError, match="expected a sequence of tensors"):
+        _native._watch_all_finite([t, 3])
 
 
 @requires_cuda

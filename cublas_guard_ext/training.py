@@ -112,7 +112,9 @@ class TrainingGuard:
       (``scaler.scale(loss).backward()``, returning the unscaled loss); the guard unscales,
       steps and updates it; a step it skips for Inf gradients is not a finding.
     * ``deferred``: no host sync in the step (needs a ``fused=True`` Adam/AdamW/SGD, which
-      skips on the device); the flag is read at the next ``step`` or :meth:`check`.
+      skips on the device); the flag is read at the next ``step`` or :meth:`check`, and a bad
+      step's error, raised then, has ``deferred=True`` (the field's one meaning everywhere: a
+      finding read after the call or step that made it, not in it).
     * ``allow``: passed to the replay's ``watch`` (ops or modules where NaN/Inf is intended).
     * ``process_group``: ``"auto"`` (the default group when more than one rank), None, or a group.
 
@@ -405,7 +407,7 @@ class TrainingGuard:
             return
         # the fused optimizer skipped the step; buffers and RNG go back to before it
         self._buffers.kept = kept
-        self._bad_step(closure, rng, loss, step)
+        self._bad_step(closure, rng, loss, step, deferred=True)
 
     # -- the bad step ------------------------------------------------------------------------
     def _bad_step(
@@ -415,6 +417,7 @@ class TrainingGuard:
         loss: Any,
         step: int,
         refusal: BaseException | None = None,
+        deferred: bool = False,
     ) -> None:
         loss_value = _loss_value(loss)
         bad_grads = self._bad_gradients()
@@ -447,7 +450,7 @@ class TrainingGuard:
         if self.on_nan == "skip":
             self._history.mark(step, skipped=True)
         history = self._history.read()
-        err = self._error(step, reports, rank, world, history)
+        err = self._error(step, reports, rank, world, history, deferred)
         if self.on_nan == "raise":
             raise err from cause
         err.__cause__ = cause  # as a raise ... from cause would set it
@@ -560,6 +563,7 @@ class TrainingGuard:
         rank: int | None,
         world: int | None,
         history: list[dict[str, Any]],
+        deferred: bool = False,
     ) -> NonFiniteStepError:
         refused = [r for r in reports if r["refused_by"] is not None]
         named = [r for r in reports if r["finding"] is not None]
@@ -587,4 +591,5 @@ class TrainingGuard:
             refused_by=origin["refused_by"],
             refusal=origin["refusal"],
             history=history,
+            **({"deferred": True} if deferred else {}),
         )

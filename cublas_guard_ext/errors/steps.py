@@ -49,7 +49,8 @@ class NonFiniteStepError(GuardError, ValueError):
     ``refused_by`` (the guarded layer whose check raised inside the step, its error being the
     ``__cause__``; None otherwise), ``refusal`` (that error's class name, role and counts, as a
     dict; None otherwise), ``history`` (the last steps: dicts with ``step``, ``loss``,
-    ``grad_norm``, ``skipped``, ``refused_by``; oldest first).
+    ``grad_norm``, ``skipped``, ``refused_by``; oldest first), ``deferred`` (True when a
+    ``TrainingGuard(deferred=True)`` read the step's check after the step; absent otherwise).
     """
 
     kind = "non_finite_step"
@@ -87,6 +88,11 @@ class NonFiniteStepError(GuardError, ValueError):
             lines.append(
                 "transient: the replay (same batch, same RNG states) is finite; a one-off "
                 "(hardware, a race, a non-deterministic kernel, state outside the model)"
+            )
+        if f.get("deferred"):
+            lines.append(
+                f"deferred: step {f.get('step')}'s check was read after the step (TrainingGuard("
+                "deferred=True)); the fused optimizer had skipped its update on the device"
             )
         if f.get("finding") and f.get("phase") != "entry":
             lines.append("finding: " + f["finding"].splitlines()[0])

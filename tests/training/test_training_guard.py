@@ -176,6 +176,7 @@ def test_forward_producer_at_step_k_is_named_and_nothing_is_lost():
     assert isinstance(err, ValueError) and isinstance(err, cg.GuardError)
     assert err.step == 3 and err.op == "aten.log.default" and err.module == "act" and err.phase == "forward"
     assert err.classification == "persistent" and err.rank is None
+    assert "deferred" not in err.fields and "deferred:" not in str(err)  # raised in the step itself
     assert math.isnan(err.loss)
     assert err.bad_gradient_count == 6 and err.bad_gradients[:3] == ["fc1.weight", "fc1.bias", "bn.weight"]
     assert isinstance(err.__cause__, cg.NonFiniteOutputError)
@@ -364,6 +365,10 @@ def test_deferred_bad_step_is_reported_at_the_next_step_with_nothing_lost():
         guard.step(bound(data[3]))  # reads step 3's flag first, replays step 3 (still faulty), raises
     model.act.mode = ""
     assert info.value.step == 3 and info.value.op == "aten.log.default" and info.value.module == "act"
+    assert info.value.deferred is True
+    assert "deferred: step 3's check was read after the step (TrainingGuard(deferred=True))" in str(
+        info.value
+    )
     assert_bitwise(before, state(model, optimizer))
 
 

@@ -11,7 +11,9 @@
 //   clean_cache_stats     the parameter cache's counters (defined in linear/param_cache.cpp)
 #include "linear/linear_op.h"
 #include "report/pending_errors.h"
+#include "watch/watch_device.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -238,6 +240,27 @@ void watch_test_seam_op(bool two_cpu_devices, bool late_harvest, int64_t tag_cap
   watch::set_test_seam_values(two_cpu_devices, late_harvest, tag_capacity);
 }
 
+// The watch key on (or off) in this thread with no session of its own, as
+// autograd's device threads run (the key comes with the forward thread's
+// state): its backward ops find the session of the node's thread. The previous value.
+bool watch_set_key_included_op(bool on) {
+  require_testing_env("watch_set_key_included");
+  const bool previous = c10::impl::tls_is_dispatch_key_included(watch::kWatchKey);
+  c10::impl::tls_set_dispatch_key_included(watch::kWatchKey, on);
+  return previous;
+}
+
+// How many grown-out tag arrays this thread's watch keeps until its final check.
+int64_t watch_retired_arrays_op() {
+  require_testing_env("watch_retired_arrays");
+  watch::Session* s = watch::tls_session;
+  if (s == nullptr) return 0;
+  watch::SessionLock lock(*s->mu);
+  int64_t n = 0;
+  for (const watch::DeviceTags& d : s->tags->devices) n += static_cast<int64_t>(d.retired.size());
+  return n;
+}
+
 }  // namespace
 }  // namespace cublas_guard
 
@@ -247,6 +270,8 @@ TORCH_LIBRARY(cublas_guard_testing, m) {
   m.def("set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
   m.def("watch_test_seam(bool two_cpu_devices=False, bool late_harvest=False, int tag_capacity=0) -> ()",
         &watch_test_seam_op);
+  m.def("watch_set_key_included(bool on) -> bool", &watch_set_key_included_op);
+  m.def("watch_retired_arrays() -> int", &watch_retired_arrays_op);
   m.def(
       "simulate_cuda_errors(str stage, int last_error, int context_error, bool stream_busy, "
       "bool capturing) -> int[]",

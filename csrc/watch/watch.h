@@ -221,6 +221,7 @@ struct Where {
   std::string node_name;
 };
 Where where_now(const Session& s);
+// The op's inputs in the report (watch_device.cpp: the same fields as a birth's).
 void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
                      const OpInfo& info);
 void add_where(ErrorReport& r, const Session& s, const Where& w);

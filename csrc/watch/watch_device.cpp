@@ -67,51 +67,15 @@ void DescTensor::set(const at::Tensor& t) {
 
 // ---- the slot map ----------------------------------------------------------
 
-int32_t SlotMap::find(const c10::StorageImpl* key) const {
-  for (size_t i = home(key);; i = (i + 1) & mask()) {
-    if (entries_[i].key == key) return entries_[i].storage.expired() ? -1 : entries_[i].slot;
-    if (entries_[i].key == nullptr) return -1;
-  }
-}
-
-void SlotMap::insert(const c10::StorageImpl* key, int32_t slot,
-                     c10::weak_intrusive_ptr<c10::StorageImpl> weak) {
-  if (2 * (size_ + 1) > entries_.size()) grow();
-  size_t i = home(key);
-  for (; entries_[i].key != nullptr && entries_[i].key != key; i = (i + 1) & mask()) {
-  }
-  if (entries_[i].key == nullptr) ++size_;
-  entries_[i].key = key;
-  entries_[i].storage = std::move(weak);
-  entries_[i].slot = slot;
-}
-
-void SlotMap::grow() {
-  std::vector<Entry> old(2 * entries_.size());
-  old.swap(entries_);
-  size_ = 0;
-  for (Entry& e : old) {
-    if (e.key != nullptr) insert(e.key, e.slot, std::move(e.storage));
-  }
-}
-
 void SlotMap::drop_expired(std::vector<int32_t>& freed) {
-  std::vector<Entry> old(entries_.size());
-  old.swap(entries_);
-  size_ = 0;
-  for (Entry& e : old) {
-    if (e.key == nullptr) continue;
-    if (e.storage.expired()) {
-      freed.push_back(e.slot);
-    } else {
-      insert(e.key, e.slot, std::move(e.storage));
+  for (auto it = map_.begin(); it != map_.end();) {
+    if (!it->second.storage.expired()) {
+      ++it;
+      continue;
     }
+    freed.push_back(it->second.slot);
+    it = map_.erase(it);
   }
-}
-
-void SlotMap::clear() {
-  for (Entry& e : entries_) e = Entry();
-  size_ = 0;
 }
 
 // ---- the thread's state ----------------------------------------------------
@@ -319,6 +283,17 @@ void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, i
   v.dtype = view_dtype(t.scalar_type());
 }
 
+// A tensor input's descriptor item (the first kDescItems); its input index.
+int32_t describe_tensor(CallDesc& c, size_t arg, const at::Tensor& t) {
+  if (c.n_items < kDescItems) {
+    DescItem& item = c.items[c.n_items++];
+    item.arg = static_cast<int16_t>(arg);
+    item.scalar = false;
+    item.tensor.set(t);
+  }
+  return static_cast<int32_t>(c.num_inputs++);
+}
+
 // The descriptor's scalar items (non-finite Scalar arguments and doubles).
 void describe_scalars(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
@@ -384,6 +359,16 @@ void add_input(TagState& w, TagArgs& a, DeviceTags& out, const at::Tensor& t) {
 
 }  // namespace
 
+void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const OpInfo& info) {
+  CallDesc c;
+  for_each_input(info, args, -1, -1, [&](size_t arg, const at::Tensor& t) {
+    if (t.defined()) describe_tensor(c, arg, t);
+  });
+  describe_scalars(c, info, args);
+  add_call_inputs(r, schema, c);
+}
+
 void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args) {
   TagState& w = *s.tags;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
@@ -432,13 +417,7 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     TagArgs a = base;
     for_each_input(info, args, list_len, position, [&](size_t arg, const at::Tensor& in) {
       if (!in.defined()) return;
-      const int32_t input = static_cast<int32_t>(c.num_inputs++);
-      if (c.n_items < kDescItems) {
-        DescItem& item = c.items[c.n_items++];
-        item.arg = static_cast<int16_t>(arg);
-        item.scalar = false;
-        item.tensor.set(in);
-      }
+      const int32_t input = describe_tensor(c, arg, in);
       add_input(w, a, *d, in);
       add_view(a, info, arg, in, input, home_of(w, in) == d->home);
     });

@@ -67,34 +67,28 @@ struct CallDesc {
   int32_t entry_name = -1;  // entry: index into TagState::names
 };
 
-// Storage -> slot (open addressing; weak references so a freed storage's slot
-// goes back to the free list and never matches a new storage).
+// Storage -> slot. Weak references, so a freed storage's slot goes back to
+// the free list and never matches a new storage at the same address.
 class SlotMap {
  public:
-  struct Entry {
-    const c10::StorageImpl* key = nullptr;
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage{
-        c10::weak_intrusive_ptr<c10::StorageImpl>(c10::intrusive_ptr<c10::StorageImpl>())};
-    int32_t slot = -1;
-  };
-  SlotMap() : entries_(4096) {}
-  int32_t find(const c10::StorageImpl* key) const;
-  // Inserts a storage that find() does not hold.
-  void insert(const c10::StorageImpl* key, int32_t slot, c10::weak_intrusive_ptr<c10::StorageImpl> weak);
+  int32_t find(const c10::StorageImpl* key) const {
+    const auto it = map_.find(key);
+    return it == map_.end() || it->second.storage.expired() ? -1 : it->second.slot;
+  }
+  void insert(const c10::StorageImpl* key, int32_t slot, c10::weak_intrusive_ptr<c10::StorageImpl> weak) {
+    map_.insert_or_assign(key, Entry{std::move(weak), slot});
+  }
   // Removes the entries of freed storages, appending their slots to `freed`.
   void drop_expired(std::vector<int32_t>& freed);
-  void clear();
-  size_t size() const { return size_; }
+  void clear() { map_.clear(); }
+  size_t size() const { return map_.size(); }
 
  private:
-  size_t mask() const { return entries_.size() - 1; }
-  size_t home(const c10::StorageImpl* key) const {
-    const uint64_t h = reinterpret_cast<uintptr_t>(key) * 0x9E3779B97F4A7C15ull;
-    return static_cast<size_t>(h >> 20) & mask();
-  }
-  void grow();
-  std::vector<Entry> entries_;
-  size_t size_ = 0;
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    int32_t slot;
+  };
+  std::unordered_map<const c10::StorageImpl*, Entry> map_;
 };
 
 // Which tag array a tensor's storage belongs to: its device, and on the CPU
@@ -168,6 +162,8 @@ uint32_t input_origin(Session& s, const OpInfo& info, const std::vector<c10::IVa
 // `at_op`: called right after the op's launches (a birth of that op read
 // there has its Python stack taken at the op).
 void harvest(Session& s, bool synchronize, bool as_pending, bool at_op = false);
+// The report's input<n>_* fields and scalar_<name> fields from a descriptor.
+void add_call_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const CallDesc& c);
 // The "lost" field of a finding when the block lost births or findings.
 void add_lost(ErrorReport& r, const TagState& w);
 // The next op's check: harvests when a record's flag is up (an acquire load).

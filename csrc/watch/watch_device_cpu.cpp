@@ -41,7 +41,7 @@ double absmax_typed(const void* data, int64_t n) {
   const T* p = static_cast<const T*>(data);
   double m = 0.0;
   for (int64_t i = 0; i < n; ++i) {
-    const double v = std::fabs(static_cast<double>(static_cast<float>(p[i])));
+    const double v = std::fabs(static_cast<double>(p[i]));
     if (std::isfinite(v) && v > m) m = v;
   }
   return m;
@@ -50,15 +50,7 @@ double absmax_typed(const void* data, int64_t n) {
 double absmax_of(const InputView& v) {
   switch (v.dtype) {
     case kViewFloat: return absmax_typed<float>(v.data, v.numel);
-    case kViewDouble: {
-      const double* p = static_cast<const double*>(v.data);
-      double m = 0.0;
-      for (int64_t i = 0; i < v.numel; ++i) {
-        const double a = std::fabs(p[i]);
-        if (std::isfinite(a) && a > m) m = a;
-      }
-      return m;
-    }
+    case kViewDouble: return absmax_typed<double>(v.data, v.numel);
     case kViewHalf: return absmax_typed<c10::Half>(v.data, v.numel);
     case kViewBFloat16: return absmax_typed<c10::BFloat16>(v.data, v.numel);
     default: return std::numeric_limits<double>::quiet_NaN();

@@ -24,6 +24,32 @@ void add_shape(ErrorReport& r, const DescTensor& t) {
 }
 std::string dtype_name(const DescTensor& t) { return c10::toString(static_cast<at::ScalarType>(t.dtype)); }
 
+}  // namespace
+
+void add_call_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const CallDesc& c) {
+  int64_t n = 0;
+  for (int i = 0; i < c.n_items; ++i) {
+    const DescItem& item = c.items[i];
+    const std::string& arg_name = schema.arguments()[item.arg].name();
+    if (item.scalar) {
+      r.add(("scalar_" + arg_name).c_str(), item.value);
+      continue;
+    }
+    const int64_t input = n++;
+    const std::string p = "input" + std::to_string(input) + "_";
+    r.add((p + "name").c_str(), arg_name);
+    if (item.tensor.ndim >= 0) {
+      r.add((p + "shape").c_str(), c10::IntArrayRef(item.tensor.sizes, item.tensor.ndim));
+      r.add((p + "strides").c_str(), c10::IntArrayRef(item.tensor.strides, item.tensor.ndim));
+    }
+    r.add((p + "dtype").c_str(), dtype_name(item.tensor));
+    r.add((p + "device").c_str(), item.tensor.device.str());
+  }
+  r.add("num_inputs", c.num_inputs);
+}
+
+namespace {
+
 // The report of a producer, from the descriptor and the birth entry.
 void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorReport& r, std::string& summary,
                   std::string& key) {
@@ -45,25 +71,7 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
   r.add("device", c.out.device.str());
   r.add("first_bad_value", b.first_bad_value);
   if (c.product) r.add("product", true);
-  int64_t n = 0;
-  for (int i = 0; i < c.n_items; ++i) {
-    const DescItem& item = c.items[i];
-    const std::string& arg_name = schema.arguments()[item.arg].name();
-    if (item.scalar) {
-      r.add(("scalar_" + arg_name).c_str(), item.value);
-      continue;
-    }
-    const int64_t input = n++;
-    const std::string p = "input" + std::to_string(input) + "_";
-    r.add((p + "name").c_str(), arg_name);
-    if (item.tensor.ndim >= 0) {
-      r.add((p + "shape").c_str(), c10::IntArrayRef(item.tensor.sizes, item.tensor.ndim));
-      r.add((p + "strides").c_str(), c10::IntArrayRef(item.tensor.strides, item.tensor.ndim));
-    }
-    r.add((p + "dtype").c_str(), dtype_name(item.tensor));
-    r.add((p + "device").c_str(), item.tensor.device.str());
-  }
-  r.add("num_inputs", c.num_inputs);
+  add_call_inputs(r, schema, c);
   // The views' maxima (the scan recorded which input each view is), where known.
   for (int v = 0; v < kMaxViews; ++v) {
     if (std::isfinite(b.input_absmax[v])) {

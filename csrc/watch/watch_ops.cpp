@@ -75,27 +75,10 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
       !op.hasKernelForDispatchKey(K::CompositeExplicitAutogradNonFunctional);
   // Products and squares: an input beyond the square root of the dtype's
   // largest value explains an overflow there (the message's range note).
-  static const char* const products[] = {"mm",
-                                         "addmm",
-                                         "bmm",
-                                         "baddbmm",
-                                         "matmul",
-                                         "linear",
-                                         "mul",
-                                         "mul_",
-                                         "pow",
-                                         "pow_",
-                                         "square",
-                                         "dot",
-                                         "mv",
-                                         "addmv",
-                                         "einsum",
-                                         "mse_loss",
-                                         "_scaled_dot_product_flash_attention",
-                                         "addcmul",
-                                         "addcmul_",
-                                         "prod"};
-  for (const char* p : products) info.product = info.product || (aten && base == p);
+  static const std::string products =
+      " mm addmm bmm baddbmm matmul linear mul mul_ pow pow_ square dot mv addmv einsum mse_loss "
+      "_scaled_dot_product_flash_attention addcmul addcmul_ prod ";
+  info.product = aten && products.find(" " + base + " ") != std::string::npos;
   return tls_op_info.emplace(key, std::move(info)).first->second;
 }
 

@@ -20,112 +20,74 @@ namespace watch {
 
 namespace {
 
-// A config item of `d`, or nullptr (a borrowed reference).
-PyObject* item(PyObject* d, const char* key) { return PyDict_GetItemString(d, key); }
-
-bool read_strings(PyObject* list, std::vector<std::string>& out, const char* key) {
-  if (list == nullptr) return true;
-  PyObject* seq = PySequence_Fast(list, key);
-  if (seq == nullptr) return false;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-    const char* s = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
-    if (s == nullptr) {
-      Py_DECREF(seq);
-      return false;
-    }
-    out.emplace_back(s);
-  }
-  Py_DECREF(seq);
-  return true;
+// Calls fn(item) for each item of the sequence `seq` (nullptr: none); false
+// when fn or the sequence failed (a Python error is set).
+template <typename Fn>
+bool for_each_item(PyObject* seq, const char* what, Fn&& fn) {
+  if (seq == nullptr) return true;
+  PyObject* fast = PySequence_Fast(seq, what);
+  if (fast == nullptr) return false;
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i)
+    ok = fn(PySequence_Fast_GET_ITEM(fast, i));
+  Py_DECREF(fast);
+  return ok;
 }
 
-// watch.py's config dict -> WatchConfig (names, kinds and ranges checked here,
-// so nothing positional or stringly-typed crosses the boundary).
+bool read_strings(PyObject* list, std::vector<std::string>& out, const char* what) {
+  return for_each_item(list, what, [&](PyObject* o) {
+    const char* s = PyUnicode_AsUTF8(o);
+    if (s != nullptr) out.emplace_back(s);
+    return s != nullptr;
+  });
+}
+
+// watch.py's config dict -> WatchConfig. watch.py validated the user's
+// arguments; this only converts (a wrong type is a TypeError naming the key).
 bool parse_config(PyObject* d, WatchConfig& c) {
-  if (!PyDict_Check(d)) {
-    PyErr_SetString(PyExc_TypeError, "cublas_guard_ext._C._watch_begin takes a config dict");
+  auto item = [&](const char* key) { return PyDict_Check(d) ? PyDict_GetItemString(d, key) : nullptr; };
+  PyObject* report = item("report");
+  const char* r = report != nullptr ? PyUnicode_AsUTF8(report) : nullptr;
+  PyObject* mode = item("mode");
+  PyObject* capacity = item("capacity");
+  if (r == nullptr || mode == nullptr || capacity == nullptr) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_TypeError,
+                    "cublas_guard_ext._C._watch_begin: a config dict with mode, report, capacity");
     return false;
   }
-  static const char* const known[] = {"mode",     "report",       "has_model",      "verify_inputs",
-                                      "capacity", "module_names", "module_allowed", "allowed_ops",
-                                      "state",    "finite_state"};
-  PyObject *key = nullptr, *value = nullptr;
-  for (Py_ssize_t pos = 0; PyDict_Next(d, &pos, &key, &value);) {
-    const char* k = PyUnicode_AsUTF8(key);
-    bool ok = false;
-    for (const char* n : known) ok = ok || (k != nullptr && std::string(k) == n);
-    if (!ok) {
-      PyErr_Format(PyExc_ValueError, "cublas_guard_ext.watch: unknown config key %R", key);
-      return false;
-    }
-  }
-  if (PyObject* v = item(d, "mode")) {  // a code of cublas_guard_ext._native.codes
-    const long m = PyLong_AsLong(v);
-    if (PyErr_Occurred() || (m != kModeSync && m != kModeAsync)) {
-      PyErr_Clear();
-      PyErr_Format(PyExc_ValueError,
-                   "cublas_guard_ext.watch: mode must be the code of 'sync' or 'async', got %R", v);
-      return false;
-    }
-    c.mode = static_cast<int>(m);
-  }
-  if (PyObject* v = item(d, "report")) {
-    const char* r = PyUnicode_AsUTF8(v);
-    if (r == nullptr || (std::string(r) != "birth" && std::string(r) != "consequence")) {
-      PyErr_Format(PyExc_ValueError,
-                   "cublas_guard_ext.watch: report must be 'birth' or 'consequence', got %R", v);
-      return false;
-    }
-    c.report = std::string(r) == "birth" ? kReportBirth : kReportConsequence;
-  }
-  if (PyObject* v = item(d, "has_model")) c.has_model = PyObject_IsTrue(v) == 1;
-  if (PyObject* v = item(d, "verify_inputs")) c.verify_inputs = PyObject_IsTrue(v) == 1;
-  if (PyObject* v = item(d, "capacity")) {
-    c.capacity = PyLong_AsLongLong(v);
-    if (PyErr_Occurred()) return false;
-    if (c.capacity < 64 || c.capacity > (int64_t{1} << 24)) {
-      PyErr_Format(PyExc_ValueError, "cublas_guard_ext.watch: capacity must be in [64, 16777216], got %R", v);
-      return false;
-    }
-  }
-  if (!read_strings(item(d, "module_names"), c.module_names, "module_names")) return false;
-  if (!read_strings(item(d, "allowed_ops"), c.allowed_ops, "allowed_ops")) return false;
-  if (PyObject* v = item(d, "module_allowed")) {
-    PyObject* seq = PySequence_Fast(v, "module_allowed");
-    if (seq == nullptr) return false;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-      c.module_allowed.push_back(PyObject_IsTrue(PySequence_Fast_GET_ITEM(seq, i)) == 1 ? 1 : 0);
-    }
-    Py_DECREF(seq);
-  }
-  if (PyObject* v = item(d, "state")) {  // [(name, tensor), ...]
-    PyObject* seq = PySequence_Fast(v, "state");
-    if (seq == nullptr) return false;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-      PyObject* pair = PySequence_Fast_GET_ITEM(seq, i);
-      PyObject* name =
-          PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 ? PyTuple_GET_ITEM(pair, 0) : nullptr;
-      PyObject* tensor = name != nullptr ? PyTuple_GET_ITEM(pair, 1) : nullptr;
-      const char* n = name != nullptr ? PyUnicode_AsUTF8(name) : nullptr;
-      if (n == nullptr || !THPVariable_Check(tensor)) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_TypeError, "cublas_guard_ext.watch: state must be (name, tensor) pairs");
-        return false;
-      }
-      c.state.emplace_back(THPVariable_Unpack(tensor), n);
-    }
-    Py_DECREF(seq);
-  }
-  if (PyObject* v = item(d, "finite_state")) {
-    PyObject* seq = PySequence_Fast(v, "finite_state");
-    if (seq == nullptr) return false;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-      PyObject* t = PySequence_Fast_GET_ITEM(seq, i);
-      if (THPVariable_Check(t)) c.finite_state.push_back(THPVariable_Unpack(t));
-    }
-    Py_DECREF(seq);
-  }
-  return true;
+  c.report = std::string(r) == "birth" ? kReportBirth : kReportConsequence;
+  c.mode = static_cast<int>(PyLong_AsLong(mode));  // a code of cublas_guard_ext._native.codes
+  c.capacity = PyLong_AsLongLong(capacity);
+  if (PyErr_Occurred()) return false;
+  auto flag = [&](const char* key) { return item(key) != nullptr && PyObject_IsTrue(item(key)) == 1; };
+  c.has_model = flag("has_model");
+  c.verify_inputs = flag("verify_inputs");
+  return read_strings(item("module_names"), c.module_names, "module_names") &&
+         read_strings(item("allowed_ops"), c.allowed_ops, "allowed_ops") &&
+         for_each_item(item("module_allowed"), "module_allowed",
+                       [&](PyObject* o) {
+                         c.module_allowed.push_back(PyObject_IsTrue(o) == 1 ? 1 : 0);
+                         return true;
+                       }) &&
+         for_each_item(item("state"), "state",
+                       [&](PyObject* pair) {  // (name, tensor)
+                         const bool ok = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 &&
+                                         PyUnicode_Check(PyTuple_GET_ITEM(pair, 0)) &&
+                                         THPVariable_Check(PyTuple_GET_ITEM(pair, 1));
+                         if (!ok)
+                           PyErr_SetString(PyExc_TypeError,
+                                           "_watch_begin: state must be (name, tensor) pairs");
+                         if (ok) {
+                           c.state.emplace_back(THPVariable_Unpack(PyTuple_GET_ITEM(pair, 1)),
+                                                PyUnicode_AsUTF8(PyTuple_GET_ITEM(pair, 0)));
+                         }
+                         return ok;
+                       }) &&
+         for_each_item(item("finite_state"), "finite_state", [&](PyObject* t) {
+           if (THPVariable_Check(t)) c.finite_state.push_back(THPVariable_Unpack(t));
+           return true;
+         });
 }
 
 PyObject* py_begin(PyObject*, PyObject* arg) {
@@ -263,16 +225,13 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
 PyObject* py_all_finite(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   std::vector<at::Tensor> tensors;
-  for (Py_ssize_t i = 0; i < PySequence_Size(arg); ++i) {
-    PyObject* obj = PySequence_GetItem(arg, i);
-    const bool ok = obj != nullptr && THPVariable_Check(obj);
-    if (ok) tensors.push_back(THPVariable_Unpack(obj));
-    Py_XDECREF(obj);
-    if (!ok) {
-      PyErr_SetString(PyExc_TypeError, "expected a sequence of tensors");
-      return nullptr;
-    }
-  }
+  const bool ok = for_each_item(arg, "expected a sequence of tensors", [&](PyObject* obj) {
+    const bool tensor = THPVariable_Check(obj);
+    if (tensor) tensors.push_back(THPVariable_Unpack(obj));
+    if (!tensor) PyErr_SetString(PyExc_TypeError, "expected a sequence of tensors");
+    return tensor;
+  });
+  if (!ok) return nullptr;
   bool finite = false;
   {
     pybind11::gil_scoped_release nogil;
@@ -292,6 +251,7 @@ PyObject* py_stats(PyObject*, PyObject*) {
 // Sinks the Python side sees: reached(tensors, wheres). A tagged tensor's
 // finding is raised (sync) or kept (async); finite and untagged ones pass.
 PyObject* py_reached(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
   PyObject *tensors = nullptr, *wheres = nullptr;
   if (!PyArg_ParseTuple(args, "OO", &tensors, &wheres)) return nullptr;
   SessionRef hold;  // a post-accumulate-grad hook may run on a device thread
@@ -299,32 +259,22 @@ PyObject* py_reached(PyObject*, PyObject* args) {
   if (s == nullptr || s->report != kReportConsequence) Py_RETURN_NONE;
   std::vector<std::string> where;
   if (!read_strings(wheres, where, "wheres")) return nullptr;
-  try {
-    for (Py_ssize_t i = 0; i < PySequence_Size(tensors); ++i) {
-      PyObject* obj = PySequence_GetItem(tensors, i);
-      if (obj == nullptr || !THPVariable_Check(obj)) {
-        Py_XDECREF(obj);
-        continue;
-      }
-      const at::Tensor t = THPVariable_Unpack(obj);
-      Py_DECREF(obj);
-      if (!readable(t)) continue;
-      pybind11::gil_scoped_release nogil;
-      {
-        SessionLock lock(*s->mu);
-        tags_reached(*s, t, static_cast<size_t>(i) < where.size() ? where[i] : "a result");
-      }
-      run_after_unlock(*s);
+  size_t i = 0;
+  const bool ok = for_each_item(tensors, "tensors", [&](PyObject* obj) {
+    const size_t k = i++;
+    if (!THPVariable_Check(obj) || !readable(THPVariable_Unpack(obj))) return true;
+    const at::Tensor t = THPVariable_Unpack(obj);
+    pybind11::gil_scoped_release nogil;
+    {
+      SessionLock lock(*s->mu);
+      tags_reached(*s, t, k < where.size() ? where[k] : "a result");
     }
-  } catch (python_error& e) {
-    e.restore();
-    return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  PyErr_Clear();
+    run_after_unlock(*s);
+    return true;
+  });
+  if (!ok) return nullptr;
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 // A non-finite argument of the watched model: an origin (an entry scan).
@@ -348,34 +298,8 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// Test seam: the watch key on (or off) in this thread with no session of its
-// own, as autograd's device threads run (the key comes with the forward
-// thread's state): its backward ops find the session of the node's thread.
-PyObject* py_set_key_included(PyObject*, PyObject* arg) {
-  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  if (flag == nullptr || std::string(flag) != "1") {
-    PyErr_SetString(
-        PyExc_RuntimeError,
-        "cublas_guard_ext: _watch_set_key_included is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
-    return nullptr;
-  }
-  const bool previous = c10::impl::tls_is_dispatch_key_included(kWatchKey);
-  c10::impl::tls_set_dispatch_key_included(kWatchKey, PyObject_IsTrue(arg) == 1);
-  return PyBool_FromLong(previous);
-}
-
 PyObject* py_key_included(PyObject*, PyObject*) {
   return PyBool_FromLong(c10::impl::tls_is_dispatch_key_included(kWatchKey));
-}
-
-// How many grown-out tag arrays this thread's watch keeps until its final check (tests).
-PyObject* py_retired_arrays(PyObject*, PyObject*) {
-  Session* s = tls_session;
-  if (s == nullptr) return PyLong_FromLong(0);
-  SessionLock lock(*s->mu);
-  int64_t n = 0;
-  for (const DeviceTags& d : s->tags->devices) n += static_cast<int64_t>(d.retired.size());
-  return PyLong_FromLongLong(n);
 }
 
 PyMethodDef methods[] = {
@@ -393,10 +317,6 @@ PyMethodDef methods[] = {
     {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},
     {"_watch_stats", py_stats, METH_NOARGS, "(ops seen, outputs scanned) of this thread's watch"},
     {"_watch_key_included", py_key_included, METH_NOARGS, "whether the watch key is on in this thread"},
-    {"_watch_set_key_included", py_set_key_included, METH_O,
-     "test seam: the watch key on/off in this thread (a device thread's state); the previous value"},
-    {"_watch_retired_arrays", py_retired_arrays, METH_NOARGS,
-     "grown-out tag arrays kept until the final check"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -98,29 +98,6 @@ Where where_now(const Session& s) {
   return w;
 }
 
-void describe_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                     const OpInfo& info) {
-  int64_t n = 0;
-  for (size_t i = 0; i < args.size() && i < schema.arguments().size(); ++i) {
-    if (info.is_out_arg[i]) continue;
-    const std::string& arg_name = schema.arguments()[i].name();
-    for_each_tensor(args[i], [&](const at::Tensor& t) {
-      if (!t.defined()) return;
-      const std::string p = "input" + std::to_string(n++);
-      r.add((p + "_name").c_str(), arg_name);
-      r.add((p + "_shape").c_str(), t.sizes());
-      r.add((p + "_strides").c_str(), t.strides());
-      r.add((p + "_dtype").c_str(), std::string(c10::toString(t.scalar_type())));
-      r.add((p + "_device").c_str(), t.device().str());
-    });
-    if (scalar_non_finite(args[i]) || args[i].isDouble()) {
-      const std::string p = "scalar_" + arg_name;
-      r.add(p.c_str(), args[i].isDouble() ? args[i].toDouble() : 0.0);
-    }
-  }
-  r.add("num_inputs", n);
-}
-
 void add_where(ErrorReport& r, const Session& s, const Where& w) {
   r.add("phase", w.backward ? "backward" : "forward");
   if (w.module >= 0 && static_cast<size_t>(w.module) < s.config.module_names.size()) {

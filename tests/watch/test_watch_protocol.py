@@ -237,16 +237,21 @@ def test_grown_tag_arrays_are_kept_until_the_final_check():
     with seam(tag_capacity=4):
         with cg.watch(None, mode="sync"):
             xs = [torch.rand(3) + i for i in range(10)]  # more storages than 4 slots: the array grows
-            assert watch_module._native._watch_retired_arrays() >= 1
+            assert torch.ops.cublas_guard_testing.watch_retired_arrays() >= 1
             cg.check()  # waits for the devices: the old arrays can go
-            assert watch_module._native._watch_retired_arrays() == 0
+            assert torch.ops.cublas_guard_testing.watch_retired_arrays() == 0
     assert len(xs) == 10
 
 
-def test_the_seam_needs_the_testing_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_seam_and_the_watch_hooks_need_the_testing_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_GUARD_EXT_TESTING")
     with pytest.raises(RuntimeError, match="watch_test_seam is a test hook; set CUBLAS_GUARD_EXT_TESTING=1"):
         SEAM(True, False, 0)
+    hooks = torch.ops.cublas_guard_testing
+    with pytest.raises(RuntimeError, match="watch_set_key_included is a test hook; set CUBLAS_GUARD"):
+        hooks.watch_set_key_included(True)
+    with pytest.raises(RuntimeError, match="watch_retired_arrays is a test hook; set CUBLAS_GUARD"):
+        hooks.watch_retired_arrays()
 
 
 # -- what a finding explains --------------------------------------------------------------------

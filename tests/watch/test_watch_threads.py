@@ -42,13 +42,13 @@ def _backward_in_threads(losses: list[torch.Tensor]) -> tuple[list[threading.Thr
     failures: list[BaseException] = []
 
     def run(loss: torch.Tensor) -> None:
-        previous = watch_module._native._watch_set_key_included(True)
+        previous = torch.ops.cublas_guard_testing.watch_set_key_included(True)
         try:
             loss.backward()
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             failures.append(exc)
         finally:
-            watch_module._native._watch_set_key_included(previous)
+            torch.ops.cublas_guard_testing.watch_set_key_included(previous)
 
     threads = [threading.Thread(target=run, args=(loss,)) for loss in losses]
     for t in threads:

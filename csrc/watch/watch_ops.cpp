@@ -11,6 +11,7 @@
 #include <ATen/ops/isneginf.h>
 #include <ATen/ops/isposinf.h>
 #include <ATen/ops/logical_not.h>
+#include <ATen/ops/max.h>
 #include <ATen/ops/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -151,12 +152,16 @@ HostCounts host_counts(const at::Tensor& t) {
 
 bool all_finite(const std::vector<at::Tensor>& tensors) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  std::vector<at::Tensor> bad;  // per tensor, on its device: any non-finite value
+  std::vector<at::Tensor> counts, flags;  // a fused scan's counts each; other dtypes: a flag each
   for (const at::Tensor& t : tensors) {
-    bad.push_back(is_guarded_dtype(t.scalar_type()) ? fused_scan(t).select(0, kFirstBadIndex).ge(0)
-                                                    : at::logical_not(at::isfinite(t)).any());
+    if (is_guarded_dtype(t.scalar_type())) {
+      counts.push_back(fused_scan(t));  // one launch per tensor on CUDA
+    } else {
+      flags.push_back(at::logical_not(at::isfinite(t)).any());
+    }
   }
-  return bad.empty() || !at::stack(bad).any().item<bool>();
+  if (!counts.empty() && at::stack(counts).select(1, kFirstBadIndex).max().item<int64_t>() >= 0) return false;
+  return flags.empty() || !at::stack(flags).any().item<bool>();
 }
 
 bool op_allowed(const Session& s, const c10::FunctionSchema& schema) {

@@ -181,6 +181,16 @@ def test_capacity_is_checked():
         cg.watch(None, capacity=8)
 
 
+def test_the_native_begin_refuses_a_config_without_its_keys_and_starts_nothing():
+    """watch.py validates the user's arguments; the native side only converts the config."""
+    for config in ({}, {"mode": 1, "report": "birth"}, [("mode", 1)]):
+        with pytest.raises(
+            TypeError, match=r"^cublas_guard_ext._C._watch_begin: a config dict with mode, report, capacity$"
+        ):
+            watch_module._native._watch_begin(config)
+        assert not watch_module._is_active()
+
+
 # -- the birth stack: taken at the birth op, or said to be where it was detected ---------------
 
 

@@ -190,6 +190,10 @@ bool readable(const at::Tensor& t);
 struct HostCounts {
   int64_t nan = 0, posinf = 0, neginf = 0, first = -1;
   bool bad() const { return first >= 0; }
+  // From the fused scan's kScanFields counts.
+  static HostCounts of_scan(const int64_t* r) {
+    return HostCounts{r[kNanCount], r[kPosInfCount], r[kNegInfCount], r[kFirstBadIndex]};
+  }
 };
 HostCounts host_counts(const at::Tensor& t);
 // Whether every value of these tensors is finite: a fused scan each, one host

@@ -23,17 +23,9 @@ namespace {
 
 HostCounts count_cpu(const at::Tensor& t) {
   if (!is_guarded_dtype(t.scalar_type())) return host_counts(t);
-  HostCounts c;
-  {
-    static thread_local at::Tensor slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
-    scan_cpu_into(t, slot, nullptr, "watch");
-    const int64_t* r = slot.data_ptr<int64_t>();
-    c.nan = r[kNanCount];
-    c.posinf = r[kPosInfCount];
-    c.neginf = r[kNegInfCount];
-    c.first = r[kFirstBadIndex];
-  }
-  return c;
+  static thread_local at::Tensor slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
+  scan_cpu_into(t, slot, nullptr, "watch");
+  return HostCounts::of_scan(slot.data_ptr<int64_t>());
 }
 
 template <typename T>

@@ -67,19 +67,9 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
     broken = "ldc >= max(1, m)";
   }
   if (broken != nullptr) {
-    ErrorReport report("cublas");
-    // Reported as the status cuBLAS would have returned, with the rule named,
-    // and never sent: cuBLAS would only say INVALID_VALUE.
-    report.add("layer", layer).add("status", int64_t{7});
-    report.add("status_name", "CUBLAS_STATUS_INVALID_VALUE").add("rule", broken);
-    report.add("precheck", true).add("purpose", call.purpose);
-    report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
-    report.add("m", call.m).add("n", call.n).add("k", call.k);
-    report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-    report.add("api", call.routine).add("data_type", call.data_type);
-    report.add("compute_type", call.compute_type);
-    report.raise_runtime_error("layer '" + layer + "': " + call.routine + " arguments break the rule " +
-                               broken);
+    // Never sent, and reported with the rule named: cuBLAS would only say INVALID_VALUE.
+    raise_gemm_precheck(call, layer, 7, "CUBLAS_STATUS_INVALID_VALUE", broken,
+                        "layer '" + layer + "': " + call.routine + " arguments break the rule " + broken);
   }
   // The caller splits n and k into pieces within the limit; m and the leading
   // dimensions cannot be split (ldc >= m, and a leading dimension is a stride).

@@ -128,16 +128,8 @@ void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting, 
                            " = (False, False) turns split-K off, which cublasGemmEx cannot do (torch's own "
                            "cuBLAS GEMMs refuse it too); allow split-K: " +
                            setting + " = (False, True)";
-  ErrorReport report("cublas");
-  report.add("layer", layer).add("status", int64_t{kStatusNotSupported});
-  report.add("status_name", "CUBLAS_STATUS_NOT_SUPPORTED").add("rule", rule);
-  report.add("precheck", true).add("purpose", call.purpose);
-  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
-  report.add("m", call.m).add("n", call.n).add("k", call.k);
-  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
-  report.add("api", call.routine).add("data_type", call.data_type);
-  report.add("compute_type", call.compute_type);
-  report.raise_runtime_error("layer '" + layer + "': " + call.routine + " refused: " + rule);
+  raise_gemm_precheck(call, layer, kStatusNotSupported, "CUBLAS_STATUS_NOT_SUPPORTED", rule,
+                      "layer '" + layer + "': " + call.routine + " refused: " + rule);
 }
 
 namespace {
@@ -317,6 +309,27 @@ void gemm_ex_reduction_check_op(c10::string_view dtype, int64_t reduction, c10::
   raise_gemm_ex_reduction_refused(call, setting, std::string(layer));
 }
 
+// plan_gemm_call's INVALID_VALUE rules on a float32 call with these
+// arguments ([m, n, k, lda, ldb, ldc]): raises the precheck's CublasError.
+void gemm_rules_check_op(c10::IntArrayRef args, bool trans_a, bool trans_b, c10::string_view layer) {
+  require_testing_env("gemm_rules_check");
+  TORCH_CHECK(args.size() == 6, "gemm_rules_check: [m, n, k, lda, ldb, ldc]");
+  GemmCall call;
+  call.dtype = at::kFloat;
+  call.m = args[0];
+  call.n = args[1];
+  call.k = args[2];
+  call.lda = args[3];
+  call.ldb = args[4];
+  call.ldc = args[5];
+  call.trans_a = trans_a;
+  call.trans_b = trans_b;
+  call.routine = "cublasSgemm";
+  call.data_type = "CUDA_R_32F";
+  call.compute_type = "CUBLAS_COMPUTE_32F";
+  plan_gemm_call(call, /*has_64bit_api=*/true, std::string(layer));
+}
+
 // The strided scan kernel's index -> offset (scan/strided_index.h) on the
 // CPU: merged dims (outermost first) of a tensor of `numel` elements (the
 // product of the sizes when 0; a larger one forces the 64-bit walk), and the
@@ -397,6 +410,8 @@ TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
   m.def("lt_plan_cache_trace(int capacity, int[] keys) -> str[]", &cublas_guard::lt_plan_cache_trace_op);
   m.def("gemm_ex_reduction_check(str dtype, int reduction, str layer) -> ()",
         &cublas_guard::gemm_ex_reduction_check_op);
+  m.def("gemm_rules_check(int[] args, bool trans_a, bool trans_b, str layer) -> ()",
+        &cublas_guard::gemm_rules_check_op);
   m.def("strided_offsets(int[] sizes, int[] strides, int numel, int[] indices) -> int[]",
         &cublas_guard::strided_offsets_op);
   m.def("set_launch_limits(int max_grid_x, int max_grid_yz, int max_threads, int max_shared) -> ()",

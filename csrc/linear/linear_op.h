@@ -150,6 +150,11 @@ struct GemmContext {
 };
 // Raises the CublasError report for a failed status (report/gemm_report.cpp).
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx);
+// Raises the CublasError report of a GEMM refused before it was sent: the
+// status cuBLAS would have returned, the rule it breaks, the call's arguments.
+[[noreturn]] void raise_gemm_precheck(const GemmCall& call, const std::string& layer, int64_t status,
+                                      const char* status_name, const std::string& rule,
+                                      const std::string& message);
 
 // ---------------------------------------------------------------------------
 // Test-only hooks: fault injection and the lowered size limit. Both refuse to

@@ -28,16 +28,32 @@ at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* lik
   return at::from_blob(const_cast<void*>(data), {elements}, options);
 }
 
+// The call's shape arguments, as cuBLAS got them.
+void add_gemm_arguments(ErrorReport& report, const GemmCall& call) {
+  report.add("purpose", call.purpose);
+  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
+  report.add("m", call.m).add("n", call.n).add("k", call.k);
+  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+}
+
 }  // namespace
+
+[[noreturn]] void raise_gemm_precheck(const GemmCall& call, const std::string& layer, int64_t status,
+                                      const char* status_name, const std::string& rule,
+                                      const std::string& message) {
+  ErrorReport report("cublas");
+  report.add("layer", layer).add("status", status).add("status_name", status_name).add("rule", rule);
+  report.add("precheck", true);
+  add_gemm_arguments(report, call);
+  report.add("api", call.routine).add("data_type", call.data_type).add("compute_type", call.compute_type);
+  report.raise_runtime_error(message);
+}
 
 [[noreturn]] void raise_gemm_failure(int status, const GemmCall& call, const GemmContext& ctx) {
   ErrorReport report("cublas");
   report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
   if (!ctx.status_name.empty()) report.add("status_name", ctx.status_name);
-  report.add("purpose", call.purpose);
-  report.add("transa", call.trans_a ? "T" : "N").add("transb", call.trans_b ? "T" : "N");
-  report.add("m", call.m).add("n", call.n).add("k", call.k);
-  report.add("lda", call.lda).add("ldb", call.ldb).add("ldc", call.ldc);
+  add_gemm_arguments(report, call);
   report.add("alpha", call.alpha).add("beta", call.beta);
   // ctx.api names the cuBLASLt step that failed, when the Lt path ran (cuda/lt_gemm.cu).
   const std::string api = ctx.api.empty() ? std::string(call.routine) : ctx.api;

@@ -182,6 +182,41 @@ def test_gemm_ex_refuses_split_k_off_as_torch_does(dtype: str) -> None:
     assert "layer 'half'" in str(err) and "refused before the call" in str(err)
 
 
+@pytest.mark.parametrize(
+    ("args", "trans_a", "rule"),
+    [
+        ([-1, 16, 64, 64, 64, 48], False, "m, n and k must be >= 0"),
+        ([48, 16, 64, 47, 64, 48], False, "lda >= max(1, rows of A as stored)"),  # A is m x k: lda >= m
+        ([48, 16, 64, 63, 64, 48], True, "lda >= max(1, rows of A as stored)"),  # A^T stored k x m: lda >= k
+        ([48, 16, 64, 48, 63, 48], False, "ldb >= max(1, rows of B as stored)"),
+        ([48, 16, 64, 48, 64, 47], False, "ldc >= max(1, m)"),
+    ],
+)
+def test_a_call_breaking_cublas_s_rules_is_refused_naming_the_rule(args, trans_a: bool, rule: str) -> None:
+    """cuBLAS answers INVALID_VALUE without saying why; the plan checks its rules first and
+    names the one broken, with the call's arguments, and never sends the call."""
+    T.gemm_rules_check([48, 16, 64, 64 if trans_a else 48, 64, 48], trans_a, False, "ok")  # the rules hold
+    with pytest.raises(cg.CublasError) as info:
+        T.gemm_rules_check(args, trans_a, False, "rules")
+    f = info.value.fields
+    assert (f["status"], f["status_name"], f["precheck"], f["rule"]) == (
+        INVALID_VALUE,
+        "CUBLAS_STATUS_INVALID_VALUE",
+        True,
+        rule,
+    )
+    assert [f[k] for k in ("m", "n", "k", "lda", "ldb", "ldc")] == args
+    assert (f["transa"], f["transb"], f["api"], f["data_type"]) == (
+        "T" if trans_a else "N",
+        "N",
+        "cublasSgemm",
+        "CUDA_R_32F",
+    )
+    assert str(info.value).startswith(
+        f"layer 'rules': CUBLAS_STATUS_INVALID_VALUE (refused before the call): the arguments break the rule {rule}"
+    )
+
+
 def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
     """-1: the option as gemm_cuda reads it from torch (torch_reduction_option)."""
     matmul = torch.backends.cuda.matmul

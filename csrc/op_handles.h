@@ -14,6 +14,7 @@ using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const c
                                    c10::string_view, int64_t, bool);
 using GradGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using GuardValuesSignature = void(const at::Tensor&, c10::string_view, int64_t, int64_t);
+using ScanSignature = at::Tensor(const at::Tensor&);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -30,6 +31,10 @@ inline const c10::TypedOperatorHandle<GradGemmSignature>& grad_input_handle() {
 }
 inline const c10::TypedOperatorHandle<GradGemmSignature>& grad_weight_handle() {
   static const auto op = find_op<GradGemmSignature>("cublas_guard::linear_grad_weight");
+  return op;
+}
+inline const c10::TypedOperatorHandle<ScanSignature>& scan_handle() {
+  static const auto op = find_op<ScanSignature>("cublas_guard::scan");
   return op;
 }
 inline const c10::TypedOperatorHandle<GuardValuesSignature>& guard_values_handle() {

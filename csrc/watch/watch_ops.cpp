@@ -3,8 +3,9 @@
 // thread) from its schema and its kernels; see watch.h for the whole design.
 #include "watch/watch.h"
 
+#include "op_handles.h"
+
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/any.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/isnan.h>
@@ -120,11 +121,8 @@ namespace {
 // The project's fused scan (cublas_guard::scan: the CPU loop or the CUDA
 // kernel), below autograd: its counts, on t's device.
 at::Tensor fused_scan(const at::Tensor& t) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("cublas_guard::scan", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return op.call(t);
+  return scan_handle().call(t);
 }
 
 }  // namespace

@@ -43,6 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "nn and watch",
         (
             "cublas_guard_ext.nn",
+            "cublas_guard_ext.naming",
+            "cublas_guard_ext.error_hooks",
             "cublas_guard_ext.swap",
             "cublas_guard_ext.watch",
             "cublas_guard_ext._watch_patches",

@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import error_hooks as _error_hooks  # noqa: F401  (registers the naming hook)
 from . import modes
 from . import ops as _ops_module
+from .error_hooks import LAST_RAN as _ran
 from .naming import remember as _remember_parents
 from .naming import strip_wrappers
 from .ops import linear as _guarded_linear
@@ -134,11 +134,13 @@ class SafeLinear(nn.Linear):
         # The parameters are read once: a parametrized weight (spectral_norm, weight_norm)
         # is computed at each read, and spectral_norm's power iteration moves its buffers
         # at each one in training, so a second read would make a different layer.
-        # An error names the layer where it sits now (naming.py, when the error is built).
+        # An error names the layer where it sits now (naming.py, when the error is built); a
+        # refused half-precision input names the guarded layer that ran before it (_ran).
         weight, bias, label = self.weight, self.bias, self.guard_label
         if self.dtype_policy == "strict":
             out = _fast_linear(input, weight, bias, label, self.mode, self.scan_grad)
             if out is not None:
+                _ran.label = label
                 return out
         out = _guarded_linear(
             input,
@@ -149,6 +151,7 @@ class SafeLinear(nn.Linear):
             scan_grad=self.scan_grad,
             dtype_policy=self.dtype_policy,
         )
+        _ran.label = label
         return out
 
     def extra_repr(self) -> str:
@@ -406,6 +409,7 @@ class _GuardedConv1D:
         if self.dtype_policy == "strict":
             out = _fast_linear(x, weight, self.bias, label, self.mode, self.scan_grad)
             if out is not None:
+                _ran.label = label
                 return out
         out = _guarded_linear(
             x,
@@ -416,6 +420,7 @@ class _GuardedConv1D:
             scan_grad=self.scan_grad,
             dtype_policy=self.dtype_policy,
         )
+        _ran.label = label
         return out
 
     def __repr__(self) -> str:

@@ -513,6 +513,8 @@ class TrainingGuard:
             f = getattr(finding, "fields", {})
             if isinstance(finding, NonFiniteOutputError):
                 out.update(op=f.get("op"), module=f.get("module"), phase=f.get("phase", "forward"))
+                if f.get("overflow"):  # the step's message then gives the overflow's next steps
+                    out.update(overflow=True, dtype=f.get("dtype"))
             elif isinstance(finding, NonFiniteEntryError):
                 out.update(phase="entry", module=f.get("name"))
             else:  # a guarded layer refused a value in the replay as well
@@ -591,5 +593,6 @@ class TrainingGuard:
             refused_by=origin["refused_by"],
             refusal=origin["refusal"],
             history=history,
+            **({"overflow": True, "dtype": origin.get("dtype")} if origin.get("overflow") else {}),
             **({"deferred": True} if deferred else {}),
         )

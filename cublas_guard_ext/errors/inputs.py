@@ -22,6 +22,7 @@ from .format import (
     _where,
 )
 from .magnitudes import counts_line, magnitude_line
+from .overflow import finding_lines, finding_overflow, narrow_format, next_steps, refusal_lines
 from .status import _NAN_STORY
 
 
@@ -197,10 +198,22 @@ class NonFiniteInputError(GuardError, ValueError):
             replay = f.get("replay", 0)
             if replay:  # the call was captured in a CUDA graph; this is one of its replays
                 where += f" (CUDA graph replay {replay})" if replay > 0 else " (a CUDA graph replay)"
-        return (
+        text = (
             f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
             f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
         )
+        fmt = self._overflowed()
+        if fmt is not None:
+            upstream = "in the backward pass" if f.get("role") == "grad_output" else "before this layer"
+            text += f": most likely a {fmt[0]} overflow {upstream} (Inf alone, no NaN)"
+        return text
+
+    def _overflowed(self) -> tuple[str, float] | None:
+        """(dtype, its largest value) when the refused input or gradient holds +/-Inf alone in a
+        half-precision or fp8 tensor (errors/overflow.py)."""
+        if self.fields.get("role", "input") not in ("input", "grad_output"):
+            return None
+        return narrow_format(self.fields)
 
     def _details(self) -> list[str]:
         f = self.fields
@@ -220,10 +233,17 @@ class NonFiniteInputError(GuardError, ValueError):
                 f"recorded asynchronously on {f.get('device')} at that call and reported now: "
                 "outputs computed since then are not to be trusted"
             )
+        if self._overflowed() is not None:
+            lines += refusal_lines(f)
         lines.append(_NAN_STORY)
         return lines
 
     def _next_steps(self) -> list[str]:
+        if self._overflowed() is not None:
+            return [
+                "name the op that overflowed: run the step under cublas_guard_ext.watch(model); it "
+                "reports the op, its module and its operands' magnitudes"
+            ] + next_steps(self.fields, "the layer or op that overflowed")
         if self.fields.get("role") in ("weight", "bias"):
             return [
                 "the parameters diverged: lower the learning rate, clip gradients "
@@ -281,6 +301,7 @@ class _WatchFinding:
         "neginf_count", "zero_count", "first_bad_index", "first_bad_coords", "first_bad_value", "shape",
         "dtype", "device", "input_names", "input_shapes", "input_dtypes", "input_strides",
         "input_absmax", "reached", "birth_stack", "detected_stack", "lost", "mode",
+        "overflow", "dtype_max", "overflow_bound",
     )  # fmt: skip
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
@@ -314,13 +335,18 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
 
     def _prepare(self, fields: dict[str, Any]) -> None:
         _fold_inputs(fields)
+        if "overflow" not in fields:
+            fields.update(finding_overflow(fields) or {})
 
     def _headline(self) -> str:
         f = self.fields
         if f.get("op") is None:  # the birth was lost before watch read it (see `lost`)
             return f"watch: non-finite values reached {f.get('reached')}; the op that made them is not known"
+        overflowed = (
+            f" overflowed {_dtype(f.get('dtype')).replace('torch.', '')}:" if f.get("overflow") else ""
+        )
         return (
-            f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}) produced "
+            f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}){overflowed} produced "
             f"{_counts_text(f)} from finite inputs"
         )
 
@@ -339,6 +365,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         if inputs:
             lines.append(inputs)
         lines += self._explained()
+        lines += finding_lines(f)
         if f.get("backward_node"):
             lines.append(
                 f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
@@ -353,6 +380,10 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         if self.fields.get("op") is None:
             return ["run the step again with a larger watch(..., capacity=...) to name the op"]
+        if self.fields.get("overflow"):
+            f = self.fields
+            where = f"module '{f['module']}'" if f.get("module") else "this op"
+            return next_steps(f, where)
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
         steps = []
@@ -380,10 +411,17 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
 
     def _details(self) -> list[str]:
         f = self.fields
-        return [
+        lines = [
             _first_bad_line(f, str(f.get("name"))),
             f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
         ] + self._explained()
+        fmt = narrow_format(f) if f.get("role") == "argument" else None
+        if fmt is not None:
+            lines.append(
+                f"Inf alone, no NaN, in {fmt[0]}: most likely values past {fmt[0]}'s largest, "
+                f"{fmt[1]:g}, cast to it before the model (x.to({_dtype(f.get('dtype'))}) of data that large)"
+            )
+        return lines
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("role") in ("parameter", "buffer"):

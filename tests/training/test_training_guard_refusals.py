@@ -115,6 +115,7 @@ def test_the_issue_reproducer_skips_the_nan_batch_and_trains_on():
         "nan_count": 1,
         "posinf_count": 0,
         "neginf_count": 0,
+        "dtype": "torch.float32",
     }
 
 

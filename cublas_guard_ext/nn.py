@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import modes
 from . import ops as _ops_module
+from .ao_quantization import QCONFIG as _QCONFIG
 from .error_hooks import LAST_RAN as _ran
 from .naming import remember as _remember_parents
 from .naming import strip_wrappers
@@ -79,6 +80,11 @@ class SafeLinear(nn.Linear):
         self._unnamed_number = next(_UNNAMED_NUMBERS)
         if name:
             _reset_calls(name)
+
+    # torch.ao's quantization passes set a qconfig on every module, then swap only exact
+    # nn.Linear types: a guarded layer they set one on earns one warning naming the way out.
+    qconfig = _QCONFIG
+    __jit_unused_properties__ = ["qconfig"]
 
     # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]: values
     # torch.jit reads at run time, kept in typing's spelling rather than str | None).

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "cublas_guard_ext.nn",
             "cublas_guard_ext.naming",
             "cublas_guard_ext.error_hooks",
+            "cublas_guard_ext.ao_quantization",
             "cublas_guard_ext.swap",
             "cublas_guard_ext.watch",
             "cublas_guard_ext._watch_patches",

@@ -20,6 +20,7 @@ under 600 lines:
 * ``base``        GuardError
 * ``inputs``      errors about a call's arguments, and watch's findings
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
+* ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
 * ``parse``       payload line -> typed exception; the capsule hook
@@ -29,6 +30,7 @@ under 600 lines:
 from __future__ import annotations
 
 from .base import GuardError
+from .experts import ExpertsImplementationError, GroupOffsetsError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
@@ -77,6 +79,8 @@ __all__ = [
     "TrainingDivergedError",
     "PeerFailedError",
     "NonFiniteGradientsError",
+    "GroupOffsetsError",
+    "ExpertsImplementationError",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .._native.facts import error_context
-from .format import _distributed_rank, _environment_line
+from .format import _distributed_rank, _environment_line, _expert_line
 
 
 class GuardError(Exception):
@@ -54,6 +54,9 @@ class GuardError(Exception):
         rank = self.fields.get("rank")
         prefix = f"[rank {rank}/{self.fields.get('world_size', '?')}] " if rank is not None else ""
         lines = [prefix + self._headline()]
+        place = _expert_line(self.fields)  # raised inside one expert of a grouped GEMM
+        if place:
+            lines.append(f"  {place}")
         lines += [f"  {d}" for d in self._details()]
         if self.fields.get("environment"):
             lines.append(f"  environment: {_environment_line(self.fields['environment'])}")

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import capsule as _capsule
 from .base import GuardError
+from .experts import GroupOffsetsError
 from .format import _dtype
 from .inputs import (
     DeviceMismatchError,
@@ -50,6 +51,7 @@ _BY_KIND: dict[str, type[GuardError]] = {
         GraphCaptureError,
         OutOfMemoryError,
         CublasOutOfMemoryError,
+        GroupOffsetsError,
     )
 }
 

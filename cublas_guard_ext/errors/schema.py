@@ -25,6 +25,7 @@ REPORT_KINDS = (
     "device_mismatch",
     "dtype",
     "graph_capture",
+    "group_offsets",
     "non_finite",
     "non_finite_entry",
     "non_finite_output",
@@ -65,6 +66,15 @@ NATIVE_FIELDS: dict[str, str] = {
     "name": "str",
     "producer": "str",
     "reader": "str",
+    # a grouped GEMM (a mixture of experts): the experts module, its weight's name, the expert
+    # a report was raised in and its rows of the sorted input (report/report_place.h); the
+    # group offsets and the input's rows (GroupOffsetsError)
+    "experts_module": "str",
+    "parameter": "str",
+    "expert": "int",
+    "expert_rows": "ints",
+    "offsets": "ints",
+    "num_tokens": "int",
     # tensors
     "shape": "ints",
     "strides": "ints",
@@ -207,6 +217,9 @@ PYTHON_FIELDS: dict[str, str] = {
     "param_absmax": "float",
     "param_absmax_name": "str",
     "param_dtype": "str",
+    # ExpertsImplementationError (errors/experts.py): the experts module's class, and notes
+    "module_type": "str",
+    "notes": "list",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "cublas_guard_ext.nn",
             "cublas_guard_ext.swap",
+            "cublas_guard_ext.experts",
             "cublas_guard_ext.watch",
             "cublas_guard_ext._watch_patches",
         ),
@@ -311,6 +312,9 @@ PUBLIC_OPS = {
     "linear_grad_weight",
     "check_features",
     "guard_values",
+    "grouped_linear",
+    "grouped_linear_grad_input",
+    "grouped_linear_grad_weight",
     "async_check",
     "build_info",
     "check_in_graph",

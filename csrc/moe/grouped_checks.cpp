@@ -26,15 +26,15 @@ namespace {
   report.raise_value_error("layer '" + names.label() + "': " + summary);
 }
 
-// Offsets of a dtype that cannot hold group ends (TypeError).
+// Offsets of a dtype that cannot hold group ends.
 void check_offsets_dtype(const at::Tensor& offs, const GroupedNames& names) {
   if (offs.scalar_type() == at::kInt || offs.scalar_type() == at::kLong) return;
   const std::string layer = names.label();
   ErrorReport report("group_offsets");
   report.add("layer", layer).add("experts_module", names.module).add("parameter", names.parameter);
   report.add("reason", "dtype").add("dtype", std::string(c10::toString(offs.scalar_type())));
-  report.raise_type_error("layer '" + layer + "': offsets dtype is " + c10::toString(offs.scalar_type()) +
-                          ", expected int32 (or int64) group ends");
+  report.raise_value_error("layer '" + layer + "': offsets dtype is " + c10::toString(offs.scalar_type()) +
+                           ", expected int32 (or int64) group ends");
 }
 
 template <typename T>

@@ -139,7 +139,25 @@ def decorated_experts(
                 self.post_expert_norm = nn.LayerNorm(hidden)
 
         def forward(self, hidden_states, top_k_index, top_k_weights):  # noqa: ANN001, ANN201
-            raise AssertionError("the experts interface dispatches before this runs")
+            """The "eager" implementation: a loop over the experts."""
+            out = torch.zeros_like(hidden_states)
+            up = self.gate_up_proj if has_gate else self.up_proj
+            up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
+            down_bias = self.down_proj_bias if has_bias else None
+            for e in range(self.num_experts):
+                token, position = torch.where(top_k_index == e)
+                if token.numel() == 0:
+                    continue
+                h = _linear(
+                    hidden_states[token], up[e], None if up_bias is None else up_bias[e], is_transposed
+                )
+                h = self._apply_gate(h) if has_gate else self.act_fn(h)
+                d_bias = None if down_bias is None else down_bias[e]
+                h = _linear(h, self.down_proj[e], d_bias, is_transposed)
+                if post_norm:
+                    h = self.post_expert_norm(h)
+                out.index_add_(0, token, h * top_k_weights[token, position, None])
+            return out
 
     return use_experts_implementation(
         Experts,
@@ -148,6 +166,11 @@ def decorated_experts(
         is_transposed=is_transposed,
         has_post_expert_norm=post_norm,
     )
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    out = x @ w if transposed else F.linear(x, w)
+    return out if b is None else out + b
 
 
 def experts_config(implementation: str = "grouped_mm") -> object:

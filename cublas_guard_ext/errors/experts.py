@@ -78,6 +78,32 @@ class ExpertsImplementationError(GuardError, TypeError):
         ]
 
 
+# watch: a grouped GEMM's output non-finite past the last group end.
+def past_groups_details(f: dict[str, Any]) -> list[str]:
+    """Why rows past offs[-1] of a grouped GEMM hold non-finite values (watch's finding)."""
+    if not f.get("past_groups"):
+        return []
+    row = f.get("first_bad_coords", [None])[0] if f.get("first_bad_coords") else None
+    return [
+        f"the first bad row ({row}) is past the last group end (offs[-1] = {f.get('groups_end')}): no "
+        "group owns it, and torch's grouped_mm leaves those rows of its output, and of its input "
+        "gradient, uninitialized by design (pytorch/pytorch#193633): memory the allocator recycles "
+        "holds whatever was there, NaN included, and 0 x NaN = NaN, so zero routing weights do not "
+        "hide them"
+    ]
+
+
+def past_groups_steps(f: dict[str, Any]) -> list[str]:
+    if not f.get("past_groups"):
+        return []
+    return [
+        "zero-fill the rows past offs[-1] before anything reads them (out[offs[-1]:] = 0 or a "
+        "masked_fill on the rows, in forward and on the input gradient), or compact the input to its "
+        "first offs[-1] rows; cublas_guard_ext's grouped GEMM (replace_linear, or "
+        "set_experts_implementation('cublas_guard')) returns zeros there"
+    ]
+
+
 # coverage(): why an experts module is or is not guarded.
 def experts_left_reason(implementation: Any) -> str:
     return (

@@ -75,6 +75,9 @@ NATIVE_FIELDS: dict[str, str] = {
     "expert_rows": "ints",
     "offsets": "ints",
     "num_tokens": "int",
+    # watch, a grouped GEMM's output: the first bad row is past the last group end (groups_end)
+    "past_groups": "bool",
+    "groups_end": "int",
     # tensors
     "shape": "ints",
     "strides": "ints",

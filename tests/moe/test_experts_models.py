@@ -205,3 +205,21 @@ def test_replace_linear_which_names_an_experts_module() -> None:
     # one config for both layers: transformers chooses per config, so both are guarded
     assert model.get_experts_implementation()[""] == "cublas_guard"
     assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, cg.SafeLinear)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_guarded_model_is_bitwise_and_still_refuses() -> None:
+    model = mm.mixtral()
+    reference = model(IDS).logits
+    with pytest.warns(UserWarning):
+        cg.replace_linear(model)  # names the experts (a compiled first call cannot walk the stack)
+    compiled = torch.compile(model, backend="aot_eager")
+    logits = compiled(IDS).logits
+    assert torch.equal(logits, reference)
+    logits.square().mean().backward()
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad.abs().sum() > 0
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.gate_up_proj[1, 0, 0] = float("nan")
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        compiled(IDS)
+    assert info.value.layer == "model.layers.1.mlp.experts.gate_up_proj[1]" and info.value.expert == 1

@@ -223,3 +223,14 @@ def test_torch_compile_of_a_guarded_model_is_bitwise_and_still_refuses() -> None
     with pytest.raises(cg.NonFiniteInputError) as info:
         compiled(IDS)
     assert info.value.layer == "model.layers.1.mlp.experts.gate_up_proj[1]" and info.value.expert == 1
+
+
+def test_an_experts_module_without_stacked_weights_is_refused_by_name() -> None:
+    module = mm.decorated_experts(has_gate=True, has_bias=False, is_transposed=False)(
+        mm.experts_config("cublas_guard")
+    )
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(24, mm.HIDDEN))  # not [experts, ., .]
+    with pytest.raises(cg.errors.ExpertsImplementationError) as info:
+        module(torch.randn(3, mm.HIDDEN), torch.tensor([[0, 1]] * 3), torch.rand(3, 2))
+    assert isinstance(info.value, TypeError) and info.value.module_type == "Experts"
+    assert "its gate_up_proj is not a 3-D tensor of stacked experts (Parameter)" in str(info.value)

@@ -24,6 +24,7 @@ A step whose verdict is not clean is never applied.
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from collections.abc import Callable
@@ -144,6 +145,12 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
         if all(r["same"] for r in ab):
             comparison = "bitwise (two reruns agree bit for bit, the step does not)"
             verdict = "transient"
+        elif not all(math.isfinite(r["worst"]) for r in ab):
+            # the reruns took different paths (their records differ in structure): nothing to
+            # calibrate with; the first place where they part is the verdict's
+            comparison = "the two reruns themselves took different paths: no tolerance can be calibrated"
+            verdict = "transient"
+            oa = guard._gather({**_diff(a, b, None), "who": me, "trigger": trigger})
         else:
             noise = max(r["worst"] for r in ab)
             tolerance = checks.calibration_factor * noise

@@ -22,6 +22,7 @@ A :class:`Capture` keeps the operands of one GEMM of one module call (for the ca
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,7 +120,8 @@ class Recorder:
         self.parameters = parameters
         self.handles: list[Any] = []
         self.calls: dict[str, int] = {}
-        self.hooked: set[int] = set()
+        # tensors already hooked, by id (weak: a freed tensor's id may come back in this run)
+        self.hooked: dict[int, weakref.ref] = {}
 
     def _post(self, name: str, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         call = self.calls.get(name, 0)
@@ -128,8 +130,9 @@ class Recorder:
         if not torch.is_grad_enabled():
             return
         for t in _tensors((args, kwargs)):
-            if t.requires_grad and id(t) not in self.hooked:
-                self.hooked.add(id(t))
+            seen = self.hooked.get(id(t))
+            if t.requires_grad and (seen is None or seen() is not t):
+                self.hooked[id(t)] = weakref.ref(t)
                 key = (name, "backward", "input gradient", call)
                 self.handles.append(t.register_hook(lambda g, key=key: self.record.add(key, [g])))
 

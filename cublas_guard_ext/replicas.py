@@ -101,6 +101,7 @@ class ReplicaCheck:
         self.params = [p for _, p in inner.named_parameters()]
         self.world = dist.get_world_size(group)
         self.gloo = dist.get_backend(group) == "gloo"
+        self.folder = signatures.Folder(self.params)
         self.last_agreeing_step: int | None = None
         self.checks = 0
 
@@ -109,7 +110,7 @@ class ReplicaCheck:
 
     def local(self) -> torch.Tensor:
         """[P] int64: this rank's parameter signatures, on the parameters' device."""
-        return signatures.fold_many(self.params)
+        return self.folder()
 
     def gather(self, packed: torch.Tensor) -> torch.Tensor:
         """[world, len(packed)]: every rank's packed row (the one collective)."""

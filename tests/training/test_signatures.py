@@ -16,34 +16,47 @@ M64 = 1 << 64
 
 
 def reference(t: torch.Tensor) -> int:
-    """The fold written out in Python integers: sum of word_i * (w[i % 16] + v[i // 16]) mod 2**64
-    (w odd, v even: every weight odd),
-    the tail bytes weighted by the next row's weight, plus the crc32 of shape and dtype."""
+    """The fold written out in Python integers: the bytes zero-padded to whole rows of 16 int64
+    words, sum of word_i * (w[i % 16] + v[i // 16]) mod 2**64 (w odd, v even: every weight
+    odd), plus the crc32 of shape and dtype."""
     import zlib
 
     raw = bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
-    n = len(raw) // 8
-    words = [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(n)]
-    rows = n // signatures.LANES
-    lanes_w, rows_w = signatures._weights_for(torch.device("cpu"), rows + 2)
+    raw += bytes(-len(raw) % signatures.ROW_BYTES)
+    words = [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(len(raw) // 8)]
+    lanes_w, rows_w = signatures._weights_for(torch.device("cpu"), len(words) // 16 + 1)
     lw, rw = lanes_w.tolist(), rows_w.tolist()
-    total = 0
-    for i, word in enumerate(words):
-        r, lane = divmod(i, signatures.LANES)
-        total += word * (lw[lane] + rw[r])
-    for j, byte in enumerate(raw[8 * n :]):
-        total += byte * (lw[j] + rw[rows + 1])
+    total = sum(word * (lw[i % 16] + rw[i // 16]) for i, word in enumerate(words))
     total += zlib.crc32(f"{tuple(t.shape)} {t.dtype}".encode())
     total %= M64
     return total - M64 if total >= M64 // 2 else total
 
 
 @pytest.mark.parametrize(
-    "shape,dtype", [((37, 13), torch.float32), ((5, 3), torch.bfloat16), ((129,), torch.float64)]
+    "shape,dtype",
+    [
+        ((37, 13), torch.float32),
+        ((5, 3), torch.bfloat16),
+        ((129,), torch.float64),
+        ((300, 200), torch.float32),
+    ],
 )
 def test_the_fold_is_exactly_the_documented_sum(shape, dtype):
     t = torch.randn(shape).to(dtype)
     assert int(signatures.fold(t)) == reference(t)
+
+
+def test_a_folder_batches_small_tensors_and_agrees_with_fold_each():
+    """Small tensors go through one batch, large ones (>= 64 KiB) one by one, cached views:
+    the same signatures as one fold each, again after an in-place update."""
+    tensors = [torch.randn(300, 200), torch.randn(7), torch.randn(33, 5).bfloat16(), torch.randn(64, 64)]
+    tensors.append(torch.tensor([True, False, True]))
+    folder = signatures.Folder(tensors)
+    assert folder().tolist() == [int(signatures.fold(t)) for t in tensors]
+    for t in tensors[:4]:
+        t.mul_(2)
+    assert folder().tolist() == [int(signatures.fold(t)) for t in tensors]
+    assert [reference(t) for t in tensors[:3]] == folder().tolist()[:3]
 
 
 def test_every_single_bit_flip_changes_it():

@@ -56,8 +56,10 @@ def gemm_of(module: torch.nn.Module | None, what: str) -> str | None:
     text = _GEMM_TEXT.get(what)
     if text is None:
         return None
-    op = "cublas_guard::linear" if hasattr(module, "guard_name") else "aten.addmm/mm"
-    return f"{text}, {op} in {type(module).__name__}"
+    # SafeLinear's is the guarded op; a plain nn.Linear's is torch's (or, under `run`, the
+    # guarded op too): its name is not known from the module alone
+    op = "cublas_guard::linear in " if hasattr(module, "guard_name") else "in "
+    return f"{text}, {op}{type(module).__name__}"
 
 
 def capsule_phase(what: str) -> str | None:

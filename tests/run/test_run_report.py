@@ -259,7 +259,7 @@ def test_a_silent_corruption_verdict_reaches_the_json_and_the_page(tmp_path: Pat
         module="embed",
         phase="forward",
         what="output",
-        gemm="forward GEMM (input x weight^T + bias), aten.addmm/mm in Linear",
+        gemm="forward GEMM (input x weight^T + bias), in Linear",
         trigger="a checked step (every 50 steps)",
         comparison="bitwise",
         replays=[
@@ -281,7 +281,7 @@ def test_a_silent_corruption_verdict_reaches_the_json_and_the_page(tmp_path: Pat
             "module": "embed",
             "phase": "forward",
             "what": "output",
-            "gemm": "forward GEMM (input x weight^T + bias), aten.addmm/mm in Linear",
+            "gemm": "forward GEMM (input x weight^T + bias), in Linear",
         },
         "trigger": "a checked step (every 50 steps)",
         "comparison": "bitwise",

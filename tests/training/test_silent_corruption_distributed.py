@@ -79,12 +79,23 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
             options.update(check_every=bad_step, replica_every=None)
         elif scenario == "nan":
             options.update(replica_every=1)
+        elif scenario.endswith("-spike"):  # a one-off exponent flip after the spike history filled
+            steps, bad_step = 22, 20
+            options.update(replica_every=None)
         elif scenario.startswith("clean"):
             steps, bad_step = 300, -1
             dropout = 0.3 if scenario == "clean-dropout" else 0.0
             options.update(replica_every=1, check_every=50)
         inner = make_model(dropout)
-        if scenario == "hsdp":
+        if scenario == "fsdp-spike":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for i in (0, len(inner) - 1):
+                fully_shard(inner[i], mesh=mesh)
+            model = fully_shard(inner, mesh=mesh)
+        elif scenario == "hsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
@@ -114,9 +125,11 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
             if scenario == "nan" and step == bad_step and rank == BAD_RANK:
                 x[2, 3] = float("nan")
 
-            def closure(x=x, y=y):
+            scale = 1e-3 if scenario.endswith("-spike") else 1.0  # small gradients: a flip is a spike
+
+            def closure(x=x, y=y, scale=scale):
                 opt.zero_grad()
-                loss = F.mse_loss(model(x), y)
+                loss = scale * F.mse_loss(model(x), y)
                 loss.backward()
                 return loss
 
@@ -127,6 +140,8 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
                     flip_bit(w.to_local() if hasattr(w, "to_local") else w, index=5, bit=3)
                 elif scenario == "transient":  # once, in the first run of the checked step
                     fault = GemmBitFlip(ops=["aten.addmm"], shape=(8, 16), bit=22, times=1)
+                elif scenario.endswith("-spike"):  # the first Linear's grad_weight GEMM, once
+                    fault = GemmBitFlip(ops=["aten.mm"], shape=(16, 10), bit="spike", times=1)
                 elif scenario == "persistent":  # a faulty unit: every such GEMM on this rank
                     fault = GemmBitFlip(ops=["aten.addmm"], shape=(8, 16), bit=30, times=None)
             if step == bad_step:
@@ -236,6 +251,26 @@ def test_the_same_fault_every_time_on_one_rank_is_persistent_there(tmp_path):
         assert replays[0] != replays[1]
         assert r["after"] == r["before"]
     assert results[BAD_RANK]["capsule"] and os.path.exists(results[BAD_RANK]["capsule"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_one_off_spike_in_a_backward_gemm_is_transient_under_ddp_and_fsdp(kind, tmp_path):
+    """The spike is seen after the step: the gradients (already averaged / reduce-scattered)
+    name the parameter and its GEMM; which rank computed it cannot be told from them."""
+    results = run(f"{kind}-spike", tmp_path)
+    for r in results:
+        err = r["error"]
+        assert err["verdict"] == "transient", r["message"]
+        assert (err["step"], err["module"], err["phase"], err["what"]) == (
+            20,
+            "0",
+            "backward",
+            "gradient of weight",
+        )
+        assert err["trigger"].count("gradient norm") >= 1 and "cannot be told" in err["note"]
+        assert r["after"] == r["before"]
+    assert results[BAD_RANK]["flips"] == 1
 
 
 @pytest.mark.slow

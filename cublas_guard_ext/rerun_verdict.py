@@ -181,6 +181,7 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
             return checks.skip_or_raise(persistent)
         if not spike:
             return _apply(checks, loss)
+        spiked = next((r["who"] for r in oa if r.get("trigger")), oa[0]["who"])  # the same on every rank
         entry = {
             "verdict": "reproducible",
             "step": step,
@@ -188,7 +189,7 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
             "comparison": comparison,
             "loss": o.loss,
             "note": _largest(a),
-            **{k: me[k] for k in ("rank", "host", "device", "gpu_uuid")},
+            **{k: spiked[k] for k in ("rank", "host", "device", "gpu_uuid")},
         }
         checks.verdicts.append(entry)
         checks._track(entry)

@@ -126,8 +126,13 @@ class SilentCorruptionChecks:
             )
         if on_spike not in _ON_SPIKE:
             raise ValueError(f"SilentCorruptionChecks: on_spike must be 'apply' or 'skip', got {on_spike!r}")
-        if tolerance != "calibrate":
-            _positive_or_none("tolerance", tolerance, float)
+        if tolerance != "calibrate" and (
+            isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0
+        ):
+            raise ValueError(
+                "SilentCorruptionChecks: tolerance must be 'calibrate' (bitwise, or calibrated by a "
+                f"second rerun) or a positive relative tolerance, got {tolerance!r}"
+            )
         if exit_codes is True:
             exit_codes = dict(DEFAULT_EXIT_CODES)
         elif exit_codes is False or exit_codes is None:

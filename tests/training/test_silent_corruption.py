@@ -306,7 +306,8 @@ def test_one_host_read_per_healthy_step_on_other_steps(monkeypatch):
         ),
         ({"on_verdict": "ignore"}, "on_verdict must be 'raise' or 'skip', got 'ignore'"),
         ({"on_spike": "raise"}, "on_spike must be 'apply' or 'skip', got 'raise'"),
-        ({"tolerance": 0}, "tolerance must be a positive float or None, got 0"),
+        ({"tolerance": 0}, "tolerance must be 'calibrate' (bitwise, or calibrated by a second rerun) or a"),
+        ({"tolerance": None}, "tolerance must be 'calibrate'"),
         ({"exit_codes": {"transient": 300}}, "exit_codes must be True, False or a dict"),
     ],
 )

@@ -22,6 +22,8 @@ from torch import nn
 import cublas_guard_ext as cg
 from cublas_guard_ext.fault_injection import GemmBitFlip
 
+from helpers import requires_cuda
+
 SCALE = 1e-3  # a small loss: gradients ~1e-4, so one flipped exponent bit is a large spike
 
 
@@ -289,6 +291,33 @@ def test_one_host_read_per_healthy_step_on_other_steps(monkeypatch):
     reads = count_reads(monkeypatch)
     train(guard, model, opt, range(20, 25))
     assert reads == ["item"] * 5
+
+
+@requires_cuda
+def test_cuda_healthy_step_with_replica_checks_syncs_once(one_rank_group):
+    """On a GPU, counted by torch itself (never run here: no GPU): gloo's copy of the packed row
+    to the CPU waits for the step (a sync), after which the read is of CPU memory; with NCCL the
+    read alone syncs. At most those two."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    checks = cg.SilentCorruptionChecks(replica_every=1, replica_group=one_rank_group)
+    guard = cg.TrainingGuard(model, opt, silent_corruption=checks)
+    data = [(x.cuda(), y.cuda()) for x, y in (batch(i) for i in range(25))]
+    for i in range(20):
+        guard.step(closure_for(model, opt, i, data[i]))
+    torch.cuda.synchronize()
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            guard.step(closure_for(model, opt, 21, data[21]))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 2, [str(w.message) for w in syncs]  # gloo's device-to-host copy, the read
 
 
 # -- options -------------------------------------------------------------------------------------

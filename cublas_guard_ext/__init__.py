@@ -10,6 +10,7 @@ Public API::
     replay                                       # run a failure capsule's GEMM alone
     TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
     TrainingDivergedError                        # too many bad steps in a row
+    SilentCorruptionChecks, SilentCorruptionError  # replicas that disagree, rerun verdicts
     GuardError and its subclasses                # errors with fields
 """
 
@@ -33,6 +34,7 @@ from .errors import (
     OutOfMemoryError,
     PendingCudaError,
     ShapeMismatchError,
+    SilentCorruptionError,
     SizeLimitError,
     TrainingDivergedError,
     WatchCaptureError,
@@ -40,6 +42,7 @@ from .errors import (
 from .modes import guard
 from .nn import SafeConv1D, SafeLinear, name_layers
 from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
+from .silent_corruption import SilentCorruptionChecks
 from .swap import Coverage, coverage, replace_linear, restore_linear
 from .training import TrainingGuard
 from .watch import watch
@@ -67,6 +70,8 @@ __all__ = [
     "TrainingGuard",
     "NonFiniteStepError",
     "TrainingDivergedError",
+    "SilentCorruptionChecks",
+    "SilentCorruptionError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

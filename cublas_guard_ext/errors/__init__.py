@@ -21,6 +21,7 @@ under 600 lines:
 * ``inputs``      errors about a call's arguments, and watch's findings
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
+* ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
 * ``parse``       payload line -> typed exception; the capsule hook
 * ``schema``      every payload field's name and kind, shared with csrc/ (tests/errors/test_payload_schema.py)
@@ -29,6 +30,7 @@ under 600 lines:
 from __future__ import annotations
 
 from .base import GuardError
+from .corruption import SilentCorruptionError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
@@ -75,6 +77,7 @@ __all__ = [
     "CublasOutOfMemoryError",
     "NonFiniteStepError",
     "TrainingDivergedError",
+    "SilentCorruptionError",
     "PeerFailedError",
     "NonFiniteGradientsError",
     "PAYLOAD_MARKER",

@@ -48,7 +48,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "cublas_guard_ext._watch_patches",
         ),
     ),
-    ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext._training_state")),
+    (
+        "training: TrainingGuard, its silent-corruption checks and fault injection",
+        (
+            "cublas_guard_ext.training",
+            "cublas_guard_ext._training_state",
+            "cublas_guard_ext.signatures",
+            "cublas_guard_ext.replicas",
+            "cublas_guard_ext.spikes",
+            "cublas_guard_ext.run_signatures",
+            "cublas_guard_ext.rerun_verdict",
+            "cublas_guard_ext.silent_corruption",
+            "cublas_guard_ext.fault_injection",
+        ),
+    ),
     ("the public API", ("cublas_guard_ext",)),
     (
         "tools: doctor, demo, bench",

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from . import _capsule_file
-from ._capsule_file import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
-from ._native import facts, libraries
+from .._native import facts, libraries
+from . import safe_read as _capsule_file
+from .safe_read import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
 
 FORMAT = "cublas_guard_ext capsule"
 VERSION = 1

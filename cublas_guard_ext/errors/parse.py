@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from .. import capsule as _capsule
+from ..capsule import contents as _capsule
 from .base import GuardError
 from .format import _dtype
 from .inputs import (

@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from ._native import codes as _codes
+from .._native import codes as _codes
 
 Mode = Literal["off", "sync", "async"]
 MODE_CODES = _codes.MODE_CODES  # the one source: _native/codes.py

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from .._native import codes as _codes
+from .._native import facts
+from .._native import loader as _loader
 from . import modes
-from ._native import codes as _codes
-from ._native import facts
-from ._native import loader as _loader
 
 _info = _loader.load()
 _ops = torch.ops.cublas_guard
@@ -30,7 +30,7 @@ from . import _transforms  # noqa: E402  (needs the ops loaded)
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
 # a CUDA device before its first-use diagnostics, a default mode it cannot
 # read); callers then take that path. A JIT build (no Python module) has none.
-_native_module = sys.modules.get(__package__ + "._C") if _info.kind == "prebuilt" else None
+_native_module = sys.modules.get("cublas_guard_ext._C") if _info.kind == "prebuilt" else None
 _fast_linear = getattr(_native_module, "_fast_linear", None)
 _cuda_first_use_done = getattr(_native_module, "_cuda_first_use_done", None)
 _is_compiling = torch.compiler.is_compiling
@@ -267,7 +267,7 @@ def check() -> None:
         _check_in_graph(torch.empty(0))
         return
     _ops.async_check.default(True)
-    from .watch import check_pending  # late: watch imports this package's ops
+    from ..watching.session import check_pending  # late: watch imports this package's ops
 
     check_pending()
 
@@ -280,7 +280,7 @@ def check() -> None:
 @torch.library.custom_op("cublas_guard::check_in_graph", mutates_args=())
 def _check_in_graph(token: torch.Tensor) -> None:
     _ops.async_check.default(True)
-    from .watch import check_pending
+    from ..watching.session import check_pending
 
     check_pending()
 

@@ -49,7 +49,10 @@ from typing import Any
 
 import torch
 
-from ._training_state import (
+from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
+from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from ..watching.session import watch
+from .state import (
     _bad_flag,
     _Buffers,
     _default_group,
@@ -67,9 +70,6 @@ from ._training_state import (
     _unwrap,
     _wrappers,
 )
-from .errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
-from .errors.steps import NonFiniteStepError, TrainingDivergedError
-from .watch import watch
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
 

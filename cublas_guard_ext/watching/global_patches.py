@@ -40,7 +40,7 @@ def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _refuse_capture() -> None:
-    from .errors import WatchCaptureError
+    from ..errors import WatchCaptureError
 
     raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
 

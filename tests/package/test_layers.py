@@ -35,21 +35,30 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "capsule: the failing call written to a file, and its replay",
-        ("cublas_guard_ext.capsule", "cublas_guard_ext._capsule_file", "cublas_guard_ext.capsule_replay"),
+        ("cublas_guard_ext.capsule", "cublas_guard_ext.capsule.*"),
     ),
     ("errors: every user-facing message", ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*")),
-    ("ops and modes", ("cublas_guard_ext.ops", "cublas_guard_ext.modes", "cublas_guard_ext._transforms")),
+    (
+        "ops and modes",
+        (
+            "cublas_guard_ext.guarded_linear",
+            "cublas_guard_ext.guarded_linear.ops",
+            "cublas_guard_ext.guarded_linear.modes",
+            "cublas_guard_ext.guarded_linear._transforms",
+        ),
+    ),
     (
         "nn and watch",
         (
-            "cublas_guard_ext.nn",
-            "cublas_guard_ext.swap",
-            "cublas_guard_ext.watch",
-            "cublas_guard_ext._watch_patches",
+            "cublas_guard_ext.guarded_linear.nn",
+            "cublas_guard_ext.models",
+            "cublas_guard_ext.models.*",
+            "cublas_guard_ext.watching",
+            "cublas_guard_ext.watching.*",
         ),
     ),
-    ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext._training_state")),
-    ("the public API", ("cublas_guard_ext",)),
+    ("training: TrainingGuard", ("cublas_guard_ext.training", "cublas_guard_ext.training.*")),
+    ("the public API", ("cublas_guard_ext", "cublas_guard_ext._module_aliases")),
     (
         "tools: doctor, demo, bench",
         ("cublas_guard_ext.tools", "cublas_guard_ext.tools.*", "cublas_guard_ext.__main__"),
@@ -77,8 +86,8 @@ LATE_UPWARD: dict[tuple[str, str], str] = {
     ): "the first CUDA call raises ExtensionBuildError when the library has no CUDA kernels "
     "(require_cuda_kernels); imported only where it is raised, as in the loader",
     (
-        "cublas_guard_ext.ops",
-        "cublas_guard_ext.watch",
+        "cublas_guard_ext.guarded_linear.ops",
+        "cublas_guard_ext.watching.session",
     ): "check() also raises this thread's pending watch(mode='async') finding; watch "
     "is built on ops, so ops reaches it only when check() runs",
     (
@@ -223,10 +232,10 @@ def test_the_import_graph_is_read() -> None:
     top = {(e.importer, e.imported) for e in edges if not e.late}
     late = {(e.importer, e.imported) for e in edges if e.late}
     # A few known edges of each kind: the reader sees relative, aliased and nested imports.
-    assert ("cublas_guard_ext.nn", "cublas_guard_ext.ops") in top
+    assert ("cublas_guard_ext.guarded_linear.nn", "cublas_guard_ext.guarded_linear.ops") in top
     assert ("cublas_guard_ext.errors.base", "cublas_guard_ext._native.facts") in top
     assert ("cublas_guard_ext.tools.doctor", "cublas_guard_ext._native.facts") in top
-    assert ("cublas_guard_ext.modes", "cublas_guard_ext.ops") in late
+    assert ("cublas_guard_ext.guarded_linear.modes", "cublas_guard_ext.guarded_linear.ops") in late
     assert ("cublas_guard_ext._native.loader", "cublas_guard_ext.errors") in late
     assert ("cublas_guard_ext.__main__", "cublas_guard_ext.tools.doctor") in late
     assert {"cublas_guard_ext", "cublas_guard_ext._native.loader", "cublas_guard_ext.tools.demo"} <= set(
@@ -262,14 +271,18 @@ def _plant(path: Path, code: str) -> None:
 def test_a_planted_upward_top_level_import_fails(tmp_path: Path) -> None:
     root = _copy(tmp_path)
     assert violations(root) == []
-    _plant(root / "errors" / "__init__.py", "from ..nn import SafeLinear  # errors may not use nn\n")
+    _plant(
+        root / "errors" / "__init__.py",
+        "from ..guarded_linear.nn import SafeLinear  # errors may not use nn\n",
+    )
     problems = violations(root)
     assert any(
-        p.startswith("upward top-level import: cublas_guard_ext.errors") and "cublas_guard_ext.nn" in p
+        p.startswith("upward top-level import: cublas_guard_ext.errors")
+        and "cublas_guard_ext.guarded_linear.nn" in p
         for p in problems
     ), problems
     # ops imports the facts at top level: the facts importing ops closes a cycle.
-    _plant(root / "_native" / "facts.py", "from .. import ops\n")
+    _plant(root / "_native" / "facts.py", "from ..guarded_linear import ops\n")
     problems = violations(root)
     assert any(
         p.startswith("top-level import cycle:") and "cublas_guard_ext._native.facts" in p for p in problems
@@ -278,10 +291,13 @@ def test_a_planted_upward_top_level_import_fails(tmp_path: Path) -> None:
 
 def test_a_planted_late_upward_import_fails_unless_allow_listed(tmp_path: Path) -> None:
     root = _copy(tmp_path)
-    _plant(root / "ops.py", "def _planted() -> None:\n    from .tools import doctor  # noqa: F401\n")
+    _plant(
+        root / "guarded_linear" / "ops.py",
+        "def _planted() -> None:\n    from ..tools import doctor  # noqa: F401\n",
+    )
     problems = violations(root)
     assert any(
-        p.startswith("upward late import not in LATE_UPWARD: cublas_guard_ext.ops")
+        p.startswith("upward late import not in LATE_UPWARD: cublas_guard_ext.guarded_linear.ops")
         and "cublas_guard_ext.tools.doctor" in p
         for p in problems
     ), problems

@@ -291,7 +291,7 @@ def test_a_forked_dataloader_worker_does_not_watch_the_parents_model(tmp_path: P
         from torch.utils.data import DataLoader
 
         def collate(batch):
-            watching = sys.modules["cublas_guard_ext.watch"]._is_active()
+            watching = sys.modules["cublas_guard_ext.watching.session"]._is_active()
             return torch.log(torch.stack(batch) - 100), watching
 
         model = nn.Sequential(nn.Linear(4, 4))

@@ -13,10 +13,7 @@ from .format import _dtype
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
-    NonFiniteEntryError,
-    NonFiniteFromNowhereError,
     NonFiniteInputError,
-    NonFiniteOutputError,
     ShapeMismatchError,
     SizeLimitError,
 )
@@ -28,6 +25,7 @@ from .runtime import (
     OutOfMemoryError,
     PendingCudaError,
 )
+from .watch_findings import NonFiniteEntryError, NonFiniteFromNowhereError, NonFiniteOutputError
 
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
 _PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)

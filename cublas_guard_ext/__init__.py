@@ -38,9 +38,8 @@ from .errors import (
     TrainingDivergedError,
     WatchCaptureError,
 )
-from .guarded_linear.modes import guard
 from .guarded_linear.nn import SafeConv1D, SafeLinear, name_layers
-from .guarded_linear.ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
+from .guarded_linear.ops import DTYPE_POLICIES, ScanResult, check, check_features, guard, linear, scan
 from .models.swap import Coverage, coverage, replace_linear, restore_linear
 from .training.guard import TrainingGuard
 from .watching.session import watch

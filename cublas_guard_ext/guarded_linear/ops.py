@@ -8,8 +8,10 @@ csrc/report/python_errors.cpp), in forward, in backward and in compiled graphs.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -76,7 +78,7 @@ for _op in (
 ):
     torch.fx.node.has_side_effect(_op)
 
-__all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
+__all__ = ["ScanResult", "scan", "linear", "check_features", "check", "guard", "DTYPE_POLICIES"]
 
 # "strict" (default): nn.Linear's rule. float32, bfloat16, float16 and float64
 #         each run natively (see docs/dtypes-and-autocast.md); input and parameters
@@ -267,9 +269,40 @@ def check() -> None:
         _check_in_graph(torch.empty(0))
         return
     _ops.async_check.default(True)
-    from ..watching.session import check_pending  # late: watch imports this package's ops
+    for raise_pending in _pending_watch_findings:
+        raise_pending()
 
-    check_pending()
+
+# check() also raises this thread's pending watch(mode="async") finding. watching/ (the floor
+# above, built on these ops) hands its reader in when it loads: ops imports nothing above it.
+_pending_watch_findings: list[Callable[[], None]] = []
+
+
+def raise_pending_watch_findings_with(reader: Callable[[], None]) -> None:
+    """Called by watching/session.py: ``reader()`` raises this thread's pending finding, if any."""
+    _pending_watch_findings[:] = [reader]
+
+
+@contextlib.contextmanager
+def guard(mode: modes.Mode = "async", *, check_on_exit: bool = True) -> Iterator[None]:
+    """Run a block with a default mode; on exit, wait for and report async findings.
+
+    >>> with cublas_guard_ext.guard("async"):
+    ...     loss = model(x).sum(); loss.backward()
+    # any NaN/Inf recorded inside the block is raised here at the latest
+    """
+    modes.validate(mode)
+    block = object()
+    _blocks.set((*_blocks.get(), (block, mode)))
+    try:
+        yield
+    finally:
+        # Not ContextVar.reset: the block may end in another context than it began
+        # (a generator resumed elsewhere) or after a later block began.
+        _blocks.set(tuple(entry for entry in _blocks.get() if entry[0] is not block))
+    # Only on a normal exit: an exception already in flight is the better report.
+    if check_on_exit:
+        check()
 
 
 # check() inside a compiled function. `async_check` takes no tensor, so
@@ -280,9 +313,8 @@ def check() -> None:
 @torch.library.custom_op("cublas_guard::check_in_graph", mutates_args=())
 def _check_in_graph(token: torch.Tensor) -> None:
     _ops.async_check.default(True)
-    from ..watching.session import check_pending
-
-    check_pending()
+    for raise_pending in _pending_watch_findings:
+        raise_pending()
 
 
 @_check_in_graph.register_fake

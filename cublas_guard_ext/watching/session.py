@@ -23,6 +23,7 @@ from ..errors import NonFiniteFromNowhereError, WatchCaptureError
 from ..errors.format import _dtype, _fold_inputs
 from ..errors.parse import _typed_from_native_message
 from ..guarded_linear import modes
+from ..guarded_linear import ops as _ops
 
 _loader.load()
 if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
@@ -109,6 +110,9 @@ def check_pending() -> None:
     message = _native._watch_take_pending()
     if message is not None:
         raise _typed(message)
+
+
+_ops.raise_pending_watch_findings_with(check_pending)  # check() raises it: ops cannot import us
 
 
 def _entry_error(

@@ -15,7 +15,10 @@ Public API::
 
 from __future__ import annotations
 
-from . import _module_aliases  # noqa: F401  (the flat layout's module paths, kept importable)
+from . import (
+    _module_aliases,  # noqa: F401  (the flat layout's module paths, kept importable)
+    _native_callbacks,  # noqa: F401  (loaded before the native library first calls it)
+)
 from .capsule.replaying import replay
 from .errors import (
     CublasError,

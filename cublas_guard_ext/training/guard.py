@@ -36,7 +36,7 @@ only on a bad step), and every rank raises or skips with the same error, naming 
 where the replay found the producer.
 
 The policy is here; the pieces without one (the RNG and buffer copies, the fused check,
-unwrapping DDP / compile, FSDP2's replay set-up) are in ``_training_state.py``.
+unwrapping DDP / compile, FSDP2's replay set-up) are in ``state.py``.
 """
 
 from __future__ import annotations

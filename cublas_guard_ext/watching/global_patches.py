@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-# watch.py loads the library and installs the native module before it imports this one.
+# session.py loads the library and installs the native module before it imports this one.
 _native = sys.modules["cublas_guard_ext._C"]
 
 _patch_lock = threading.Lock()

@@ -16,7 +16,11 @@ Public API::
 
 from __future__ import annotations
 
-from .capsule_replay import replay
+from . import (
+    _module_aliases,  # noqa: F401  (the flat layout's module paths, kept importable)
+    _native_callbacks,  # noqa: F401  (loaded before the native library first calls it)
+)
+from .capsule.replaying import replay
 from .errors import (
     CublasError,
     CublasOutOfMemoryError,
@@ -39,13 +43,12 @@ from .errors import (
     TrainingDivergedError,
     WatchCaptureError,
 )
-from .modes import guard
-from .nn import SafeConv1D, SafeLinear, name_layers
-from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
-from .silent_corruption import SilentCorruptionChecks
-from .swap import Coverage, coverage, replace_linear, restore_linear
-from .training import TrainingGuard
-from .watch import watch
+from .guarded_linear.nn import SafeConv1D, SafeLinear, name_layers
+from .guarded_linear.ops import DTYPE_POLICIES, ScanResult, check, check_features, guard, linear, scan
+from .training.silent_corruption import SilentCorruptionChecks
+from .models.swap import Coverage, coverage, replace_linear, restore_linear
+from .training.guard import TrainingGuard
+from .watching.session import watch
 
 __version__ = "0.1.0"
 

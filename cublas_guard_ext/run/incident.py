@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..capsule import GEMM_ARGUMENT_FIELDS
+from ..capsule.contents import GEMM_ARGUMENT_FIELDS
 from ..errors import GuardError, magnitudes
 from .options import RunOptions
 from .ranks import file_stem, identity

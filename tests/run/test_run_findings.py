@@ -291,7 +291,7 @@ def test_a_forked_dataloader_worker_does_not_watch_the_parents_model(tmp_path: P
         from torch.utils.data import DataLoader
 
         def collate(batch):
-            watching = sys.modules["cublas_guard_ext.watch"]._is_active()
+            watching = sys.modules["cublas_guard_ext.watching.session"]._is_active()
             return torch.log(torch.stack(batch) - 100), watching
 
         model = nn.Sequential(nn.Linear(4, 4))
@@ -322,7 +322,7 @@ def test_a_silent_corruption_verdict_reaches_the_report_and_the_exit_code(tmp_pa
         + """
 import torch.nn.functional as F
 import cublas_guard_ext as cg
-from cublas_guard_ext.fault_injection import GemmBitFlip
+from cublas_guard_ext.training.fault_injection import GemmBitFlip
 torch.manual_seed(0)
 model = Model()
 opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -1,5 +1,5 @@
-"""The order-sensitive tensor signature (cublas_guard_ext.signatures) and the fault-injection
-helpers (cublas_guard_ext.fault_injection)."""
+"""The order-sensitive tensor signature (cublas_guard_ext.training.signatures) and the fault-injection
+helpers (cublas_guard_ext.training.fault_injection)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from cublas_guard_ext import signatures
-from cublas_guard_ext.fault_injection import GemmBitFlip, flip_bit, spike_bit
+from cublas_guard_ext.training import signatures
+from cublas_guard_ext.training.fault_injection import GemmBitFlip, flip_bit, spike_bit
 
 M64 = 1 << 64
 

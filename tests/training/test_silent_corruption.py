@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext.fault_injection import GemmBitFlip
+from cublas_guard_ext.training.fault_injection import GemmBitFlip
 
 from helpers import requires_cuda
 
@@ -424,7 +424,7 @@ def test_exit_codes_end_the_process_with_the_verdicts_code(tmp_path):
             import torch, torch.nn.functional as F
             from torch import nn
             import cublas_guard_ext as cg
-            from cublas_guard_ext.fault_injection import GemmBitFlip
+            from cublas_guard_ext.training.fault_injection import GemmBitFlip
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
             opt = torch.optim.SGD(model.parameters(), lr=0.05)

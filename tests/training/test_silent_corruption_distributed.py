@@ -55,7 +55,7 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
     import torch.distributed as dist
 
     import cublas_guard_ext as cg
-    from cublas_guard_ext.fault_injection import GemmBitFlip, flip_bit
+    from cublas_guard_ext.training.fault_injection import GemmBitFlip, flip_bit
 
     world = int(os.environ["CGX_TEST_WORLD"])
     os.environ["CUBLAS_GUARD_CAPSULE_DIR"] = str(Path(out_dir) / f"capsules{rank}")

@@ -65,7 +65,7 @@ def _first_param(model: torch.nn.Module) -> torch.Tensor | None:
 def replica_group_of(model: torch.nn.Module, inner: torch.nn.Module) -> tuple[Any, str | None]:
     """(the group whose ranks hold equal copies of this rank's parameters, None) or (None, why
     there is none). DDP: its process group; HSDP: the mesh dimension that replicates."""
-    from ._training_state import _is_ddp, _wrappers
+    from .state import _is_ddp, _wrappers
 
     for m in _wrappers(model):
         if _is_ddp(m):

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from . import replicas as _replicas
-from ._training_state import _grad_norm
-from .errors.corruption import DEFAULT_EXIT_CODES, SilentCorruptionError
+from .state import _grad_norm
+from ..errors.corruption import DEFAULT_EXIT_CODES, SilentCorruptionError
 from .run_signatures import Record, Recorder
 from .spikes import SpikeDetector
 

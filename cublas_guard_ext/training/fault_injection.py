@@ -10,7 +10,7 @@ guard catches it (the tests do; so can you, on your own model, before you trust 
 * :func:`flip_bit`: flip one bit of one element of a tensor in place (a parameter on one
   replica, say).
 
->>> from cublas_guard_ext.fault_injection import GemmBitFlip, flip_bit
+>>> from cublas_guard_ext.training.fault_injection import GemmBitFlip, flip_bit
 >>> with GemmBitFlip(shape=(8, 16), bit=27, times=1):      # the next GEMM giving [8, 16]
 ...     guard.step(closure)
 >>> if rank == 1:

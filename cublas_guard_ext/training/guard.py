@@ -36,7 +36,7 @@ only on a bad step), and every rank raises or skips with the same error, naming 
 where the replay found the producer.
 
 The policy is here; the pieces without one (the RNG and buffer copies, the fused check,
-unwrapping DDP / compile, FSDP2's replay set-up) are in ``_training_state.py``.
+unwrapping DDP / compile, FSDP2's replay set-up) are in ``state.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,10 @@ from typing import Any
 
 import torch
 
-from ._training_state import (
+from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
+from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from ..watching.session import watch
+from .state import (
     _bad_flag,
     _Buffers,
     _default_group,
@@ -67,10 +70,7 @@ from ._training_state import (
     _unwrap,
     _wrappers,
 )
-from .errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
-from .errors.steps import NonFiniteStepError, TrainingDivergedError
 from .silent_corruption import SilentCorruptionChecks
-from .watch import watch
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
 

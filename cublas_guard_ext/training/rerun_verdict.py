@@ -338,8 +338,8 @@ def _capsule_of(
 def _write_capsule(
     fields: dict[str, Any], operands: dict[str, torch.Tensor], phase: str
 ) -> tuple[str | None, str | None]:
-    from . import capsule as _capsule
-    from .errors.corruption import SilentCorruptionError
+    from .. import capsule as _capsule
+    from ..errors.corruption import SilentCorruptionError
 
     if not operands:
         return None, "the GEMM's operands were not seen in the capture run"

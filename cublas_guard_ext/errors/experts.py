@@ -1,4 +1,4 @@
-"""The messages about a mixture of experts' experts (cublas_guard_ext.experts): the place line
+"""The messages about a mixture of experts' experts (cublas_guard_ext.models.experts): the place line
 every error raised inside one expert carries, the offsets error, the experts implementation's
 refusals, and what coverage() says about experts modules."""
 

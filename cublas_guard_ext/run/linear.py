@@ -1,6 +1,6 @@
 """Every ``nn.Linear`` of the process through the guarded op, named by its qualified name; and
 every transformers experts module (a mixture of experts' 3-D expert weights) through the guarded
-grouped GEMM (:func:`cublas_guard_ext.experts.install_everywhere`).
+grouped GEMM (:func:`cublas_guard_ext.models.experts.install_everywhere`).
 
 ``nn.Linear.forward`` is replaced on the class (modules built before and after alike; the
 subclasses that keep nn.Linear's forward too; ``SafeLinear`` has its own). The replacement is
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import experts as _experts
-from .. import ops as _ops
-from .._training_state import _unwrap
+from ..guarded_linear import ops as _ops
+from ..models import experts as _experts
+from ..training.state import _unwrap
 
 NAME_ATTR = "_cublas_guard_run_name"
 _fast_linear = _ops.fast_linear

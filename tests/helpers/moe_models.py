@@ -109,7 +109,7 @@ MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "ergo"
 
 
 def experts_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from cublas_guard_ext.experts import is_hf_experts
+    from cublas_guard_ext.models.experts import is_hf_experts
 
     return [(n, m) for n, m in model.named_modules() if is_hf_experts(m)]
 

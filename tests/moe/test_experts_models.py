@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import experts as cg_experts
+from cublas_guard_ext.models import experts as cg_experts
 
 from helpers import moe_models as mm
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cublas_guard_ext as cg
-from cublas_guard_ext.experts import grouped_linear
+from cublas_guard_ext.models.experts import grouped_linear
 
 from helpers import moe_models as mm
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import cublas_guard_ext as cg
-from cublas_guard_ext.experts import grouped_linear
+from cublas_guard_ext.models.experts import grouped_linear
 
 from helpers.moe_models import grouped_reference
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import modes
-from . import ops as _ops  # noqa: F401  (loads the native library)
-from .errors import ExpertsImplementationError
+from ..errors import ExpertsImplementationError
+from ..guarded_linear import modes
+from ..guarded_linear import ops as _ops  # noqa: F401  (loads the native library)
 
 __all__ = [
     "IMPLEMENTATION",

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import experts, modes
-from .errors.experts import experts_left_reason, experts_other_reason, fused_3d_reason
-from .nn import (
+from ..errors.experts import experts_left_reason, experts_other_reason, fused_3d_reason
+from ..guarded_linear import modes
+from ..guarded_linear.nn import (
     FAST_PATH_ORIGINALS,
     GUARD_ATTRIBUTES,
     SafeConv1D,
@@ -36,7 +36,8 @@ from .nn import (
     name_layers,
     retyped,
 )
-from .ops import DTYPE_POLICIES
+from ..guarded_linear.ops import DTYPE_POLICIES
+from . import experts
 
 __all__ = ["replace_linear", "restore_linear", "coverage", "Coverage"]
 
@@ -224,7 +225,7 @@ def replace_linear(
 
     transformers' mixture-of-experts experts modules (3-D expert weights run by the experts
     interface: Mixtral, Qwen-MoE, gpt-oss, ...) get the guarded ``"cublas_guard"`` experts
-    implementation (:mod:`cublas_guard_ext.experts`) with ``which="all"`` or when named in
+    implementation (:mod:`cublas_guard_ext.models.experts`) with ``which="all"`` or when named in
     ``which``; the router is untouched. The implementation is chosen per config, as
     transformers chooses it: the experts modules sharing a config are guarded together.
 

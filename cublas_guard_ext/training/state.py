@@ -1,7 +1,7 @@
 """The pieces of a guarded training step that hold no policy (see :mod:`cublas_guard_ext.training`):
 what a step keeps to be undone (RNG states, buffers), the fused finite check, how to reach
 the module inside DDP / torch.compile wrappers, and FSDP2 set up for a replay without
-collectives. A module of its own so that training.py stays under ~600 lines.
+collectives. A module of its own so that guard.py stays under ~600 lines.
 """
 
 from __future__ import annotations

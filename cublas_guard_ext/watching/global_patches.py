@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-# watch.py loads the library and installs the native module before it imports this one.
+# session.py loads the library and installs the native module before it imports this one.
 _native = sys.modules["cublas_guard_ext._C"]
 
 _patch_lock = threading.Lock()
@@ -40,7 +40,7 @@ def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _refuse_capture() -> None:
-    from .errors import WatchCaptureError
+    from ..errors import WatchCaptureError
 
     raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
 

@@ -45,9 +45,9 @@ from .errors import (
 )
 from .guarded_linear.nn import SafeConv1D, SafeLinear, name_layers
 from .guarded_linear.ops import DTYPE_POLICIES, ScanResult, check, check_features, guard, linear, scan
-from .training.silent_corruption import SilentCorruptionChecks
 from .models.swap import Coverage, coverage, replace_linear, restore_linear
 from .training.guard import TrainingGuard
+from .training.silent_corruption import SilentCorruptionChecks
 from .watching.session import watch
 
 __version__ = "0.1.0"

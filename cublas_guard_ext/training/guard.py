@@ -52,6 +52,7 @@ import torch
 from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
 from ..errors.steps import NonFiniteStepError, TrainingDivergedError
 from ..watching.session import watch
+from .silent_corruption import SilentCorruptionChecks
 from .state import (
     _bad_flag,
     _Buffers,
@@ -70,7 +71,6 @@ from .state import (
     _unwrap,
     _wrappers,
 )
-from .silent_corruption import SilentCorruptionChecks
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
 

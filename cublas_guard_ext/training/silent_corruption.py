@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from . import replicas as _replicas
-from .state import _grad_norm
 from ..errors.corruption import DEFAULT_EXIT_CODES, SilentCorruptionError
+from . import replicas as _replicas
 from .run_signatures import Record, Recorder
 from .spikes import SpikeDetector
+from .state import _grad_norm
 
 __all__ = ["SilentCorruptionChecks", "SilentCorruptionError"]
 

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_module.main(as_json=args.json, probe=not args.no_probe, capsule=args.capsule)
     if args.command == "replay":
-        from . import capsule_replay as replay_module
+        from .capsule import replaying as replay_module
 
         return replay_module.main(args.capsule, as_json=args.json)
     parser.error(f"unknown command {args.command}")

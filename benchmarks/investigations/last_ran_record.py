@@ -1,5 +1,5 @@
 """What SafeLinear's forward pays for remembering the guarded layer that ran last on the thread
-(``error_hooks.LAST_RAN.label = label``: a refused float16 input names it), measured in place.
+(``guarded_linear/error_hooks.py``'s ``LAST_RAN.label = label``: a refused float16 input names it), measured in place.
 
 A/B in one process, on one layer's weights: the forward as it is now against the same forward
 without the record (the pre-record forward, kept here), nn.Linear as the reference, M=1, K=N=16,
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import nn as cgnn
+from cublas_guard_ext.guarded_linear import nn as cgnn
 
 torch.set_num_threads(1)
 if cgnn._fast_linear is None:

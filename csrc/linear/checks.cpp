@@ -11,6 +11,8 @@ namespace {
 
 std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
 
+}  // namespace
+
 [[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
                               const std::string& layer) {
   ErrorReport report("shape_mismatch");
@@ -20,7 +22,6 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
                            ", expected " + expected);
 }
 
-// `t` (playing `role`) is not on the device of `anchor` (the layer's `anchor_name`).
 [[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
                                         const char* anchor_name, const std::string& layer) {
   ErrorReport report("device_mismatch");
@@ -30,8 +31,6 @@ std::string dtype_name(at::ScalarType t) { return c10::toString(t); }
   report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + t.device().str() + " but " +
                              anchor_name + " is on " + anchor.device().str());
 }
-
-}  // namespace
 
 bool is_guarded_dtype(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble;

@@ -3,6 +3,7 @@
 // enters, the GEMM plan (linear/gemm_plan.cpp) and the out-of-memory report.
 // The CPU and CUDA kernels differ only in their LinearBackend.
 #include "linear/linear_op.h"
+#include "linear/reporting_oom.h"
 #include "linear/value_scans.h"
 #include "report/async_registry.h"
 #include "report/call_scope.h"
@@ -17,24 +18,6 @@
 namespace cublas_guard {
 
 namespace {
-
-// Allocations in a guarded call that run out of memory are reported with the
-// device's numbers and the request (torch raises its own OOM otherwise).
-template <typename Fn>
-auto reporting_oom(const LinearBackend& be, c10::Device device, const std::string& layer, const char* stage,
-                   int64_t bytes, Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const c10::OutOfMemoryError& e) {
-    ErrorReport report("out_of_memory");
-    report.add("layer", layer).add("stage", stage).add("bytes_requested", bytes);
-    std::string detail = e.what_without_backtrace();
-    detail = detail.substr(0, detail.find('\n'));
-    report.add("detail", detail);
-    if (be.memory_info != nullptr) be.memory_info(report, device);
-    report.raise_out_of_memory("layer '" + layer + "': out of memory during " + stage);
-  }
-}
 
 // [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
 // is explicit: reshape({-1, 0}) is ambiguous for empty tensors.

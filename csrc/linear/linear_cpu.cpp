@@ -67,6 +67,8 @@ void async_slot_cpu(c10::Device /*device*/, AsyncRecord** record, int** claim) {
   *claim = &cpu_claim;
 }
 
+}  // namespace
+
 const LinearBackend& cpu_backend() {
   // torch's CPU addmm has no 32-bit limit: the "64-bit API" is the same call.
   static const LinearBackend backend{scan_cpu_into,          fetch_cpu,      gemm_cpu,
@@ -74,6 +76,8 @@ const LinearBackend& cpu_backend() {
                                      /*has_64bit_api=*/true, gemm_names_cpu};
   return backend;
 }
+
+namespace {
 
 at::Tensor scan_op(const at::Tensor& x) { return scan(cpu_backend(), x); }
 

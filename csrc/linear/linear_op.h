@@ -114,6 +114,15 @@ void check_scannable(const at::Tensor& t);
 [[noreturn]] void raise_dtype_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
                                        const char* anchor_role, const std::string& layer);
 
+// ValueError report: `t` (playing `role`) has a shape other than `expected` (a
+// parameter's or a gradient's, not the input's last dim: check_input).
+[[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
+                              const std::string& layer);
+// RuntimeError report: `t` (playing `role`) is not on the device of `anchor`
+// (the layer's `anchor_name`).
+[[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+                                        const char* anchor_name, const std::string& layer);
+
 // The input alone (what check_features needs): a guarded dtype, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
 // Sizes are compared as SymInts, so a traced batch dim stays symbolic.
@@ -231,6 +240,9 @@ at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& gr
 void check_features(const LinearBackend& backend, const at::Tensor& x, int64_t in_features,
                     const std::string& layer);
 at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
+
+// The CPU backend (linear/linear_cpu.cpp): torch's CPU BLAS behind the same plan.
+const LinearBackend& cpu_backend();
 
 // The CPU scan (also the reference the CUDA scan is tested against).
 void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,

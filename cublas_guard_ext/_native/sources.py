@@ -16,6 +16,10 @@ CPU_SOURCES = (
     "linear/autograd.cpp",
     "linear/autocast.cpp",
     "linear/gemm_route.cpp",
+    "moe/grouped_checks.cpp",
+    "moe/grouped_common.cpp",
+    "moe/grouped_cpu.cpp",
+    "moe/grouped_autograd.cpp",
     "report/errors.cpp",
     "report/async_registry.cpp",
     "report/python_errors.cpp",
@@ -40,5 +44,6 @@ CUDA_SOURCES = (
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",
+    "moe/grouped_cuda.cu",
     "cuda/watch_scan.cu",
 )

@@ -61,6 +61,10 @@ _GEMMS: dict[str, tuple[str, str, str | None, str]] = {
     "mv": ("self", "vec", None, "last"),
     "addmv": ("mat", "vec", "self", "last"),
     "dot": ("self", "tensor", None, "last"),
+    "_grouped_mm": ("self", "mat2", None, "last"),
+    "grouped_linear": ("x", "weight", "bias", "last"),
+    "grouped_linear_grad_input": ("grad_output", "weight", None, "last"),
+    "grouped_linear_grad_weight": ("grad_output", "x", None, "rows"),
 }
 # The guarded linear names its input "x" (cublas_guard.linear's schema).
 _ALIASES = {"input": ("input", "x")}
@@ -132,6 +136,8 @@ def finding_overflow(fields: dict[str, Any]) -> dict[str, Any] | None:
     format, a pole (log, 1/x) rather than an overflow, or a GEMM whose bound stays in range."""
     fmt = narrow_format(fields)
     if fmt is None or fields.get("op") is None or _op_base(fields.get("op")) in _POLES:
+        return None
+    if fields.get("past_groups"):  # rows no group owns: uninitialized memory, not an overflow
         return None
     gemm = gemm_bound(fields)
     if gemm is not None and gemm["bound"] <= fmt[1]:

@@ -8,16 +8,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .. import capsule as _capsule
 from .base import GuardError
+from .experts import GroupOffsetsError
 from .format import _dtype
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
-    NonFiniteEntryError,
-    NonFiniteFromNowhereError,
     NonFiniteInputError,
-    NonFiniteOutputError,
     ShapeMismatchError,
     SizeLimitError,
 )
@@ -29,6 +26,7 @@ from .runtime import (
     OutOfMemoryError,
     PendingCudaError,
 )
+from .watch_findings import NonFiniteEntryError, NonFiniteFromNowhereError, NonFiniteOutputError
 
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
 _PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)
@@ -51,6 +49,7 @@ _BY_KIND: dict[str, type[GuardError]] = {
         GraphCaptureError,
         OutOfMemoryError,
         CublasOutOfMemoryError,
+        GroupOffsetsError,
     )
 }
 
@@ -92,15 +91,28 @@ def from_native(exc: BaseException) -> GuardError | None:
 _CAPTURED = (CublasError, PendingCudaError, CudaLaunchError)
 
 
+# Writing the capsule is capsule/contents.py's (capture), which hands it in when it loads:
+# errors imports nothing of the package. Until then (never, once the package has loaded)
+# no capsule is written, as with capture off.
+_capsule_writer: list[Callable[[BaseException, dict[str, Any] | None], tuple[str | None, str | None]]] = []
+
+
+def write_capsules_with(
+    writer: Callable[[BaseException, dict[str, Any] | None], tuple[str | None, str | None]],
+) -> None:
+    """Called by capsule/contents.py: ``writer(err, native)`` writes a capsule, returns (path, note)."""
+    _capsule_writer[:] = [writer]
+
+
 def attach_capsule(err: GuardError, native: dict[str, Any] | None = None) -> GuardError:
     """Writes the failure capsule of a cuBLAS-side error raised by a guarded call or watch.
 
     Sets ``err.capsule`` (the path, or None) and puts the path, or why there is none, in
     the message. Never raises and never changes anything else about the error.
     """
-    if not isinstance(err, _CAPTURED):
+    if not isinstance(err, _CAPTURED) or not _capsule_writer:
         return err
-    path, note = _capsule.capture(err, native)
+    path, note = _capsule_writer[0](err, native)
     if path is None and note is None:  # capture is off
         return err
     err.capsule, err.capsule_note = path, note
@@ -110,8 +122,8 @@ def attach_capsule(err: GuardError, native: dict[str, Any] | None = None) -> Gua
 
 # What the layers above add to a native error when it is built, in order: each hook takes the
 # error and the native context and returns a replacement (new fields, the same class) or None.
-# The nn layer adds the layer's current name and the facts of an overflow (error_hooks.py); the
-# errors package cannot import it (it sits above), so it registers itself here.
+# guarded_linear/error_hooks.py adds the layer's current name and the facts of an overflow;
+# the errors package cannot import it (it sits above), so it registers itself here.
 NativeErrorHook = Callable[[GuardError, "dict[str, Any] | None"], "GuardError | None"]
 _HOOKS: list[NativeErrorHook] = []
 

@@ -3,8 +3,8 @@
 ``quantize_dynamic``, ``prepare``/``convert``, ``prepare_qat``: each swaps modules by their exact
 type (``type(m) in mapping``), and the quantized Linear's ``from_float`` refuses any other type.
 A SafeLinear is an ``nn.Linear`` subclass, so it is left as it is: float, guarded, and silently
-not quantized. The warning names the layers left and the way out (ao_quantization.py raises it
-when such a pass sets a qconfig on a guarded layer).
+not quantized. The warning names the layers left and the way out (guarded_linear/
+ao_quantization.py raises it when such a pass sets a qconfig on a guarded layer).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ REPORT_KINDS = (
     "device_mismatch",
     "dtype",
     "graph_capture",
+    "group_offsets",
     "non_finite",
     "non_finite_entry",
     "non_finite_output",
@@ -65,6 +66,18 @@ NATIVE_FIELDS: dict[str, str] = {
     "name": "str",
     "producer": "str",
     "reader": "str",
+    # a grouped GEMM (a mixture of experts): the experts module, its weight's name, the expert
+    # a report was raised in and its rows of the sorted input (report/report_place.h); the
+    # group offsets and the input's rows (GroupOffsetsError)
+    "experts_module": "str",
+    "parameter": "str",
+    "expert": "int",
+    "expert_rows": "ints",
+    "offsets": "ints",
+    "num_tokens": "int",
+    # watch, a grouped GEMM's output: the first bad row is past the last group end (groups_end)
+    "past_groups": "bool",
+    "groups_end": "int",
     # tensors
     "shape": "ints",
     "strides": "ints",
@@ -180,7 +193,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "input_absmax": "list",  # format._fold_inputs: the inputs' absolute maxima (magnitudes.py)
     "missing": "str",
     "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
-    "name": "str",  # NonFiniteEntryError, raised by watch.py
+    "name": "str",  # NonFiniteEntryError, raised by watching/session.py
     # `python -m cublas_guard_ext run` (cublas_guard_ext/run/): NonFiniteGradientsError, the step
     # check of every optimizer; PeerFailedError, a rank stopped because another failed first
     "optimizer": "str",
@@ -211,12 +224,29 @@ PYTHON_FIELDS: dict[str, str] = {
     "overflow": "bool",  # +/-Inf alone from finite inputs in float16/bfloat16/fp8: an overflow
     "dtype_max": "float",  # the dtype's largest value
     "overflow_bound": "float",  # a GEMM's K * max|a| * max|b| + max|bias|
-    # ... and a guarded layer's refusal of an input with +/-Inf alone (error_hooks.py)
+    # ... and a guarded layer's refusal of an input with +/-Inf alone (guarded_linear/error_hooks.py)
     "finite_absmax": "float",  # the refused tensor's largest finite magnitude
     "previous_layer": "str",  # the guarded layer that ran before it on this thread
     "previous_in_features": "int",
     "previous_weight_absmax": "float",
     "previous_bias_absmax": "float",
+    # ExpertsImplementationError (errors/experts.py): the experts module's class, and notes
+    "module_type": "str",
+    "notes": "list",
+    # TrainingGuard(silent_corruption=...) (errors/corruption.py): SilentCorruptionError
+    "verdict": "str",  # "replicas_differ" / "transient" / "persistent"
+    "ranks": "list",  # every rank that differed
+    "host": "str",  # the named rank's host
+    "gpu_uuid": "str",  # its GPU (torch.cuda.get_device_properties(i).uuid); None without CUDA
+    "parameter": "str",  # the first differing parameter, by qualified name
+    "differing_parameters": "int",
+    "what": "str",  # the module's output, the gradient at its input, a parameter's gradient
+    "gemm": "str",  # the GEMM inside the module named
+    "trigger": "str",  # what started the rerun: a spike, a checked step
+    "rerun_loss": "float",
+    "comparison": "str",  # bitwise, or the calibrated tolerance
+    "replays": "list",  # persistent: each rank's replay of the GEMM capsule
+    "exit_code": "int",  # the opt-in process exit code of the verdict
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

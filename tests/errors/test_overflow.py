@@ -1,4 +1,4 @@
-"""The overflow story (errors/overflow.py, error_hooks.py): a float16 value past 65504 becomes
+"""The overflow story (errors/overflow.py, guarded_linear/error_hooks.py): a float16 value past 65504 becomes
 +Inf, never NaN. watch names the op that overflowed with the numbers that show it; the next
 guarded layer, refusing the Inf, says it is most likely an overflow and names the guarded layer
 that ran before it; the next steps are a wider dtype, autocast, loss scaling (backward), a

@@ -1,4 +1,4 @@
-"""Names that follow the model (cublas_guard_ext/naming.py): an error names the layer by its path
+"""Names that follow the model (cublas_guard_ext/guarded_linear/naming.py): an error names the layer by its path
 in the model it runs in now, after PEFT's merge_and_unload, torch.compile, DDP/FSDP wrapping or a
 block moved by hand, in forward, in backward and in a deferred report; never by a path that no
 longer exists."""

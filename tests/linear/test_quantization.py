@@ -1,4 +1,4 @@
-"""torch.ao's eager-mode quantization and guarded layers (cublas_guard_ext/ao_quantization.py):
+"""torch.ao's eager-mode quantization and guarded layers (cublas_guard_ext/guarded_linear/ao_quantization.py):
 the passes match nn.Linear by its exact type and leave SafeLinear float; the user is told once per
 model, with the layers left and the way out (restore_linear first), and that way out quantizes."""
 

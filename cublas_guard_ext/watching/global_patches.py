@@ -1,0 +1,94 @@
+"""watch's global patches, installed while any thread watches (refcounted): the roots of
+torch.autograd.backward and torch.autograd.grad (the loss) are sinks, and CUDA graph capture
+is refused inside a block (``torch.cuda.graph``'s ``__enter__`` before it switches streams,
+``CUDAGraph.capture_begin``). Each patch checks that the calling thread watches."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+
+# session.py loads the library and installs the native module before it imports this one.
+_native = sys.modules["cublas_guard_ext._C"]
+
+_patch_lock = threading.Lock()
+_patch_users = 0
+_originals: dict[str, Any] = {}
+
+
+def _roots(tensors: Any) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return [t for t in (tensors or ()) if isinstance(t, torch.Tensor)]
+
+
+def _patched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    roots = _roots(tensors)
+    if roots and _native._watch_active():
+        _native._watch_reached(roots, ["the loss (a root of backward)"] * len(roots))
+    return _originals["backward"](tensors, *args, **kwargs)
+
+
+def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+    roots = _roots(outputs)
+    if roots and _native._watch_active():
+        _native._watch_reached(roots, ["an output torch.autograd.grad differentiates"] * len(roots))
+    return _originals["grad"](outputs, *args, **kwargs)
+
+
+def _refuse_capture() -> None:
+    from ..errors import WatchCaptureError
+
+    raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
+
+
+def _patched_capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+    if _native._watch_active():
+        _refuse_capture()
+    return _originals["capture_begin"](self, *args, **kwargs)
+
+
+def _patched_graph_enter(self: Any) -> Any:
+    # Refused before torch.cuda.graph.__enter__ synchronizes and makes its side stream
+    # current: a refusal from capture_begin would leave that stream current (the context's
+    # __exit__ never runs when __enter__ raises).
+    if _native._watch_active():
+        _refuse_capture()
+    return _originals["graph_enter"](self)
+
+
+def install() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        _originals["backward"] = torch.autograd.backward
+        _originals["grad"] = torch.autograd.grad
+        torch.autograd.backward = _patched_backward
+        torch.autograd.grad = _patched_grad
+        graph_cls = getattr(torch.cuda, "CUDAGraph", None)
+        if graph_cls is not None and "capture_begin" in graph_cls.__dict__:
+            _originals["capture_begin"] = graph_cls.__dict__["capture_begin"]
+            graph_cls.capture_begin = _patched_capture_begin
+        graph_ctx = getattr(torch.cuda, "graph", None)
+        if isinstance(graph_ctx, type) and "__enter__" in graph_ctx.__dict__:
+            _originals["graph_enter"] = graph_ctx.__dict__["__enter__"]
+            graph_ctx.__enter__ = _patched_graph_enter
+
+
+def remove() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users > 0:
+            return
+        torch.autograd.backward = _originals.pop("backward")
+        torch.autograd.grad = _originals.pop("grad")
+        if "capture_begin" in _originals:
+            torch.cuda.CUDAGraph.capture_begin = _originals.pop("capture_begin")
+        if "graph_enter" in _originals:
+            torch.cuda.graph.__enter__ = _originals.pop("graph_enter")

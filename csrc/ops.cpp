@@ -1,57 +1,17 @@
-// Every public op schema (torch.ops.cublas_guard), the Meta kernels that
-// torch.compile / FakeTensor use, and the device-independent ops. The test
+// Every public op schema (torch.ops.cublas_guard) and the device-independent
+// ops, in both builds of the core (core/tensor_api.h). The Meta kernels that
+// torch.compile / FakeTensor use are the locked library's (ops_meta.cpp: they
+// need SymInts); the stable core's are Python's (_native/fake.py). The test
 // hooks have their own namespace (testing.cpp), the package's private entry
 // points theirs (cublas_guard_internal, defined where they are implemented),
 // so what a user sees under torch.ops.cublas_guard is the product only.
+#include "core/registration.h"
 #include "linear/linear_op.h"
-
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <string>
 
 namespace cublas_guard {
 namespace {
-
-// Sizes as SymInts: under torch.compile(dynamic=...) and torch.export a batch
-// dim is symbolic and must stay so (no sizes(), no guard on it).
-c10::SymDimVector linear_output_shape(const at::Tensor& x, const c10::SymInt& out_features) {
-  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
-  shape.back() = out_features;
-  return shape;
-}
-
-// Meta kernels run the same rule functions as the real ones, so a traced or
-// compiled model refuses the same inputs with the same errors.
-at::Tensor scan_meta(const at::Tensor& x) {
-  check_scannable(x);
-  return at::empty({kScanFields}, x.options().dtype(at::kLong));
-}
-
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                       c10::string_view layer, int64_t mode, bool /*scan_grad*/) {
-  parse_mode(mode);
-  check_linear_args(x, weight, bias, std::string(layer));
-  return at::empty_symint(linear_output_shape(x, weight.sym_size(0)), weight.options());
-}
-
-at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
-  check_grad_args(grad_output, weight, weight.sym_size(0), "weight", std::string(layer));
-  return at::empty_symint(linear_output_shape(grad_output, weight.sym_size(1)), weight.options());
-}
-
-at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
-  check_grad_args(grad_output, x, grad_output.sym_size(-1), "input", std::string(layer));
-  return at::empty_symint({grad_output.sym_size(-1), x.sym_size(-1)}, x.options());
-}
-
-void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
-  check_input(x, in_features, std::string(layer));
-}
-
-void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/, int64_t mode) {
-  parse_mode(mode);
-}
 
 void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
 
@@ -84,8 +44,7 @@ std::string build_info_json() {
 
 }  // namespace cublas_guard
 
-TORCH_LIBRARY(cublas_guard, m) {
-  using namespace cublas_guard;
+CG_LIBRARY(cublas_guard, m) {
   m.def("scan(Tensor x) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1, "
@@ -94,16 +53,12 @@ TORCH_LIBRARY(cublas_guard, m) {
   m.def("linear_grad_weight(Tensor grad_output, Tensor x, str layer=\"\") -> Tensor");
   m.def("check_features(Tensor x, int in_features, str layer=\"\") -> ()");
   m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
-  m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
-  m.def("build_info() -> str", &build_info_op);
+  m.def("async_check(bool synchronize=True) -> ()");
+  m.def("build_info() -> str");
 }
 
-TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
+CG_LIBRARY_IMPL(cublas_guard, CompositeExplicitAutograd, m) {
   using namespace cublas_guard;
-  m.impl("scan", &scan_meta);
-  m.impl("linear", &linear_meta);
-  m.impl("linear_grad_input", &grad_input_meta);
-  m.impl("linear_grad_weight", &grad_weight_meta);
-  m.impl("check_features", &check_features_meta);
-  m.impl("guard_values", &guard_values_meta);
+  CG_IMPL(m, "async_check", &async_check_op);
+  CG_IMPL(m, "build_info", &build_info_op);
 }

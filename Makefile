@@ -6,6 +6,7 @@
 #   make test-slow [PYTEST_ARGS=...]     the slow tier: builds, subprocesses, real models, long runs
 #   make test-all [PYTEST_ARGS=...]      the whole suite, fast tier first (the README's test command, CI's)
 #   make demo                            run the demo
+#   make wheel                           dist/*.whl: the stable core (abi3) + the locked _C for the venv's torch
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
 #   make lint                            ruff (rules, format) and clang-format check; change nothing
@@ -49,7 +50,7 @@ BUILD_STAMP := $(VENV)/.ext-installed
 EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv demo test test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
+.PHONY: venv wheel demo test test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -76,6 +77,13 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
 
 demo: $(BUILD_STAMP)
 	$(VENV_PY) -m cublas_guard_ext demo
+
+# One wheel for Linux x86_64 and every CPython >= 3.10 (docs/building.md): the stable core
+# (cp310-abi3, every torch from its floor on; its CUDA part where a toolkit is found) and the
+# version-locked _C for the venv's torch, used only beside that torch and CPython. Built in a
+# copy of the tree (tracked and untracked-but-not-ignored files), so no in-place build leaks in.
+wheel: $(DEPS_STAMP)
+	bash .ci/build_wheel.sh $(abspath $(VENV_PY)) dist
 
 # Two tiers, split by the `slow` marker (pyproject.toml): `make test` is what a contributor runs
 # after every change, so whatever makes it wait (a build, a subprocess, a real model, thousands of

@@ -15,6 +15,29 @@ namespace {
 
 void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
 
+// The argument rules of an op, alone: what the locked library's Meta kernels run
+// (ops_meta.cpp). The stable core's fake kernels are Python's (_native/stable_core.py)
+// and call this for the rules, whenever the sizes are concrete, so a traced call
+// or one on meta tensors refuses the same inputs with the same errors.
+void argument_rules_op(StringArg op, const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias,
+                       StringArg layer_arg, int64_t mode) {
+  const std::string which(op), layer(layer_arg);
+  if (which == "linear") {
+    parse_mode(mode);
+    check_linear_args(a, b, bias, layer);
+  } else if (which == "linear_grad_input") {
+    check_grad_args(a, b, sym_size_at(b, 0), "weight", layer);
+  } else if (which == "linear_grad_weight") {
+    check_grad_args(a, b, sym_size_at(a, -1), "input", layer);
+  } else if (which == "scan") {
+    check_scannable(a);
+  } else if (which == "check_features") {
+    check_input(a, mode, layer);  // `mode` carries in_features here
+  } else {
+    throw_value_error("cublas_guard_ext: argument_rules: unknown op '" + which + "'");
+  }
+}
+
 std::string build_info_op() { return build_info_json(); }
 
 std::string (*&cuda_build_info_provider())() {
@@ -55,6 +78,13 @@ CG_LIBRARY(cublas_guard, m) {
   m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
   m.def("async_check(bool synchronize=True) -> ()");
   m.def("build_info() -> str");
+}
+
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("argument_rules(str op, Tensor a, Tensor b, Tensor? bias, str layer, int mode) -> ()");
+}
+CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
+  CG_IMPL(m, "argument_rules", &cublas_guard::argument_rules_op);
 }
 
 CG_LIBRARY_IMPL(cublas_guard, CompositeExplicitAutograd, m) {

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-# watch.py loads the library and installs the native module before it imports this one.
-_native = sys.modules["cublas_guard_ext._C"]
+# watch.py loads the library and installs the native module (or its stand-in under the
+# stable core) before it imports this one.
+_native = sys.modules["cublas_guard_ext.watch"]._native
 
 _patch_lock = threading.Lock()
 _patch_users = 0

@@ -291,3 +291,12 @@ def _(token: torch.Tensor) -> None:
 
 
 torch.fx.node.has_side_effect(_ops.check_in_graph.default)
+
+
+# The stable core (no version-locked library for this torch): its errors cross the stable
+# ABI as RuntimeError with the payload line. The ops' Autograd kernels raise them typed
+# (_native/stable_core.py); check() calls an op without tensors, which has none.
+if _info.library == "core":
+    from ._native import stable_core as _stable_core
+
+    check = _stable_core.typed_errors(check)

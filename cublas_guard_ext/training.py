@@ -69,6 +69,7 @@ from ._training_state import (
 )
 from .errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
 from .errors.steps import NonFiniteStepError, TrainingDivergedError
+from .watch import AVAILABLE as _watch_available
 from .watch import watch
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
@@ -83,6 +84,14 @@ NON_FINITE_REFUSALS: tuple[type[BaseException], ...] = (
 )
 
 _ON_NAN = ("raise", "skip")
+
+
+def _replay_watch(model: torch.nn.Module, allow: Any, report: str) -> Any:
+    """The replay's watch block; under the stable core alone (watch needs the version-locked
+    library) the replay runs unwatched and says so (_replay's note)."""
+    if not _watch_available:
+        return contextlib.nullcontext()
+    return watch(model, mode="sync", allow=allow, report=report)
 
 
 class TrainingGuard:
@@ -500,14 +509,19 @@ class TrainingGuard:
                 warnings.filterwarnings(
                     "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
                 )
-                with watch(self.inner, mode="sync", allow=self.allow, report=report):
+                with _replay_watch(self.inner, self.allow, report):
                     replay_loss = closure()
                 flag = _bad_flag(
                     replay_loss, self._replay_grads(), self.scaler is None
                 )  # (outside the watch)
             out["reproduced"] = bool(flag is not None and flag.item())
             if out["reproduced"]:
-                out["note"] = "the replay under watch is non-finite again, but watch named no producer"
+                out["note"] = (
+                    "the replay under watch is non-finite again, but watch named no producer"
+                    if _watch_available
+                    else "the replay is non-finite again; it ran without watch, which needs the "
+                    "version-locked library (`python -m cublas_guard_ext build`), so no op is named"
+                )
         except NON_FINITE_REFUSALS as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
             f = getattr(finding, "fields", {})

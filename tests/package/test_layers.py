@@ -77,6 +77,15 @@ LATE_UPWARD: dict[tuple[str, str], str] = {
     ): "the first CUDA call raises ExtensionBuildError when the library has no CUDA kernels "
     "(require_cuda_kernels); imported only where it is raised, as in the loader",
     (
+        "cublas_guard_ext._native.stable_core",
+        "cublas_guard_ext.errors",
+    ): "under the stable core, its errors are turned into the typed classes of errors/ when "
+    "one is raised (and the locked library's absence is an ExtensionBuildError)",
+    (
+        "cublas_guard_ext._native.stable_core",
+        "cublas_guard_ext.errors.parse",
+    ): "the same translation: the payload line read by the one parser of native messages",
+    (
         "cublas_guard_ext.ops",
         "cublas_guard_ext.watch",
     ): "check() also raises this thread's pending watch(mode='async') finding; watch "

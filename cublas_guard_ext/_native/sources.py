@@ -50,6 +50,8 @@ LOCKED_CPU_SOURCES = (
     "watch/watch_testing.cpp",
 )
 CORE_CUDA_SOURCES = (
+    "core/cuda_api_aten.cpp",
+    "core/cuda_api_stable.cpp",
     "cuda/scan.cu",
     "cuda/linear.cu",
     "cuda/lt_gemm.cu",

@@ -1,5 +1,5 @@
 // Declarations shared by the CUDA translation units (scan.cu, linear.cu,
-// lt_gemm.cu, async_slot.cu; watch_scan.cu in the locked
+// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; watch_scan.cu in the locked
 // library). Written against core/tensor_api.h and core/cuda_api.h, so that the
 // core's CUDA sources compile into both builds.
 #pragma once
@@ -28,6 +28,12 @@ void prefill_bias_cuda(Tensor& out, const Tensor& bias, const std::string& layer
 // column's row r: the fallback of a cuBLASLt call cuBLASLt refused.
 void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, int64_t element_size,
                           const std::string& layer);
+
+// One checked cuBLAS GEMM on torch's handle (cublas_gemm.cu), what it runs
+// for a dtype, and the device memory at a failure (for reports).
+int gemm_cuda(const GemmCall& call, GemmContext& ctx);
+GemmNames gemm_names_cuda(ScalarType dtype);
+MemoryFacts cuda_memory_snapshot(int device);
 
 // One cuBLASLt bias-epilogue GEMM (lt_gemm.cu), and what became of it: the
 // step that stopped it and the descriptors it was given, for a report.

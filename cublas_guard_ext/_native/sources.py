@@ -54,6 +54,7 @@ CORE_CUDA_SOURCES = (
     "core/cuda_api_stable.cpp",
     "cuda/scan.cu",
     "cuda/linear.cu",
+    "cuda/cublas_gemm.cu",
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",

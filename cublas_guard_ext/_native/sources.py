@@ -52,6 +52,7 @@ LOCKED_CPU_SOURCES = (
 CORE_CUDA_SOURCES = (
     "core/cuda_api_aten.cpp",
     "core/cuda_api_stable.cpp",
+    "core/core_cuda_module.cpp",
     "cuda/scan.cu",
     "cuda/linear.cu",
     "cuda/cublas_gemm.cu",

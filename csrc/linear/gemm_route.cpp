@@ -14,6 +14,7 @@
 
 #ifndef CUBLAS_GUARD_STABLE
 #include <ATen/Context.h>
+#include <torch/version.h>
 #endif
 
 #include <algorithm>
@@ -26,10 +27,13 @@
 namespace cublas_guard {
 
 #ifndef CUBLAS_GUARD_STABLE
-static_assert(static_cast<int>(at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) == 0 &&
-                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK) == 1 &&
-                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK) == 2,
-              "gemm_ex_refused_reduction takes at::CuBLASReductionOption's values");
+static_assert(static_cast<int>(at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) ==
+                      reduction_option::kAllowReducedPrecisionWithSplitK &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK) ==
+                      reduction_option::kDisallowReducedPrecisionAllowSplitK &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK) ==
+                      reduction_option::kDisallowReducedPrecisionDisallowSplitK,
+              "gemm_route.h's reduction_option values must be at::CuBLASReductionOption's");
 #endif
 static_assert(dtype_code::kHalf == static_cast<int>(kHalf) &&
                   dtype_code::kFloat == static_cast<int>(kFloat) &&
@@ -40,7 +44,6 @@ static_assert(dtype_code::kHalf == static_cast<int>(kHalf) &&
 namespace {
 constexpr int kStatusInvalidValue = 7;   // CUBLAS_STATUS_INVALID_VALUE (cuda/lt_gemm.cu asserts it)
 constexpr int kStatusNotSupported = 15;  // CUBLAS_STATUS_NOT_SUPPORTED (cuda/lt_gemm.cu asserts it)
-constexpr int kReductionDisallowSplitK = 2;
 constexpr const char* kPathVariable = "CUBLAS_GUARD_GEMM_PATH";
 }  // namespace
 
@@ -112,7 +115,7 @@ LtAlignments lt_alignments(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t bias
 }
 
 const char* gemm_ex_refused_reduction(int dtype, int reduction) {
-  if (reduction != kReductionDisallowSplitK) return nullptr;
+  if (reduction != reduction_option::kDisallowReducedPrecisionDisallowSplitK) return nullptr;
   if (dtype == dtype_code::kBFloat16)
     return "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction";
   if (dtype == dtype_code::kHalf) return "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction";
@@ -124,6 +127,7 @@ const char* gemm_ex_refused_reduction(int dtype, int reduction) {
 // (set_reduction_options, called by the package when they change).
 namespace {
 std::atomic<int> reduction_fp16{0}, reduction_bf16{0};  // torch's defaults: reduced precision, split-K
+std::atomic<bool> fp16_accumulation{false};              // torch's default
 }  // namespace
 int torch_reduction_option(int dtype) {
   return (dtype == dtype_code::kBFloat16 ? reduction_bf16 : reduction_fp16).load(std::memory_order_relaxed);
@@ -132,6 +136,8 @@ void set_reduction_options(int64_t fp16, int64_t bf16) {
   reduction_fp16.store(static_cast<int>(fp16), std::memory_order_relaxed);
   reduction_bf16.store(static_cast<int>(bf16), std::memory_order_relaxed);
 }
+bool torch_fp16_accumulation() { return fp16_accumulation.load(std::memory_order_relaxed); }
+void set_fp16_accumulation(bool allow) { fp16_accumulation.store(allow, std::memory_order_relaxed); }
 #else
 int torch_reduction_option(int dtype) {
   const at::CuBLASReductionOption option = dtype == dtype_code::kBFloat16
@@ -141,6 +147,14 @@ int torch_reduction_option(int dtype) {
 }
 // The locked library reads torch's settings itself.
 void set_reduction_options(int64_t /*fp16*/, int64_t /*bf16*/) {}
+bool torch_fp16_accumulation() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+  return at::globalContext().allowFP16AccumulationCuBLAS();
+#else
+  return false;
+#endif
+}
+void set_fp16_accumulation(bool /*allow*/) {}
 #endif
 
 void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting, const std::string& layer) {
@@ -419,6 +433,7 @@ std::string set_gemm_path_op(StringArg path) {
 std::vector<std::string> lt_plan_key_fields_op() { return lt_plan_key_fields(); }
 std::string gemm_path_op() { return gemm_path_name(gemm_path()); }
 void set_reduction_options_op(int64_t fp16, int64_t bf16) { set_reduction_options(fp16, bf16); }
+void set_fp16_accumulation_op(bool allow) { set_fp16_accumulation(allow); }
 
 }  // namespace
 }  // namespace cublas_guard
@@ -457,10 +472,18 @@ CG_LIBRARY_IMPL(cublas_guard_testing, CompositeExplicitAutograd, m) {
   CG_IMPL(m, "set_gemm_path", &set_gemm_path_op);
 }
 
-// torch's cuBLAS reduction settings (torch.backends.cuda.matmul.allow_{fp16,bf16}_
-// reduced_precision_reduction as at::CuBLASReductionOption values), which the
-// stable core cannot read: the package passes them (a no-op in the locked library).
-CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) { m.def("set_reduction_options(int fp16, int bf16) -> ()"); }
+// torch's cuBLAS settings, which the stable core cannot read: the package
+// passes them (no-ops in the locked library). set_reduction_options takes
+// torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction as
+// at::CuBLASReductionOption values; set_fp16_accumulation takes
+// torch.backends.cuda.matmul.allow_fp16_accumulation. (allow_tf32 needs no
+// hand-over: torch sets its cuBLAS handle's math mode from it whenever the
+// core asks for the handle.)
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("set_reduction_options(int fp16, int bf16) -> ()");
+  m.def("set_fp16_accumulation(bool allow) -> ()");
+}
 CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
   CG_IMPL(m, "set_reduction_options", &cublas_guard::set_reduction_options_op);
+  CG_IMPL(m, "set_fp16_accumulation", &cublas_guard::set_fp16_accumulation_op);
 }

@@ -50,8 +50,12 @@ LOCKED_CPU_SOURCES = (
     "watch/watch_testing.cpp",
 )
 CORE_CUDA_SOURCES = (
+    "core/cuda_api_aten.cpp",
+    "core/cuda_api_stable.cpp",
+    "core/core_cuda_module.cpp",
     "cuda/scan.cu",
     "cuda/linear.cu",
+    "cuda/cublas_gemm.cu",
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",

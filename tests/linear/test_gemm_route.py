@@ -232,6 +232,22 @@ def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
         matmul.allow_bf16_reduced_precision_reduction = old
 
 
+def test_torch_s_cublas_settings_have_their_hand_over_ops() -> None:
+    """The stable core cannot read torch's cuBLAS settings: the package hands them over through
+    these internal ops (no-ops in the version-locked library, which reads torch itself). Called
+    here with torch's own values, so that neither library changes what it does."""
+    internal = torch.ops.cublas_guard_internal
+    assert str(internal.set_reduction_options.default._schema) == (
+        "cublas_guard_internal::set_reduction_options(int fp16, int bf16) -> ()"
+    )
+    assert str(internal.set_fp16_accumulation.default._schema) == (
+        "cublas_guard_internal::set_fp16_accumulation(bool allow) -> ()"
+    )
+    internal.set_fp16_accumulation(
+        bool(getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False))
+    )
+
+
 def test_a_bad_path_name_is_refused() -> None:
     with pytest.raises(ValueError, match="neither 'legacy' nor 'lt'"):
         route("float32", "cublaslt")

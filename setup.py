@@ -73,6 +73,36 @@ def make_core_extension(build_plan):
     )
 
 
+def make_core_cuda_extension(build_plan):
+    """The CUDA core (the CPU core's sources and the CUDA ones): a limited-API CUDAExtension."""
+    sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
+    extension = CUDAExtension(
+        name="cublas_guard_ext._core_cuda",
+        sources=sources,
+        include_dirs=build_plan.include_dirs,
+        extra_compile_args={"cxx": build_plan.cxx_flags, "nvcc": build_plan.nvcc_flags},
+        extra_link_args=build_plan.ldflags,
+        # cuBLAS/cuBLASLt resolve through libtorch_cuda's own (pip's versioned files have no
+        # unversioned link name), as in _C.
+        libraries=list(build_plan.libraries),
+        library_dirs=build_plan.library_dirs,
+        py_limited_api=True,
+    )
+    if build_plan.cudart_library:
+        extension.libraries = [
+            build_plan.cudart_library if lib == "cudart" else lib for lib in extension.libraries
+        ]
+    return extension
+
+
+def native_extensions(locked_plan):
+    """_core, _core_cuda where the locked build is a CUDA one, and _C."""
+    extensions = [make_core_extension(_core_build.cpu_plan())]
+    if locked_plan.with_cuda:
+        extensions.append(make_core_cuda_extension(_core_build.cuda_plan()))
+    return extensions + [make_extension(locked_plan)]
+
+
 class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
     """torch's BuildExtension, linking against the one shared libstdc++ torch uses.
 
@@ -97,7 +127,7 @@ class BuildWithSharedRuntime(BuildExtension.with_options(use_ninja=True)):
             print(f"cublas_guard_ext: {note}", file=sys.stderr, flush=True)
             cpu_plan = _build.plan(with_cuda=False)
             print(f"cublas_guard_ext: building CPU-only extension ({cpu_plan.reason})", flush=True)
-            self.extensions = [make_core_extension(_core_build.cpu_plan()), make_extension(cpu_plan)]
+            self.extensions = native_extensions(cpu_plan)
             super().build_extensions()
             record_locked_torch(self)
 
@@ -116,20 +146,24 @@ class BuildPyWithSources(build_py):
 
 
 def record_locked_torch(build_ext_command) -> None:
-    """_C.torch beside _C: the torch _C was built against (the loader uses _C only with it)."""
+    """_C.torch beside _C: the torch _C was built against (the loader uses _C only with it);
+    _core_cuda.cuda beside _core_cuda: its CUDA major (it loads only beside a torch of it)."""
     import torch
 
     for ext in build_ext_command.extensions:
         if ext.name == "cublas_guard_ext._C":
             path = Path(build_ext_command.get_ext_fullpath(ext.name)).with_name("_C.torch")
             path.write_text(torch.__version__ + "\n")
+        if ext.name == "cublas_guard_ext._core_cuda":  # the CUDA major it was built with
+            path = Path(build_ext_command.get_ext_fullpath(ext.name)).with_name("_core_cuda.cuda")
+            path.write_text(str(torch.version.cuda).split(".")[0] + "\n")
 
 
 # The wheel's tag says abi3 (the core's); its _C serves only the CPython and torch it was
 # built for, and the loader skips it everywhere else (cublas_guard_ext/_native/loader.py).
 with _build.torch_build_hooks():
     setup(
-        ext_modules=[make_core_extension(_core_build.cpu_plan()), make_extension(plan)],
+        ext_modules=native_extensions(plan),
         cmdclass={"build_ext": BuildWithSharedRuntime, "build_py": BuildPyWithSources},
         options={"bdist_wheel": {"py_limited_api": _core_build.ABI3_TAG}},
     )

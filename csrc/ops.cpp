@@ -54,8 +54,14 @@ void set_cuda_build_info(std::string (*provider)()) { cuda_build_info_provider()
 
 std::string build_info_json() {
   std::string out = "{\"built_with_torch\": \"";
-#ifdef CUBLAS_GUARD_TORCH_VERSION
+#if defined(CUBLAS_GUARD_STABLE)
+  // The stable core is built for every torch from its floor on, not for one.
+  out += "stable ABI\", \"library\": \"stable core\", \"stable_abi_floor\": \"";
+  out +=
+      std::to_string(TORCH_TARGET_VERSION >> 56) + "." + std::to_string((TORCH_TARGET_VERSION >> 48) & 0xff);
+#elif defined(CUBLAS_GUARD_TORCH_VERSION)
   out += CUBLAS_GUARD_STRINGIFY(CUBLAS_GUARD_TORCH_VERSION);
+  out += "\", \"library\": \"locked";
 #else
   out += "unknown";
 #endif

@@ -24,14 +24,19 @@ std::vector<int64_t> strides_of(const Tensor& t) {
   return std::vector<int64_t>(s.begin(), s.end());
 }
 int device_index(const Tensor& t) { return t.is_cpu() ? -1 : static_cast<int>(t.get_device_index()); }
-std::string device_str(const Tensor& t) {
-  if (t.is_cpu()) return "cpu";
-  if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device_index());
-  return "device:" + std::to_string(t.get_device_index());
-}
+std::string device_str(const Tensor& t) { return device_name(t.device()); }
 std::string device_name(const Device& d) {
-  if (d.is_cpu()) return "cpu";
-  const std::string type = d.is_cuda() ? "cuda" : "device";
+  // As torch prints a device: the type's lower-case name, then ":index" when it has one.
+  std::string type = "device";
+  switch (d.type()) {
+    case DeviceType::CPU: return "cpu";
+    case DeviceType::Meta: return "meta";
+    case DeviceType::CUDA: type = "cuda"; break;
+    case DeviceType::XPU: type = "xpu"; break;
+    case DeviceType::MPS: type = "mps"; break;
+    case DeviceType::PrivateUse1: type = "privateuseone"; break;
+    default: break;
+  }
   return d.has_index() ? type + ":" + std::to_string(d.index()) : type;
 }
 Device cpu_device() { return Device(DeviceType::CPU); }
@@ -97,8 +102,10 @@ Tensor from_blob(const void* data, const std::vector<int64_t>& sizes, const std:
 Tensor as_view(const Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                int64_t extra_offset) {
   AtenTensorHandle out = nullptr;
+  // The shim's last argument is added to t's own storage offset (inductor's
+  // _reinterpret_tensor takes an offset increment, whatever the header calls it).
   CG_SHIM(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()), sizes.data(),
-                                         strides.data(), t.storage_offset() + extra_offset, &out));
+                                         strides.data(), extra_offset, &out));
   return Tensor(out);
 }
 Tensor transposed(const Tensor& t) { return as_view(t, {t.size(1), t.size(0)}, {t.stride(1), t.stride(0)}); }

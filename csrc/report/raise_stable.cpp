@@ -4,8 +4,9 @@
 // and so the typed class (cublas_guard_ext/errors/parse.py). What the typed
 // exception also carries, the failing call's tensors (the capsule's GEMM
 // buffers and operands, report/call_scope.h), cannot ride in a message: they
-// are kept here, per thread, until Python takes them (take_failure_context)
-// or the next failure replaces them.
+// are kept here, per thread (the buffers copied: their memory dies with the
+// call), until Python takes them (take_failure_context) or the next failure
+// replaces them.
 #ifdef CUBLAS_GUARD_STABLE
 #include "core/registration.h"
 #include "linear/linear_op.h"
@@ -31,7 +32,9 @@ thread_local FailureContext tls_failure;
   for (const auto& entry : report.attached()) {
     if (!entry.second.defined()) continue;
     context.names.push_back("buffer:" + entry.first);
-    context.tensors.push_back(entry.second);
+    // The GEMM's buffers are views of memory the failing call owns (its output
+    // among them), freed as the exception unwinds it: Python reads a copy.
+    context.tensors.push_back(torch::stable::clone(entry.second));
   }
   if (const GuardedCall* call = current_guarded_call()) {
     for (int i = 0; i < 3; ++i) {

@@ -33,7 +33,6 @@ LIMITED_API = "0x030a0000"
 ABI3_TAG = "cp310"
 STABLE_DEFINES = [_ninja.STABLE_MARKER, f"-DTORCH_TARGET_VERSION={TARGET_VERSION}"]
 CPU_MODULE_SOURCE = "core/core_module.cpp"
-CUDA_MODULE_SOURCE = "core/core_cuda_module.cpp"
 
 
 def cpu_plan() -> _build.BuildPlan:
@@ -52,6 +51,30 @@ def cpu_plan() -> _build.BuildPlan:
         reason="the stable core (CPU)",
         sources=sources,
         cxx_flags=cxx,
+        ldflags=[f for f in base.ldflags if f != "-fopenmp"],
+    )
+
+
+def cuda_plan() -> _build.BuildPlan:
+    """The CUDA core, ``_core_cuda``: the CPU core's sources and the CUDA ones in one library
+    (the CUDA kernels call the core's C++ directly), loaded *instead of* ``_core`` where torch
+    has CUDA of the same major; linked against torch's CUDA libraries, so it is built in a venv
+    with a CUDA torch (CI's CUDA stage), for the arch list build.plan chooses."""
+    base = _build.plan(with_cuda=True)
+    cpu = cpu_plan()
+    cuda_defines = ["-DUSE_CUDA", "-DCUBLAS_GUARD_WITH_CUDA"]
+    nvcc = [f for f in base.nvcc_flags if not f.startswith("-DCUBLAS_GUARD_TORCH_VERSION")]
+    nvcc += [*STABLE_DEFINES, *cuda_defines, "-Xcompiler", "-fvisibility=hidden"]
+    sources = [
+        str(_build.CSRC_DIR / s)
+        for s in (*_sources.CORE_CPU_SOURCES, *_sources.CORE_CUDA_SOURCES)  # core_cuda_module.cpp among them
+    ]
+    return dataclasses.replace(
+        base,
+        reason=f"the stable core (CUDA; {base.reason})",
+        sources=sources,
+        cxx_flags=[f for f in cpu.cxx_flags if f != "-DCUBLAS_GUARD_WITH_CUDA"] + cuda_defines,
+        nvcc_flags=nvcc,
         ldflags=[f for f in base.ldflags if f != "-fopenmp"],
     )
 

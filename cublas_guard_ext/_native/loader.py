@@ -100,40 +100,36 @@ def _try_prebuilt(warn: bool = True) -> NativeInfo | None:
 
 
 def _try_core() -> NativeInfo | None:
-    """The stable core, if installed and this torch is at or above its floor."""
+    """The stable core, if installed and this torch is at or above its floor: ``_core_cuda``
+    (the CPU core and the CUDA kernels in one library) where torch has CUDA of the major it
+    was built for, else ``_core`` (never loading libcudart beside a CPU-only torch)."""
     if importlib.util.find_spec("cublas_guard_ext._core") is None:
         return None
     reason = _core_build.torch_floor_error(torch.__version__)
     if reason is not None:
         from ..errors import ExtensionBuildError  # late: see the module docstring
 
-        raise ExtensionBuildError(
-            missing=f"torch >= {_core_build.FLOOR[0]}.{_core_build.FLOOR[1]}",
-            detail=reason,
-            fix="upgrade torch, or build from a source checkout",
-        )
-    module = importlib.import_module("cublas_guard_ext._core")
-    detail = "stable core"
-    cuda_note = _load_core_cuda()
-    if cuda_note:
-        detail += f" ({cuda_note})"
+        floor = "{}.{}".format(*_core_build.FLOOR)
+        raise ExtensionBuildError(missing=f"torch >= {floor}", detail=reason, fix=reason.rsplit(". ", 1)[-1])
+    name, note = _core_module_for_this_torch()
+    module = importlib.import_module(f"cublas_guard_ext.{name}")
+    detail = "stable core" + (f" ({note})" if note else "")
     return NativeInfo("prebuilt", str(module.__file__), _has_cuda_kernels(), detail, library="core")
 
 
-def _load_core_cuda() -> str | None:
-    """Loads the core's CUDA kernels where torch has CUDA; a note when they are left out."""
+def _core_module_for_this_torch() -> tuple[str, str | None]:
+    """``_core_cuda`` or ``_core``, and a note when torch has CUDA but gets no CUDA kernels."""
     if not torch.version.cuda:
-        return None  # a CPU-only torch: the CUDA part (and libcudart) is never loaded
+        return "_core", None
     if importlib.util.find_spec("cublas_guard_ext._core_cuda") is None:
-        return "no CUDA kernels in this install"
-    built_for = _core_cuda_major()
-    if built_for is not None and built_for != torch.version.cuda.split(".")[0]:
-        return (
-            f"CUDA kernels left out: built for CUDA {built_for}, this torch uses CUDA "
-            f"{torch.version.cuda}; install the cu{torch.version.cuda.split('.')[0]} wheel"
+        return "_core", "no CUDA kernels in this install: a CPU-only wheel"
+    built_for, major = _core_cuda_major(), torch.version.cuda.split(".")[0]
+    if built_for is not None and built_for != major:
+        return "_core", (
+            f"CUDA kernels left out: this wheel's are for CUDA {built_for}, this torch uses CUDA "
+            f"{torch.version.cuda}; install the wheel built for CUDA {major}"
         )
-    importlib.import_module("cublas_guard_ext._core_cuda")
-    return None
+    return "_core_cuda", None
 
 
 def _core_cuda_major() -> str | None:

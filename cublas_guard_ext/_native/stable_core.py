@@ -181,6 +181,34 @@ def _below_autograd(op: Any, keyset: Any, *args: Any) -> Any:
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
+# torch's cuBLAS settings for half-precision GEMMs, which the stable ABI cannot read: handed
+# to the core (gemm_route.cpp's atomics) before a CUDA fp16/bf16 GEMM when they changed.
+_HALF = (torch.float16, torch.bfloat16)
+_handed_over: tuple[int, int, bool] | None = None
+
+
+def _reduction_option(matmul: Any, dtype_name: str) -> int:
+    """at::CuBLASReductionOption's value: 0 reduced precision with split-K, 1 split-K only, 2 neither."""
+    if getattr(matmul, f"allow_{dtype_name}_reduced_precision_reduction", True):
+        return 0
+    return 1 if getattr(matmul, f"allow_{dtype_name}_reduced_precision_reduction_split_k", True) else 2
+
+
+def hand_over_cuda_settings() -> None:
+    global _handed_over
+    matmul = torch.backends.cuda.matmul
+    settings = (
+        _reduction_option(matmul, "fp16"),
+        _reduction_option(matmul, "bf16"),
+        bool(getattr(matmul, "allow_fp16_accumulation", False)),
+    )
+    if settings != _handed_over:
+        internal = torch.ops.cublas_guard_internal
+        internal.set_reduction_options.default(settings[0], settings[1])
+        internal.set_fp16_accumulation.default(settings[2])
+        _handed_over = settings
+
+
 def _autograd_kernel(
     op: Any, function: type[torch.autograd.Function] | None, defaults: tuple
 ) -> Callable[..., Any]:
@@ -191,6 +219,9 @@ def _autograd_kernel(
     def kernel(keyset, *args):  # noqa: ANN001, ANN202
         args = args + defaults[len(args) - (n_args - len(defaults)) :] if len(args) < n_args else args
         try:
+            first = args[0]
+            if first.is_cuda and first.dtype in _HALF:
+                hand_over_cuda_settings()
             if function is not None and torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
                 if function is _Linear and _untracked_inference_weight(args[1]):
                     args = (args[0], args[1].detach(), *args[2:])

@@ -217,6 +217,7 @@ def test_a_call_breaking_cublas_s_rules_is_refused_naming_the_rule(args, trans_a
     )
 
 
+@pytest.mark.locked
 def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
     """-1: the option as gemm_cuda reads it from torch (torch_reduction_option)."""
     matmul = torch.backends.cuda.matmul

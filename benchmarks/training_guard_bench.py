@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     assert skipped == 0, f"{skipped} healthy steps were taken for bad ones"
     # The guard's own work, timed alone on the last step's gradients (steadier than a ratio
     # of two loaded medians): its snapshot before the closure, the fused check and the read.
-    from cublas_guard_ext import _training_state as _training
+    from cublas_guard_ext.training import state as _training
 
     guard = guards["TrainingGuard"]
     own = []

@@ -10,12 +10,17 @@ Public API::
     replay                                       # run a failure capsule's GEMM alone
     TrainingGuard, NonFiniteStepError            # guard a training step, replay a bad one
     TrainingDivergedError                        # too many bad steps in a row
+    SilentCorruptionChecks, SilentCorruptionError  # replicas that disagree, rerun verdicts
     GuardError and its subclasses                # errors with fields
 """
 
 from __future__ import annotations
 
-from .capsule_replay import replay
+from . import (
+    _module_aliases,  # noqa: F401  (the flat layout's module paths, kept importable)
+    _native_callbacks,  # noqa: F401  (loaded before the native library first calls it)
+)
+from .capsule.replaying import replay
 from .errors import (
     CublasError,
     CublasOutOfMemoryError,
@@ -33,16 +38,17 @@ from .errors import (
     OutOfMemoryError,
     PendingCudaError,
     ShapeMismatchError,
+    SilentCorruptionError,
     SizeLimitError,
     TrainingDivergedError,
     WatchCaptureError,
 )
-from .modes import guard
-from .nn import SafeConv1D, SafeLinear, name_layers
-from .ops import DTYPE_POLICIES, ScanResult, check, check_features, linear, scan
-from .swap import Coverage, coverage, replace_linear, restore_linear
-from .training import TrainingGuard
-from .watch import watch
+from .guarded_linear.nn import SafeConv1D, SafeLinear, name_layers
+from .guarded_linear.ops import DTYPE_POLICIES, ScanResult, check, check_features, guard, linear, scan
+from .models.swap import Coverage, coverage, replace_linear, restore_linear
+from .training.guard import TrainingGuard
+from .training.silent_corruption import SilentCorruptionChecks
+from .watching.session import watch
 
 __version__ = "0.1.0"
 
@@ -67,6 +73,8 @@ __all__ = [
     "TrainingGuard",
     "NonFiniteStepError",
     "TrainingDivergedError",
+    "SilentCorruptionChecks",
+    "SilentCorruptionError",
     "GuardError",
     "DTypeError",
     "ShapeMismatchError",

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return build_locked.main()
     if args.command == "replay":
-        from . import capsule_replay as replay_module
+        from .capsule import replaying as replay_module
 
         return replay_module.main(args.capsule, as_json=args.json)
     parser.error(f"unknown command {args.command}")

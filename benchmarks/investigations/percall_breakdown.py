@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import _transforms, modes, ops
+from cublas_guard_ext.guarded_linear import _transforms, modes, ops
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     w, b = lin.weight.detach(), lin.bias.detach()
     op = torch.ops.cublas_guard.linear.default
     raw = op._op
-    fast = getattr(cg.ops, "_fast_linear", None)
+    fast = getattr(ops, "_fast_linear", None)
     fns = {
         "nn.Linear": lambda: lin(x),
         "F.linear": lambda: F.linear(x, w, b),

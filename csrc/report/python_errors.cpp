@@ -2,8 +2,8 @@
 //
 // An error a guarded op raises may cross code no Python wrapper can wrap: the
 // autograd engine's worker threads (backward GEMMs), compiled graphs. So the
-// native side builds the exception itself: it asks cublas_guard_ext.errors.parse
-// (the errors package formats every message) for the typed exception of the
+// native side builds the exception itself: it asks cublas_guard_ext._native_callbacks
+// (typed_error: errors.parse formats every message) for the typed exception of the
 // report, sets it as the Python error and throws torch's python_error, which
 // the engine carries across threads and the Python bindings restore as is.
 // Without an interpreter (or if anything here fails) the plain c10 error with
@@ -89,11 +89,11 @@ void throw_python_error_if_possible(const std::string& message, const ErrorRepor
   // The capsule reads the operands with torch ops: watch (whose dispatch key
   // may be on in this thread) must not observe them as the model's ops.
   const c10::impl::ExcludeDispatchKeyGuard no_watch(c10::DispatchKey::TESTING_ONLY_GenericMode);
-  PyObject* module = PyImport_ImportModule("cublas_guard_ext.errors.parse");
+  PyObject* module = PyImport_ImportModule("cublas_guard_ext._native_callbacks");
   PyObject* context = module != nullptr ? native_context(report) : nullptr;
-  PyObject* exc = context != nullptr ? PyObject_CallMethod(module, "_typed_from_native_message", "sO",
-                                                           message.c_str(), context)
-                                     : nullptr;
+  PyObject* exc = context != nullptr
+                      ? PyObject_CallMethod(module, "typed_error", "sO", message.c_str(), context)
+                      : nullptr;
   Py_XDECREF(context);
   Py_XDECREF(module);
   if (exc == nullptr || !PyExceptionInstance_Check(exc)) {

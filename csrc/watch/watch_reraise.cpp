@@ -1,7 +1,7 @@
 // An op inside a watch block failed with a cuBLAS or CUDA error: re-raise it
 // as the project's typed error (CublasError, CublasOutOfMemoryError,
 // PendingCudaError) naming the op, the module and the inputs, with the
-// original as __cause__ (cublas_guard_ext.watch._op_failure builds it).
+// original as __cause__ (cublas_guard_ext._native_callbacks.watch_op_failure builds it).
 #include "watch/watch.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -16,7 +16,7 @@ bool mentions_cuda_failure(const std::string& m) {
 }
 
 // An op failed with a cuBLAS/CUDA error: re-raise it typed, naming the module
-// and op, the original as __cause__ (cublas_guard_ext.watch._op_failure builds it).
+// and op, the original as __cause__ (cublas_guard_ext._native_callbacks.watch_op_failure builds it).
 [[noreturn]] void reraise_typed(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
                                 const std::vector<c10::IValue>& args, PyObject* original,
                                 const std::string& original_message) {
@@ -29,10 +29,10 @@ bool mentions_cuda_failure(const std::string& m) {
   }
   describe_inputs(r, op.schema(), args, info);
   const std::string payload = r.json();
-  PyObject* module = PyImport_ImportModule("cublas_guard_ext.watch");
+  PyObject* module = PyImport_ImportModule("cublas_guard_ext._native_callbacks");
   PyObject* exc = nullptr;
   if (module != nullptr) {
-    exc = PyObject_CallMethod(module, "_op_failure", "sOs", payload.c_str(),
+    exc = PyObject_CallMethod(module, "watch_op_failure", "sOs", payload.c_str(),
                               original != nullptr ? original : Py_None, original_message.c_str());
   }
   Py_XDECREF(module);
@@ -49,7 +49,7 @@ bool mentions_cuda_failure(const std::string& m) {
 }
 
 bool is_guard_error(PyObject* value) {
-  PyObject* errors = PyImport_ImportModule("cublas_guard_ext.errors");
+  PyObject* errors = PyImport_ImportModule("cublas_guard_ext._native_callbacks");
   if (errors == nullptr) {
     PyErr_Clear();
     return false;

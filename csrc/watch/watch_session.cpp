@@ -112,15 +112,16 @@ void add_where(ErrorReport& r, const Session& s, const Where& w) {
   if (!w.node_name.empty()) r.add("backward_node", w.node_name);
 }
 
-// Raised through cublas_guard_ext.watch._typed (the typed finding, with the
+// Raised through cublas_guard_ext._native_callbacks.watch_finding (the typed finding, with the
 // arrival and the birth stack added to its message); python_errors.cpp's
 // raise where that is not importable.
 [[noreturn]] void raise_message(const std::string& message) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   if (Py_IsInitialized()) {
     pybind11::gil_scoped_acquire gil;
-    PyObject* module = PyImport_ImportModule("cublas_guard_ext.watch");
-    PyObject* exc = module != nullptr ? PyObject_CallMethod(module, "_typed", "s", message.c_str()) : nullptr;
+    PyObject* module = PyImport_ImportModule("cublas_guard_ext._native_callbacks");
+    PyObject* exc =
+        module != nullptr ? PyObject_CallMethod(module, "watch_finding", "s", message.c_str()) : nullptr;
     Py_XDECREF(module);
     if (exc != nullptr && PyExceptionInstance_Check(exc)) {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..errors import base as _errors_base
+
 ENV_VARS = (
     "CUDA_LAUNCH_BLOCKING",
     "CUBLAS_WORKSPACE_CONFIG",
@@ -184,7 +186,7 @@ def require_cuda_kernels() -> None:
     was found): the first CUDA call says why, instead of the dispatcher's "no kernel"."""
     if torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"):
         return
-    from ..errors import ExtensionBuildError  # late: errors imports this module
+    from ..errors import ExtensionBuildError  # late: only where it is raised, as in the loader
     from . import toolkit
 
     info = native_build_info()
@@ -241,3 +243,8 @@ def first_cuda_use(device: torch.device) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# The environment block of cuBLAS/CUDA errors: errors/ (the floor below) reads it through
+# this function, handed in here because errors imports nothing of the package.
+_errors_base.read_environment_with(error_context)

@@ -16,11 +16,10 @@ by ``build.jit_name``: keyed by the environment's prefix, torch and its CUDA, th
 Python ABI and the flags, so two environments never rebuild over each other.
 The build prints its progress to stderr (file, n of N, seconds).
 
-This is the package's bottom layer (docs/architecture.md): it imports no
-module above it at import time. Its one upward reference is the
-``ExtensionBuildError`` it raises when a build cannot work: every user-facing
-message is written in ``errors.py``, so the class is imported there, late, in
-the three functions that raise it.
+This layer sits on errors/ alone (docs/architecture.md): it imports nothing
+above it. The ``ExtensionBuildError`` it raises when a build cannot work is
+written in errors/, like every user-facing message, and imported late, in the
+three functions that raise it.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ under 600 lines:
 * ``format``      the pieces messages are written from (sizes, shapes, memory, environment)
 * ``magnitudes``  the magnitudes that explain a non-finite value
 * ``base``        GuardError
-* ``inputs``      errors about a call's arguments, and watch's findings
+* ``inputs``      errors about a call's arguments
+* ``watch_findings``  what watch raises (an op's NaN/Inf, a bad entry, a capture refused)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
+* ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
 * ``parse``       payload line -> typed exception; the capsule hook
 * ``schema``      every payload field's name and kind, shared with csrc/ (tests/errors/test_payload_schema.py)
@@ -29,17 +31,14 @@ under 600 lines:
 from __future__ import annotations
 
 from .base import GuardError
+from .corruption import SilentCorruptionError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
     ExtensionBuildError,
-    NonFiniteEntryError,
-    NonFiniteFromNowhereError,
     NonFiniteInputError,
-    NonFiniteOutputError,
     ShapeMismatchError,
     SizeLimitError,
-    WatchCaptureError,
 )
 from .parse import PAYLOAD_MARKER, attach_capsule, from_native, from_payload, parse_payload
 from .run import NonFiniteGradientsError, PeerFailedError
@@ -53,6 +52,12 @@ from .runtime import (
 )
 from .status import CUBLAS_STATUS
 from .steps import NonFiniteStepError, TrainingDivergedError
+from .watch_findings import (
+    NonFiniteEntryError,
+    NonFiniteFromNowhereError,
+    NonFiniteOutputError,
+    WatchCaptureError,
+)
 
 __all__ = [
     "CUBLAS_STATUS",
@@ -75,6 +80,7 @@ __all__ = [
     "CublasOutOfMemoryError",
     "NonFiniteStepError",
     "TrainingDivergedError",
+    "SilentCorruptionError",
     "PeerFailedError",
     "NonFiniteGradientsError",
     "PAYLOAD_MARKER",

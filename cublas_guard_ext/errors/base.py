@@ -4,10 +4,21 @@ rank under torchrun, the environment block and the failure capsule's line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .._native.facts import error_context
 from .format import _distributed_rank, _environment_line
+
+# The environment block of the runtime errors (``with_environment``) is read by
+# _native/facts.py (error_context: versions, GPU, libraries), which hands its reader in when
+# it loads: errors is the package's bottom floor and imports nothing of it. Until then (never,
+# once the package has loaded) the errors carry no environment block.
+_environment_reader: list[Callable[[], dict[str, Any]]] = []
+
+
+def read_environment_with(reader: Callable[[], dict[str, Any]]) -> None:
+    """Called by _native/facts.py: ``reader()`` gives the environment block of an error."""
+    _environment_reader[:] = [reader]
 
 
 class GuardError(Exception):
@@ -29,8 +40,8 @@ class GuardError(Exception):
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         if message is None and "rank" not in fields:
             fields.update(_distributed_rank())
-        if self.with_environment and message is None and "environment" not in fields:
-            fields["environment"] = error_context()
+        if self.with_environment and message is None and "environment" not in fields and _environment_reader:
+            fields["environment"] = _environment_reader[0]()
         self.fields: dict[str, Any] = fields
         super().__init__(message if message is not None else self._format())
 

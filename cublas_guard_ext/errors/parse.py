@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from .. import capsule as _capsule
 from .base import GuardError
 from .format import _dtype
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
-    NonFiniteEntryError,
-    NonFiniteFromNowhereError,
     NonFiniteInputError,
-    NonFiniteOutputError,
     ShapeMismatchError,
     SizeLimitError,
 )
@@ -28,6 +25,7 @@ from .runtime import (
     OutOfMemoryError,
     PendingCudaError,
 )
+from .watch_findings import NonFiniteEntryError, NonFiniteFromNowhereError, NonFiniteOutputError
 
 PAYLOAD_MARKER = "[cublas_guard_ext payload] "
 _PAYLOAD_RE = re.compile(re.escape(PAYLOAD_MARKER) + r"(\{.*\})\s*$", re.S)
@@ -91,15 +89,28 @@ def from_native(exc: BaseException) -> GuardError | None:
 _CAPTURED = (CublasError, PendingCudaError, CudaLaunchError)
 
 
+# Writing the capsule is capsule/contents.py's (capture), which hands it in when it loads:
+# errors imports nothing of the package. Until then (never, once the package has loaded)
+# no capsule is written, as with capture off.
+_capsule_writer: list[Callable[[BaseException, dict[str, Any] | None], tuple[str | None, str | None]]] = []
+
+
+def write_capsules_with(
+    writer: Callable[[BaseException, dict[str, Any] | None], tuple[str | None, str | None]],
+) -> None:
+    """Called by capsule/contents.py: ``writer(err, native)`` writes a capsule, returns (path, note)."""
+    _capsule_writer[:] = [writer]
+
+
 def attach_capsule(err: GuardError, native: dict[str, Any] | None = None) -> GuardError:
     """Writes the failure capsule of a cuBLAS-side error raised by a guarded call or watch.
 
     Sets ``err.capsule`` (the path, or None) and puts the path, or why there is none, in
     the message. Never raises and never changes anything else about the error.
     """
-    if not isinstance(err, _CAPTURED):
+    if not isinstance(err, _CAPTURED) or not _capsule_writer:
         return err
-    path, note = _capsule.capture(err, native)
+    path, note = _capsule_writer[0](err, native)
     if path is None and note is None:  # capture is off
         return err
     err.capsule, err.capsule_note = path, note

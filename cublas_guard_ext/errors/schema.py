@@ -180,7 +180,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "input_absmax": "list",  # format._fold_inputs: the inputs' absolute maxima (magnitudes.py)
     "missing": "str",
     "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
-    "name": "str",  # NonFiniteEntryError, raised by watch.py
+    "name": "str",  # NonFiniteEntryError, raised by watching/session.py
     # `python -m cublas_guard_ext run` (cublas_guard_ext/run/): NonFiniteGradientsError, the step
     # check of every optimizer; PeerFailedError, a rank stopped because another failed first
     "optimizer": "str",
@@ -207,6 +207,20 @@ PYTHON_FIELDS: dict[str, str] = {
     "param_absmax": "float",
     "param_absmax_name": "str",
     "param_dtype": "str",
+    # TrainingGuard(silent_corruption=...) (errors/corruption.py): SilentCorruptionError
+    "verdict": "str",  # "replicas_differ" / "transient" / "persistent"
+    "ranks": "list",  # every rank that differed
+    "host": "str",  # the named rank's host
+    "gpu_uuid": "str",  # its GPU (torch.cuda.get_device_properties(i).uuid); None without CUDA
+    "parameter": "str",  # the first differing parameter, by qualified name
+    "differing_parameters": "int",
+    "what": "str",  # the module's output, the gradient at its input, a parameter's gradient
+    "gemm": "str",  # the GEMM inside the module named
+    "trigger": "str",  # what started the rerun: a spike, a checked step
+    "rerun_loss": "float",
+    "comparison": "str",  # bitwise, or the calibrated tolerance
+    "replays": "list",  # persistent: each rank's replay of the GEMM capsule
+    "exit_code": "int",  # the opt-in process exit code of the verdict
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .._training_state import _RngState
-from ..training import NON_FINITE_REFUSALS, TrainingGuard
+from ..training.guard import NON_FINITE_REFUSALS, TrainingGuard
+from ..training.state import _RngState
 
 
 def _callback_base() -> type:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import transformers
 
-from ..training import TrainingGuard
+from ..training.guard import TrainingGuard
 
 __all__ = ["TrainingGuardMixin", "GuardedTrainer"]
 

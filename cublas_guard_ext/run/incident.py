@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..capsule import GEMM_ARGUMENT_FIELDS
+from ..capsule.contents import GEMM_ARGUMENT_FIELDS
 from ..errors import GuardError, magnitudes
 from .options import RunOptions
 from .ranks import file_stem, identity
@@ -46,6 +46,9 @@ _CUDA_CLASSES = ("CublasError", "CublasOutOfMemoryError", "PendingCudaError", "C
 _CUDA_TEXT = re.compile(r"CUBLAS_STATUS_|CUDA error|cudaError|CUDA driver error|device-side assert")
 _PRODUCT_OPS = ("mm", "matmul", "bmm", "addmm", "linear", "baddbmm", "mul", "pow", "conv", "einsum", "dot")
 MAX_TREE_NODES = 400
+# NonFiniteStepError's replay classification, as a verdict
+VERDICT_OF_REPLAY = {"persistent": "reproducible", "transient": "transient"}
+VERDICT_WHERE = ("parameter", "module", "phase", "what", "gemm", "op")
 
 
 def _finding(exc: BaseException) -> BaseException:
@@ -307,6 +310,7 @@ def facts(
                 "reached": fields.get("reached"),
                 "backward_node": fields.get("backward_node"),
             },
+            "verdict": verdict_facts(cls, fields, capsule),
             "statistics": statistics(fields, op),
             "module_tree": module_tree(root, module) if module is not None else None,
             "path": value_path(fields, module) if kind == "nonfinite" and op else None,
@@ -320,6 +324,32 @@ def facts(
             "fields": {k: v for k, v in fields.items() if k != "environment"},
         }
     )
+
+
+def verdict_facts(cls: str, fields: dict[str, Any], capsule: str | None) -> dict[str, Any] | None:
+    """A training step's rerun verdict (TrainingGuard), in Megatron's vocabulary and more: a
+    SilentCorruptionError's (replicas_differ, transient, persistent), or a NonFiniteStepError's
+    replay (its ``persistent``, "the replay is non-finite again", is ``reproducible`` here)."""
+    verdict = fields.get("verdict")
+    if verdict is None and "NonFiniteStep" in cls and fields.get("classification") in VERDICT_OF_REPLAY:
+        verdict = VERDICT_OF_REPLAY[fields["classification"]]
+    if verdict is None:
+        return None
+    return {
+        "verdict": verdict,
+        "step": fields.get("step"),
+        "rank": fields.get("rank"),
+        "ranks": fields.get("ranks"),
+        "host": fields.get("host"),
+        "device": fields.get("device"),
+        "gpu_uuid": fields.get("gpu_uuid"),
+        "where": {k: fields[k] for k in VERDICT_WHERE if fields.get(k) is not None},
+        "trigger": fields.get("trigger"),
+        "comparison": fields.get("comparison"),
+        "replays": fields.get("replays"),
+        "exit_code": fields.get("exit_code"),
+        "capsule": capsule,
+    }
 
 
 def _cublas_call(finding: BaseException, fields: dict[str, Any]) -> dict[str, Any] | None:

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops as _ops
-from .._training_state import _unwrap
+from ..guarded_linear import ops as _ops
+from ..training.state import _unwrap
 
 NAME_ATTR = "_cublas_guard_run_name"
 _fast_linear = _ops.fast_linear

@@ -273,6 +273,47 @@ def _commands_section(data: dict[str, Any]) -> str:
     return f'<section id="next"><h2>Next things to try</h2>{"".join(items)}</section>'
 
 
+def _verdict_section(data: dict[str, Any]) -> str:
+    """The rerun verdict of a training step: what, on which rank and device, where, why."""
+    v = data.get("verdict")
+    if not v:
+        return ""
+    hardware = v["verdict"] in ("transient", "persistent", "replicas_differ")
+    cards = [
+        _card("verdict", v["verdict"], hot=hardware),
+        _card("rank", v.get("rank"), hot=hardware and v.get("rank") is not None),
+        _card("host", v.get("host")),
+        _card("device", v.get("device")),
+        _card("GPU UUID", v.get("gpu_uuid")),
+        _card("step", v.get("step")),
+    ]
+    rows = [
+        (k, v["where"][k]) for k in ("parameter", "module", "phase", "what", "gemm", "op") if k in v["where"]
+    ]
+    rows += [
+        (k, v[k]) for k in ("trigger", "comparison", "ranks", "exit_code", "capsule") if v.get(k) is not None
+    ]
+    table = "".join(
+        f'<tr><th>{_e(k)}</th><td class="mono" data-field="{_e(k)}">{_e(x)}</td></tr>' for k, x in rows
+    )
+    replays = ""
+    if v.get("replays"):
+        replays = (
+            "<p class=\"muted\">each rank's replay of the same GEMM operands (the named rank's differs)</p>"
+            "<table><tr><th>rank</th><th>host</th><th>device</th><th>signature</th></tr>"
+            + "".join(
+                f'<tr><td class="mono">{_e(r.get("rank"))}</td><td class="mono">{_e(r.get("host"))}</td>'
+                f'<td class="mono">{_e(r.get("device"))}</td><td class="mono">{_e(r.get("signature"))}</td></tr>'
+                for r in v["replays"]
+            )
+            + "</table>"
+        )
+    return (
+        f'<section id="verdict"><h2>The rerun verdict</h2><div class="cards">{"".join(cards)}</div>'
+        f"<table>{table}</table>{replays}</section>"
+    )
+
+
 def _peer_section(data: dict[str, Any]) -> str:
     peer = data.get("peer")
     if not peer:
@@ -332,6 +373,7 @@ def render(data: dict[str, Any]) -> str:
         f'<section id="what"><h2>What failed</h2><div class="cards">{"".join(cards)}</div>'
         f'<p class="muted">command: <span class="mono">{_e(" ".join(data.get("command") or []))}</span></p></section>',
         _peer_section(data),
+        _verdict_section(data),
         _statistics(data.get("statistics"), where),
         _where_section(data),
         _call_section(data),

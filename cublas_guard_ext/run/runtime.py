@@ -147,7 +147,7 @@ def _on_peer_failure(peer: dict[str, Any]) -> None:
 
 
 def _check_async_at_exit() -> None:
-    from ..ops import check
+    from ..guarded_linear.ops import check
 
     try:
         check()
@@ -161,7 +161,7 @@ def _check_async_at_exit() -> None:
 
 
 def _async_check_before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-    from ..ops import check
+    from ..guarded_linear.ops import check
 
     check()
 

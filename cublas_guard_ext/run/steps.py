@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .._training_state import _bad_flag, _default_group
 from ..errors import NonFiniteGradientsError
+from ..training.state import _bad_flag, _default_group
 
 _lock = threading.Lock()
 _counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._training_state import _unwrap
-from ..watch import watch
+from ..training.state import _unwrap
+from ..watching.session import watch
 from . import steps
 
 _local = threading.local()

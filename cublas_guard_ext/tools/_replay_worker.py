@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from .._native import loader
-from ..capsule import load
-from ..capsule_replay import VARIANTS
+from ..capsule.contents import load
+from ..capsule.replaying import VARIANTS
 from ..errors import CUBLAS_STATUS
 
 CONTEXT_BROKEN = 3

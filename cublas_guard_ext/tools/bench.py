@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils import benchmark
 
-from .. import ops
-from ..nn import SafeLinear
+from ..guarded_linear import ops
+from ..guarded_linear.nn import SafeLinear
 
 __all__ = [
     "Row",

@@ -12,10 +12,10 @@ import textwrap
 import torch
 from torch import nn
 
-from .. import modes, ops
 from .._native import loader as _loader
 from ..errors import GuardError
-from ..swap import replace_linear
+from ..guarded_linear import modes, ops
+from ..models.swap import replace_linear
 from . import bench
 
 
@@ -197,7 +197,7 @@ def watch_demo() -> int:
     all-MiniLM-L6-v2 when sentence-transformers and the model wheel are installed, else a small
     nn.TransformerEncoder. Returns how many faults were named.
     """
-    from ..watch import watch
+    from ..watching.session import watch
     from . import _minilm
 
     _section("watch: which op and module produced the NaN")

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from .. import capsule as _capsule
-from .. import modes
 from .._native import facts
 from .._native.facts import FAIL, OK, SKIP, WARN
+from ..capsule import contents as _capsule
 from ..errors import GuardError
-from ..nn import SafeLinear
+from ..guarded_linear import modes
+from ..guarded_linear.nn import SafeLinear
 from .doctor_cublas import Check, capsule_checks, checks_2026, cublas_facts  # noqa: F401  (re-exported)
 from .doctor_libraries import library_checks, library_facts, render_libraries
 

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .. import capsule as _capsule
 from .._native import toolkit
 from .._native.facts import FAIL, OK, SKIP, WARN
+from ..capsule import contents as _capsule
 
 
 @dataclass

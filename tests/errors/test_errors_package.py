@@ -22,8 +22,9 @@ ERRORS_ROOT = PACKAGE_ROOT / "errors"
 
 # Error classes defined outside errors/, each with why it cannot live there.
 DEFINED_ELSEWHERE = {
-    "_capsule_file.py:CapsuleFileError": "the capsule layer sits below errors (errors.parse "
-    "attaches failure capsules), so reading a capsule file cannot import errors",
+    "capsule/safe_read.py:CapsuleFileError": "the capsule reader's refusal of a file that is no "
+    "capsule: a plain ValueError (the replay command prints it as one line), not a GuardError, "
+    "kept beside the reader it belongs to",
     "run/options.py:UsageError": "the run bootstrap parses its options in processes that never "
     "import torch, and importing errors imports torch",
 }

@@ -137,15 +137,17 @@ def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
 @pytest.fixture
 def native_messages(monkeypatch):
     """Records the message of each error the native side raises (python_errors.cpp calls
-    cublas_guard_ext.errors.parse._typed_from_native_message with it)."""
+    cublas_guard_ext._native_callbacks.typed_error with it)."""
+    from cublas_guard_ext import _native_callbacks
+
     seen: list[str] = []
-    real = errors.parse._typed_from_native_message
+    real = _native_callbacks.typed_error
 
     def spy(message, native=None):
         seen.append(message)
         return real(message, native)
 
-    monkeypatch.setattr(errors.parse, "_typed_from_native_message", spy)
+    monkeypatch.setattr(_native_callbacks, "typed_error", spy)
     return seen
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import capsule, errors
+from cublas_guard_ext.capsule import replaying
 
 NAME = "enc.3.ffn"
 
@@ -367,7 +368,7 @@ def test_replay_reproduced_with_the_fault_and_not_without(folder, inject_fault, 
     result = cg.replay(err.capsule)
     assert result["reproduced"] is True and result["ran"] is True
     by_name = {v["name"]: v for v in result["variants"]}
-    assert [v["name"] for v in result["variants"]] == list(cg.capsule_replay.VARIANTS)
+    assert [v["name"] for v in result["variants"]] == list(replaying.VARIANTS)
     assert by_name["as recorded"]["status"] == "failed"
     assert "status 13 (CUBLAS_STATUS_EXECUTION_FAILED)" in by_name["as recorded"]["detail"]
     assert by_name["contiguous copies"]["status"] == "passed"  # the one fault was used up
@@ -487,7 +488,7 @@ def test_cuda_replay_runs_every_variant(folder, inject_fault, monkeypatch, dtype
     by_name = {v["name"]: v for v in result["variants"]}
     assert result["reproduced"] and by_name["as recorded"]["status"] == "failed"
     expected_na = {"TF32 flipped"} if dtype != torch.float32 else set()
-    for name in set(cg.capsule_replay.VARIANTS) - {"as recorded"}:
+    for name in set(replaying.VARIANTS) - {"as recorded"}:
         want = "not applicable" if name in expected_na else "passed"
         assert by_name[name]["status"] == want, by_name[name]
 
@@ -521,7 +522,7 @@ def test_a_real_earlier_kernel_failure_replays_as_not_reproduced(tmp_path) -> No
     result = cg.replay(path)
     assert result["ran"] and result["reproduced"] is False, result["verdict"]
     assert result["verdict"].startswith("note:") and "NOT REPRODUCED" in result["verdict"]
-    print("\n" + cg.capsule_replay.render(result))
+    print("\n" + replaying.render(result))
 
 
 @torch.library.custom_op("capsuletest::failing_mm", mutates_args=())

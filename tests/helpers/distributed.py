@@ -1,6 +1,8 @@
-"""Two gloo ranks on the CPU, each a subprocess running a test file as its worker script
-(``script worker RANK INIT_FILE SCENARIO OUT_DIR``, rendezvous through ``init_method=file://``):
-training/test_distributed.py, test_fsdp.py and test_training_guard_distributed.py."""
+"""Gloo ranks on the CPU (two unless a test asks for more), each a subprocess running a test
+file as its worker script (``script worker RANK INIT_FILE SCENARIO OUT_DIR``, rendezvous
+through ``init_method=file://``; the world size is in ``CGX_TEST_WORLD``):
+training/test_distributed.py, test_fsdp.py, test_training_guard_distributed.py and
+test_silent_corruption_distributed.py."""
 
 from __future__ import annotations
 
@@ -22,12 +24,19 @@ LONG_TIMEOUT_S = 60.0  # the gloo timeout of the other scenarios
 PROCESS_LIMIT_S = 120.0  # no worker may run longer than this (else: a hang)
 
 
-def launch(scenario: str, tmp_path: Path, script: str) -> tuple[list[dict], list[int], list[float]]:
-    """Start both ranks (``script worker RANK INIT_FILE SCENARIO OUT_DIR``); wait for each
+def launch(
+    scenario: str, tmp_path: Path, script: str, world: int = WORLD
+) -> tuple[list[dict], list[int], list[float]]:
+    """Start ``world`` ranks (``script worker RANK INIT_FILE SCENARIO OUT_DIR``); wait for each
     (bounded); return their results, exit codes, and the seconds from the start to each
     process's exit."""
     init_file = tmp_path / "rendezvous"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        CGX_TEST_WORLD=str(world),
+    )
     start = time.monotonic()
     procs = [
         subprocess.Popen(
@@ -36,7 +45,7 @@ def launch(scenario: str, tmp_path: Path, script: str) -> tuple[list[dict], list
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     codes, ends, logs = [], [], []
     for p in procs:
@@ -50,7 +59,7 @@ def launch(scenario: str, tmp_path: Path, script: str) -> tuple[list[dict], list
         ends.append(time.monotonic() - start)
         logs.append(out.decode(errors="replace"))
     results = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = tmp_path / f"rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no result; its output:\n{logs[rank][-3000:]}"
         results.append(json.loads(path.read_text()))

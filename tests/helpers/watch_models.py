@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
-patches_module = importlib.import_module("cublas_guard_ext._watch_patches")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
+patches_module = importlib.import_module("cublas_guard_ext.watching.global_patches")
 
 
 def nothing_left() -> None:

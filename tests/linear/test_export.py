@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import ops
+from cublas_guard_ext.guarded_linear import ops
 
 onnx = pytest.importorskip("onnx")
 

@@ -13,8 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import modes, ops
-from cublas_guard_ext import nn as cg_nn
+from cublas_guard_ext.guarded_linear import modes, ops
+from cublas_guard_ext.guarded_linear import nn as cg_nn
 
 pytestmark = pytest.mark.skipif(ops._fast_linear is None, reason="JIT build: no fast entry")
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import modes
+from cublas_guard_ext.guarded_linear import modes
 
 from helpers import assert_matches
 

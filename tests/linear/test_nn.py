@@ -281,7 +281,7 @@ class _CountingScale(nn.Module):
 def test_a_parametrized_weight_is_computed_once_per_forward(entry: str, monkeypatch) -> None:
     """Both entries (the fast one, and the torch.ops path a JIT build or a torch function mode
     takes) read the weight once: spectral_norm's power iteration moves its buffers at each read."""
-    import cublas_guard_ext.ops as ops
+    import cublas_guard_ext.guarded_linear.ops as ops
 
     if entry == "torch.ops":
         monkeypatch.setattr(ops, "_fast_linear", None)  # what a JIT build has

@@ -8,9 +8,9 @@ import re
 import shutil
 from pathlib import Path
 
-from cublas_guard_ext import _transforms, modes, ops
-from cublas_guard_ext import nn as guarded_nn
 from cublas_guard_ext._native import codes
+from cublas_guard_ext.guarded_linear import _transforms, modes, ops
+from cublas_guard_ext.guarded_linear import nn as guarded_nn
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 _ENUM = re.compile(r"enum\s+(?:class\s+)?(\w+)\s*:\s*int64_t\s*\{([^}]*)\}")
@@ -103,5 +103,5 @@ def test_the_python_side_uses_codes_py() -> None:
         codes.MODE_ASYNC,
         codes.MODE_SYNC,
     )
-    watch_module = importlib.import_module("cublas_guard_ext.watch")  # the package's `watch` is the class
+    watch_module = importlib.import_module("cublas_guard_ext.watching.session")
     assert watch_module._MODE_CODES == {"sync": codes.MODE_SYNC, "async": codes.MODE_ASYNC}

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import cublas_guard_ext as cg
-from cublas_guard_ext import modes, ops
+from cublas_guard_ext.guarded_linear import modes, ops
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -291,7 +291,7 @@ def test_a_forked_dataloader_worker_does_not_watch_the_parents_model(tmp_path: P
         from torch.utils.data import DataLoader
 
         def collate(batch):
-            watching = sys.modules["cublas_guard_ext.watch"]._is_active()
+            watching = sys.modules["cublas_guard_ext.watching.session"]._is_active()
             return torch.log(torch.stack(batch) - 100), watching
 
         model = nn.Sequential(nn.Linear(4, 4))
@@ -309,3 +309,46 @@ def test_a_forked_dataloader_worker_does_not_watch_the_parents_model(tmp_path: P
     out = run_script(tmp_path, script, "--watch")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[False, False]", "[False, False]"]
+
+
+def test_a_silent_corruption_verdict_reaches_the_report_and_the_exit_code(tmp_path: Path) -> None:
+    """TrainingGuard(silent_corruption=...) inside a script under run: the report carries the
+    verdict (HTML and JSON), the tracker its line, and exit_codes=True ends the process with
+    16 after the report and the traceback."""
+    script = write(
+        tmp_path,
+        "s.py",
+        MODEL
+        + """
+import torch.nn.functional as F
+import cublas_guard_ext as cg
+from cublas_guard_ext.training.fault_injection import GemmBitFlip
+torch.manual_seed(0)
+model = Model()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+checks = cg.SilentCorruptionChecks(check_every=3, tracker="sdc.jsonl", exit_codes=True)
+guard = cg.TrainingGuard(model, opt, silent_corruption=checks)
+x, y = torch.rand(4, 8), torch.rand(4, 2)
+def closure():
+    opt.zero_grad(); loss = F.mse_loss(model(x), y); loss.backward(); return loss
+guard.step(closure); guard.step(closure)
+with GemmBitFlip(ops=["cublas_guard.linear"], shape=(4, 2), bit=3, times=1):
+    guard.step(closure)
+""",
+    )
+    out = run_script(tmp_path, script)
+    assert out.returncode == 16, out.stderr[-3000:]
+    the_error_comes_last(
+        out.stderr, "cublas_guard_ext.errors.corruption.SilentCorruptionError: training step 3: silent data"
+    )
+    (data,) = reports(tmp_path)
+    assert data["error"]["class"] == "SilentCorruptionError"
+    verdict = data["verdict"]
+    assert (verdict["verdict"], verdict["step"], verdict["exit_code"]) == ("transient", 3, 16)
+    assert verdict["where"]["module"] == "head" and verdict["where"]["phase"] == "forward"
+    assert verdict["where"]["gemm"] == "forward GEMM (input x weight^T + bias), in Linear"
+    assert verdict["capsule"] and Path(verdict["capsule"]).exists()
+    page = Path(data["report"]).read_text()
+    assert '<section id="verdict">' in page and "transient" in page
+    (line,) = [json.loads(x) for x in (tmp_path / "sdc.jsonl").read_text().splitlines()]
+    assert line["verdict"] == "transient" and line["where"]["module"] == "head"

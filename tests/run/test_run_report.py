@@ -244,3 +244,70 @@ def test_a_parameter_non_finite_on_entry_marks_its_module() -> None:
     assert [c["command"] for c in data["next_commands"]] == [
         "python -m cublas_guard_ext run --watch train.py"
     ]
+
+
+def test_a_silent_corruption_verdict_reaches_the_json_and_the_page(tmp_path: Path) -> None:
+    err = cg.SilentCorruptionError(
+        verdict="persistent",
+        step=12,
+        rank=1,
+        ranks=[1],
+        world_size=2,
+        host="node-7",
+        device="cuda:1",
+        gpu_uuid="GPU-1234",
+        module="embed",
+        phase="forward",
+        what="output",
+        gemm="forward GEMM (input x weight^T + bias), in Linear",
+        trigger="a checked step (every 50 steps)",
+        comparison="bitwise",
+        replays=[
+            {"rank": 0, "host": "node-1", "device": "cuda:0", "signature": 11},
+            {"rank": 1, "host": "node-7", "device": "cuda:1", "signature": 12},
+        ],
+        exit_code=16,
+    )
+    data = incident.facts(err, options.parse(["train.py"]), step=12, root=Net())
+    assert data["verdict"] == {
+        "verdict": "persistent",
+        "step": 12,
+        "rank": 1,
+        "ranks": [1],
+        "host": "node-7",
+        "device": "cuda:1",
+        "gpu_uuid": "GPU-1234",
+        "where": {
+            "module": "embed",
+            "phase": "forward",
+            "what": "output",
+            "gemm": "forward GEMM (input x weight^T + bias), in Linear",
+        },
+        "trigger": "a checked step (every 50 steps)",
+        "comparison": "bitwise",
+        "replays": err.fields["replays"],
+        "exit_code": 16,
+        "capsule": None,
+    }
+    assert data["where"]["module"] == "embed"
+    page, problem = incident.write(data, str(tmp_path))
+    assert problem is None
+    html = page.read_text()
+    assert '<section id="verdict"><h2>The rerun verdict</h2>' in html
+    assert 'data-field="gemm">forward GEMM (input x weight^T + bias)' in html
+    assert "GPU-1234" in html and "node-7" in html
+    assert json.loads(page.with_suffix(".json").read_text())["verdict"]["verdict"] == "persistent"
+
+
+def test_a_non_finite_steps_replay_is_a_verdict_too() -> None:
+    reproducible = cg.NonFiniteStepError(
+        step=3, classification="persistent", op="aten.log.default", module="act"
+    )
+    transient = cg.NonFiniteStepError(step=3, classification="transient")
+    assert incident.facts(reproducible, None)["verdict"]["verdict"] == "reproducible"
+    assert incident.facts(reproducible, None)["verdict"]["where"] == {
+        "module": "act",
+        "op": "aten.log.default",
+    }
+    assert incident.facts(transient, None)["verdict"]["verdict"] == "transient"
+    assert incident.facts(cg.NonFiniteOutputError(op="aten.mm.default"), None)["verdict"] is None

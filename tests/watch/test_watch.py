@@ -13,7 +13,7 @@ import cublas_guard_ext as cg
 
 from helpers.watch_models import FeedForward, Model, batch, nothing_left
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 
 
 # -- producer vs propagator -------------------------------------------------------------

@@ -14,8 +14,8 @@ import cublas_guard_ext as cg
 
 from helpers import requires_cuda
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
-patches_module = importlib.import_module("cublas_guard_ext._watch_patches")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
+patches_module = importlib.import_module("cublas_guard_ext.watching.global_patches")
 WatchCaptureError = watch_module.WatchCaptureError
 
 

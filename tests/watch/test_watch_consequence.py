@@ -18,8 +18,8 @@ import cublas_guard_ext as cg
 from helpers import requires_cuda
 from helpers.watch_models import Identityish, Net, nothing_left, tiny_t5
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
-patches_module = importlib.import_module("cublas_guard_ext._watch_patches")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
+patches_module = importlib.import_module("cublas_guard_ext.watching.global_patches")
 
 
 def test_clamped_log_of_zero_is_silent_forward_and_backward():
@@ -281,7 +281,7 @@ def test_the_fused_entry_check_finds_every_kind_of_bad_value(dtype):
     """watch's one-read entry check of a device's parameters: exact for NaN, +Inf and -Inf
     anywhere, in contiguous, strided and grad-requiring tensors, and no overflow on the
     largest finite values."""
-    from cublas_guard_ext.watch import _native
+    from cublas_guard_ext.watching.session import _native
 
     big = torch.finfo(dtype).max
     tensors = [
@@ -307,7 +307,7 @@ def test_the_fused_entry_check_finds_every_kind_of_bad_value(dtype):
 
 
 def test_the_entry_check_reads_dtypes_the_fused_scan_does_not():
-    from cublas_guard_ext.watch import _native
+    from cublas_guard_ext.watching.session import _native
 
     fp8 = getattr(torch, "float8_e5m2", None)
     if fp8 is None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 SEAM = torch.ops.cublas_guard_testing.watch_test_seam
 
 

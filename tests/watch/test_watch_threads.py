@@ -18,7 +18,7 @@ import cublas_guard_ext as cg
 
 from helpers import requires_cuda
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 
 
 class Mlp(nn.Module):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 
 
 # Each op below moves values (or writes 0/1 or a finite scalar): with a non-finite input it is a

@@ -14,7 +14,7 @@ import torch
 
 import cublas_guard_ext as cg
 
-watch_module = importlib.import_module("cublas_guard_ext.watch")
+watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 NonFiniteFromNowhereError = watch_module.NonFiniteFromNowhereError
 
 

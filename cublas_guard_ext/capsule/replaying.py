@@ -28,7 +28,7 @@ import subprocess
 import sys
 from typing import Any
 
-from . import capsule as _capsule
+from . import contents as _capsule
 
 # Every variant, in the order they run; the worker knows what each means.
 VARIANTS = (

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch
 
-from . import _capsule_file
-from ._capsule_file import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
-from ._native import facts, libraries
+from .._native import facts, libraries
+from ..errors import parse as _errors_parse
+from . import safe_read as _capsule_file
+from .safe_read import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)
 
 FORMAT = "cublas_guard_ext capsule"
 VERSION = 1
@@ -590,3 +591,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CapsuleFileError(name, NOT_A_CAPSULE)
     return data
+
+
+# errors.attach_capsule (a cuBLAS-side error raised by a guarded call or watch) writes its
+# capsule through capture, handed in here because errors imports nothing of the package.
+_errors_parse.write_capsules_with(capture)

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-# watch.py loads the library and installs the native module (or its stand-in under the
+# session.py loads the library and installs the native module (or its stand-in under the
 # stable core) before it imports this one.
-_native = sys.modules["cublas_guard_ext.watch"]._native
+_native = sys.modules[__package__ + ".session"]._native
 
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -41,7 +41,7 @@ def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _refuse_capture() -> None:
-    from .errors import WatchCaptureError
+    from ..errors import WatchCaptureError
 
     raise WatchCaptureError(when="begun inside a watch block (torch.cuda.graph / CUDAGraph.capture_begin)")
 

@@ -31,12 +31,11 @@ batch had never been drawn.
 Distributed (DDP, FSDP2; any initialised process group of more than one rank): each step
 all-reduces the flag (MAX) so every rank decides alike. On a bad step every rank replays
 locally (DDP under ``no_sync()``; FSDP2 with the parameters gathered first and gradient
-reduction off), the ranks exchange what their replays found (one ``all_gather_object``,
-only on a bad step), and every rank raises or skips with the same error, naming the rank
-where the replay found the producer.
+reduction off), the ranks exchange what their replays found (one ``all_gather_object``, only
+on a bad step), and every rank raises or skips with the same error, naming the producer's rank.
 
-The policy is here; the pieces without one (the RNG and buffer copies, the fused check,
-unwrapping DDP / compile, FSDP2's replay set-up) are in ``_training_state.py``.
+The policy is here; the pieces without one (RNG and buffer copies, the fused check, DDP /
+compile unwrapping, FSDP2's replay set-up, the replay's watch) are in ``state.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +48,10 @@ from typing import Any
 
 import torch
 
-from ._training_state import (
+from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
+from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from .silent_corruption import SilentCorruptionChecks
+from .state import (
     _bad_flag,
     _Buffers,
     _default_group,
@@ -62,15 +64,13 @@ from ._training_state import (
     _param_absmax,
     _refusal_fields,
     _refusal_layer,
+    _replay_note,
+    _replay_watch,
     _RngState,
     _StepHistory,
     _unwrap,
     _wrappers,
 )
-from .errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
-from .errors.steps import NonFiniteStepError, TrainingDivergedError
-from .watch import AVAILABLE as _watch_available
-from .watch import watch
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
 
@@ -84,14 +84,6 @@ NON_FINITE_REFUSALS: tuple[type[BaseException], ...] = (
 )
 
 _ON_NAN = ("raise", "skip")
-
-
-def _replay_watch(model: torch.nn.Module, allow: Any, report: str) -> Any:
-    """The replay's watch block; under the stable core alone (watch needs the version-locked
-    library) the replay runs unwatched and says so (_replay's note)."""
-    if not _watch_available:
-        return contextlib.nullcontext()
-    return watch(model, mode="sync", allow=allow, report=report)
 
 
 class TrainingGuard:
@@ -126,6 +118,8 @@ class TrainingGuard:
       finding read after the call or step that made it, not in it).
     * ``allow``: passed to the replay's ``watch`` (ops or modules where NaN/Inf is intended).
     * ``process_group``: ``"auto"`` (the default group when more than one rank), None, or a group.
+    * ``silent_corruption``: a :class:`SilentCorruptionChecks` (replicas that disagree, loss or
+      gradient-norm spikes rerun to a verdict; docs/silent-corruption.md), or None.
 
     Example (the guard's real output)::
 
@@ -147,14 +141,9 @@ class TrainingGuard:
           parameters, buffers, optimizer state and RNG states are as before step 2
         Next: look at the batch of this step: a guarded layer refused it (it reproduces); on_nan='skip' drops such steps and goes on
 
-    Costs: a healthy step adds one pass over the gradients for the finite check
-    (GradScaler's fused kernel), one for the gradient norm of the history (``history=0``
-    drops it), a copy of the RNG states and of every buffer, and one host read of the flag
-    (none with ``deferred=True``); measured ~1% of an all-MiniLM-L6-v2 AdamW step on a CPU
-    (docs/training-guard.md, "Costs"). A bad step costs one more forward and backward under
-    ``watch`` (~1.1x a step). Distributed: one 4-byte all-reduce per step.
-
-    More: docs/training-guard.md; the module docstring of :mod:`cublas_guard_ext.training`.
+    Costs: ~1% of an all-MiniLM-L6-v2 AdamW step on a CPU (docs/training-guard.md), one host
+    read (none deferred), one 4-byte all-reduce when distributed; a bad step one more forward
+    and backward under ``watch``. More: docs/training-guard.md.
     """
 
     def __init__(
@@ -169,6 +158,7 @@ class TrainingGuard:
         process_group: Any = "auto",
         max_consecutive_skips: int | None = 3,
         history: int = 6,
+        silent_corruption: SilentCorruptionChecks | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingGuard: model must be an nn.Module, got {type(model).__name__}")
@@ -221,6 +211,7 @@ class TrainingGuard:
         self._buffers = _Buffers(self.inner)
         self._pending: tuple[Any, ...] | None = None  # deferred: the last step, not yet read
         self._names: dict[int, str] | None = None
+        self.silent_corruption = silent_corruption._attach(self) if silent_corruption is not None else None
 
     # -- parameters and their gradients --------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -284,8 +275,9 @@ class TrainingGuard:
         if self.deferred:
             self.check()
         rng = self._begin()
+        checks = self.silent_corruption
         try:
-            loss = closure()
+            loss = closure() if checks is None else checks.run_closure(closure)
         except NON_FINITE_REFUSALS as refusal:
             return self._refused_step(closure, rng, refusal)
         if self.scaler is not None:
@@ -297,6 +289,8 @@ class TrainingGuard:
             return self._take(loss)
         if self.deferred:
             return self._step_deferred(closure, rng, loss, flag)
+        if checks is not None:  # replicas, spikes, checked steps: still one collective, one read
+            return checks.decide(closure, rng, loss, flag)
         if not self._read(flag):
             return self._take(loss)
         return self._bad_step(closure, rng, loss, self.steps)
@@ -312,6 +306,8 @@ class TrainingGuard:
 
     def _read(self, flag: torch.Tensor) -> bool:
         """Whether some rank's step was bad: the all-reduce (if any), then the one host read."""
+        if self.silent_corruption is not None:
+            return self.silent_corruption.read(flag)
         if self.group is not None:
             flag, _ = self._agree(flag)
         return flag.item() != 0.0
@@ -516,12 +512,7 @@ class TrainingGuard:
                 )  # (outside the watch)
             out["reproduced"] = bool(flag is not None and flag.item())
             if out["reproduced"]:
-                out["note"] = (
-                    "the replay under watch is non-finite again, but watch named no producer"
-                    if _watch_available
-                    else "the replay is non-finite again; it ran without watch, which needs the "
-                    "version-locked library (`python -m cublas_guard_ext build`), so no op is named"
-                )
+                out["note"] = _replay_note()
         except NON_FINITE_REFUSALS as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
             f = getattr(finding, "fields", {})

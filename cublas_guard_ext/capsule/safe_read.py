@@ -1,6 +1,6 @@
 """Reading a file that should be a failure capsule, safely: a static look at its pickle
 first (nothing imported or run), then ``torch.load(weights_only=True)``; every failure is one
-:class:`CapsuleFileError` whose message is one line. A module of its own so that capsule.py
+:class:`CapsuleFileError` whose message is one line. A module of its own so that contents.py
 stays under ~600 lines."""
 
 from __future__ import annotations

@@ -16,24 +16,26 @@ from typing import Any
 
 import torch
 
-from . import errors, modes
-from ._native import loader as _loader
-from ._native.codes import MODE_CODES
-from .errors import NonFiniteFromNowhereError, WatchCaptureError
-from .errors.format import _dtype, _fold_inputs
-from .errors.parse import _typed_from_native_message
+from .. import errors
+from .._native import loader as _loader
+from .._native.codes import MODE_CODES
+from ..errors import NonFiniteFromNowhereError, WatchCaptureError
+from ..errors.format import _dtype, _fold_inputs
+from ..errors.parse import _typed_from_native_message
+from ..guarded_linear import modes
+from ..guarded_linear import ops as _ops
 
 # Under the stable core alone (no version-locked library for this torch) watch says how to build it.
 AVAILABLE = _loader.load().library != "core"
 if not AVAILABLE:
-    from ._native.stable_core import LockedOnly
+    from .._native.stable_core import LockedOnly
 
     _native = LockedOnly("cublas_guard_ext.watch")
 else:
     if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
         torch.ops.cublas_guard_internal.python_module_install.default()
     _native = sys.modules["cublas_guard_ext._C"]
-from . import _watch_patches  # noqa: E402  (needs the native module above)
+from . import global_patches as _watch_patches  # noqa: E402  (needs the native module above)
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
@@ -114,6 +116,9 @@ def check_pending() -> None:
     message = _native._watch_take_pending()
     if message is not None:
         raise _typed(message)
+
+
+_ops.raise_pending_watch_findings_with(check_pending)  # check() raises it: ops cannot import us
 
 
 def _entry_error(

@@ -22,15 +22,13 @@ order in which blocks end, each removes exactly its own entry.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
-from ._native import codes as _codes
+from .._native import codes as _codes
 
 Mode = Literal["off", "sync", "async"]
 MODE_CODES = _codes.MODE_CODES  # the one source: _native/codes.py
@@ -86,27 +84,3 @@ def _current_when_traced() -> Mode:
 # import alone costs over a second, at every ``import cublas_guard_ext``. tests/linear/test_modes.py
 # checks that the decorator still sets exactly this.
 _current_when_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-@contextlib.contextmanager
-def guard(mode: Mode = "async", *, check_on_exit: bool = True) -> Iterator[None]:
-    """Run a block with a default mode; on exit, wait for and report async findings.
-
-    >>> with cublas_guard_ext.guard("async"):
-    ...     loss = model(x).sum(); loss.backward()
-    # any NaN/Inf recorded inside the block is raised here at the latest
-    """
-    validate(mode)
-    block = object()
-    _blocks.set((*_blocks.get(), (block, mode)))
-    try:
-        yield
-    finally:
-        # Not ContextVar.reset: the block may end in another context than it began
-        # (a generator resumed elsewhere) or after a later block began.
-        _blocks.set(tuple(entry for entry in _blocks.get() if entry[0] is not block))
-    # Only on a normal exit: an exception already in flight is the better report.
-    if check_on_exit:
-        from .ops import check
-
-        check()

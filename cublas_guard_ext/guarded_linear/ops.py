@@ -8,16 +8,18 @@ csrc/report/python_errors.cpp), in forward, in backward and in compiled graphs.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from .._native import codes as _codes
+from .._native import facts
+from .._native import loader as _loader
 from . import modes
-from ._native import codes as _codes
-from ._native import facts
-from ._native import loader as _loader
 
 _info = _loader.load()
 _ops = torch.ops.cublas_guard
@@ -30,7 +32,7 @@ from . import _transforms  # noqa: E402  (needs the ops loaded)
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
 # a CUDA device before its first-use diagnostics, a default mode it cannot
 # read); callers then take that path. A JIT build (no Python module) has none.
-_native_module = sys.modules.get(__package__ + "._C") if _info.kind == "prebuilt" else None
+_native_module = sys.modules.get("cublas_guard_ext._C") if _info.kind == "prebuilt" else None
 _fast_linear = getattr(_native_module, "_fast_linear", None)
 _cuda_first_use_done = getattr(_native_module, "_cuda_first_use_done", None)
 _is_compiling = torch.compiler.is_compiling
@@ -76,7 +78,7 @@ for _op in (
 ):
     torch.fx.node.has_side_effect(_op)
 
-__all__ = ["ScanResult", "scan", "linear", "check_features", "check", "DTYPE_POLICIES"]
+__all__ = ["ScanResult", "scan", "linear", "check_features", "check", "guard", "DTYPE_POLICIES"]
 
 # "strict" (default): nn.Linear's rule. float32, bfloat16, float16 and float64
 #         each run natively (see docs/dtypes-and-autocast.md); input and parameters
@@ -267,9 +269,40 @@ def check() -> None:
         _check_in_graph(torch.empty(0))
         return
     _ops.async_check.default(True)
-    from .watch import check_pending  # late: watch imports this package's ops
+    for raise_pending in _pending_watch_findings:
+        raise_pending()
 
-    check_pending()
+
+# check() also raises this thread's pending watch(mode="async") finding. watching/ (the floor
+# above, built on these ops) hands its reader in when it loads: ops imports nothing above it.
+_pending_watch_findings: list[Callable[[], None]] = []
+
+
+def raise_pending_watch_findings_with(reader: Callable[[], None]) -> None:
+    """Called by watching/session.py: ``reader()`` raises this thread's pending finding, if any."""
+    _pending_watch_findings[:] = [reader]
+
+
+@contextlib.contextmanager
+def guard(mode: modes.Mode = "async", *, check_on_exit: bool = True) -> Iterator[None]:
+    """Run a block with a default mode; on exit, wait for and report async findings.
+
+    >>> with cublas_guard_ext.guard("async"):
+    ...     loss = model(x).sum(); loss.backward()
+    # any NaN/Inf recorded inside the block is raised here at the latest
+    """
+    modes.validate(mode)
+    block = object()
+    _blocks.set((*_blocks.get(), (block, mode)))
+    try:
+        yield
+    finally:
+        # Not ContextVar.reset: the block may end in another context than it began
+        # (a generator resumed elsewhere) or after a later block began.
+        _blocks.set(tuple(entry for entry in _blocks.get() if entry[0] is not block))
+    # Only on a normal exit: an exception already in flight is the better report.
+    if check_on_exit:
+        check()
 
 
 # check() inside a compiled function. `async_check` takes no tensor, so
@@ -280,9 +313,8 @@ def check() -> None:
 @torch.library.custom_op("cublas_guard::check_in_graph", mutates_args=())
 def _check_in_graph(token: torch.Tensor) -> None:
     _ops.async_check.default(True)
-    from .watch import check_pending
-
-    check_pending()
+    for raise_pending in _pending_watch_findings:
+        raise_pending()
 
 
 @_check_in_graph.register_fake

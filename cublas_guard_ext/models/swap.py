@@ -21,8 +21,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import modes
-from .nn import (
+from ..guarded_linear import modes
+from ..guarded_linear.nn import (
     FAST_PATH_ORIGINALS,
     GUARD_ATTRIBUTES,
     SafeConv1D,
@@ -35,7 +35,7 @@ from .nn import (
     name_layers,
     retyped,
 )
-from .ops import DTYPE_POLICIES
+from ..guarded_linear.ops import DTYPE_POLICIES
 
 __all__ = ["replace_linear", "restore_linear", "coverage", "Coverage"]
 

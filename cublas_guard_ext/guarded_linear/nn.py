@@ -13,9 +13,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..errors import GuardError
 from . import modes
 from . import ops as _ops_module
-from .errors import GuardError
 from .ops import linear as _guarded_linear
 from .ops import validate_dtype_policy
 

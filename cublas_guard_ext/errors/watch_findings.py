@@ -1,0 +1,213 @@
+"""watch's findings: an op that produced NaN/Inf (NonFiniteOutputError), a model input,
+parameter or buffer non-finite on entry (NonFiniteEntryError), values no op made
+(NonFiniteFromNowhereError), a CUDA graph capture inside a block (WatchCaptureError).
+Raised by cublas_guard_ext.watching; written here with every other message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import GuardError
+from .format import (
+    _PRODUCER_HINTS,
+    _coords,
+    _counts_text,
+    _dtype,
+    _first_bad_line,
+    _fold_inputs,
+    _inputs_line,
+    _shape,
+    _value_name,
+    _where,
+)
+from .inputs import NonFiniteInputError
+from .magnitudes import counts_line, magnitude_line
+
+
+class _WatchFinding:
+    """What watch's findings share: every field the docs list is there (None when not
+    known), the first bad element's coordinates, the counts and the magnitudes that
+    explain them."""
+
+    # Fields every instance has (docs/watch.md lists them): None when not known.
+    WATCH_FIELDS: tuple[str, ...] = (
+        "op", "module", "outside", "phase", "backward_node", "output_index", "nan_count", "posinf_count",
+        "neginf_count", "zero_count", "first_bad_index", "first_bad_coords", "first_bad_value", "shape",
+        "dtype", "device", "input_names", "input_shapes", "input_dtypes", "input_strides",
+        "input_absmax", "reached", "birth_stack", "detected_stack", "lost", "mode",
+    )  # fmt: skip
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self._prepare(fields)
+        if fields.get("first_bad_coords") is None:
+            fields["first_bad_coords"] = _coords(fields.get("first_bad_index"), fields.get("shape"))
+        for name in self.WATCH_FIELDS:
+            fields.setdefault(name, None)
+        super().__init__(message, **fields)  # type: ignore[call-arg]
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        pass
+
+    def _explained(self) -> list[str]:
+        """The counts at the producing op and the inputs' magnitudes (errors/magnitudes.py)."""
+        f = self.fields
+        lines = []
+        counts = counts_line(f)
+        if counts and f.get("zero_count") is not None:
+            lines.append(f"counts at that op: {counts}")
+        magnitudes = magnitude_line(f.get("input_absmax"), f.get("dtype"), is_product=bool(f.get("product")))
+        if magnitudes:
+            lines.append(magnitudes)
+        return lines
+
+
+class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
+    """An op inside a ``watch`` block produced NaN/+Inf/-Inf from finite inputs."""
+
+    kind = "non_finite_output"
+
+    def _prepare(self, fields: dict[str, Any]) -> None:
+        _fold_inputs(fields)
+
+    def _headline(self) -> str:
+        f = self.fields
+        if f.get("op") is None:  # the birth was lost before watch read it (see `lost`)
+            return f"watch: non-finite values reached {f.get('reached')}; the op that made them is not known"
+        return (
+            f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}) produced "
+            f"{_counts_text(f)} from finite inputs"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        if f.get("op") is None:
+            return [f"lost: {f['lost']}"] if f.get("lost") else []
+        first = _first_bad_line(f, "output")
+        if f.get("first_bad_value") is not None:
+            first += f" ({_value_name(f.get('first_bad_value'))})"
+        lines = [
+            first,
+            f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}",
+        ]
+        inputs = _inputs_line(f)
+        if inputs:
+            lines.append(inputs)
+        lines += self._explained()
+        if f.get("backward_node"):
+            lines.append(
+                f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
+            )
+        if f.get("deferred"):
+            lines.append(
+                "recorded at that op (mode='async') and reported now: outputs computed since then "
+                "are not to be trusted"
+            )
+        return lines
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("op") is None:
+            return ["run the step again with a larger watch(..., capacity=...) to name the op"]
+        op = str(self.fields.get("op", "")).split(".")
+        base = op[1] if len(op) > 1 else ""
+        steps = []
+        hint = _PRODUCER_HINTS.get(base.rstrip("_")) or _PRODUCER_HINTS.get(base.split("_")[0])
+        if hint:
+            steps.append(f"likely {hint}")
+        steps.append(
+            "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
+        )
+        return steps
+
+
+class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
+    """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
+
+    kind = "non_finite_entry"
+    WATCH_FIELDS = _WatchFinding.WATCH_FIELDS + ("role", "name")
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: the model's {f.get('role')} '{f.get('name')}' has {_counts_text(f)} on entry "
+            "(it came into the model non-finite; no op inside produced it)"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            _first_bad_line(f, str(f.get("name"))),
+            f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
+        ] + self._explained()
+
+    def _next_steps(self) -> list[str]:
+        if self.fields.get("role") in ("parameter", "buffer"):
+            return [
+                "the parameters diverged or were loaded broken: lower the learning rate, clip "
+                "gradients, or reload the last good checkpoint",
+                "an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])",
+            ]
+        return ["check the data pipeline: the batch was already non-finite"]
+
+
+class NonFiniteFromNowhereError(GuardError, ValueError):
+    """``watch(..., verify_inputs=True)``: an op read NaN/Inf from a tensor watch saw produced
+    finite, at the same version: no op made it. A write outside stream order (a stream race,
+    memory freed too early, another process, a write through a numpy view or ``.data``)."""
+
+    kind = "watch_from_nowhere"
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        if "dtype" in fields:
+            fields["dtype"] = _dtype(fields["dtype"])
+        for name in ("reader", "argument", "producer", "module", "phase", "shape", "dtype", "device"):
+            fields.setdefault(name, None)
+        super().__init__(message, **fields)
+
+    def _headline(self) -> str:
+        f = self.fields
+        return (
+            f"watch: {f.get('reader')} read {f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, "
+            f"{f.get('neginf_count')} -Inf from its argument '{f.get('argument')}', which "
+            f"{f.get('producer')} had produced finite (same version): no op made these values"
+        )
+
+    def _details(self) -> list[str]:
+        f = self.fields
+        return [
+            f"argument: shape {list(f.get('shape') or [])} {f.get('dtype')} on {f.get('device')}, "
+            f"first bad element at flat index {f.get('first_bad_index')}",
+            f"read in {f.get('phase') or 'forward'}"
+            + (f" in module '{f['module']}'" if f.get("module") else ""),
+        ]
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "a write outside stream order: a tensor used on another stream without "
+            "record_stream/wait_stream, memory freed too early, or written behind torch's back "
+            "(a numpy view, .data, a raw pointer)",
+            "on CUDA, CUDA_LAUNCH_BLOCKING=1 serializes the streams: if it then passes, it is a race",
+        ]
+
+
+class WatchCaptureError(GuardError, RuntimeError):
+    """CUDA graph capture was asked for inside a ``watch`` block (or a block was entered during one).
+
+    watch reads what its scans found on the host, which a capture forbids; it refuses before
+    anything is captured, so the capture can be retried outside the block."""
+
+    kind = "watch_graph_capture"
+
+    def _headline(self) -> str:
+        return (
+            f"watch: CUDA graph capture {self.fields.get('when', 'inside a watch block')}: watch reads "
+            "its scan results on the host, which a capture forbids; nothing was captured"
+        )
+
+    def _details(self) -> list[str]:
+        return []
+
+    def _next_steps(self) -> list[str]:
+        return [
+            "capture outside the watch block (watch an eager run of the same step to find a NaN's "
+            "origin), or guard the captured step with cublas_guard_ext.guard('async')"
+        ]

@@ -4,7 +4,8 @@
 #
 #   make test  [PYTEST_ARGS=...]         the fast tier: every test not marked slow (a few minutes)
 #   make test-slow [PYTEST_ARGS=...]     the slow tier: builds, subprocesses, real models, long runs
-#   make test-all [PYTEST_ARGS=...]      the whole suite, fast tier first (the README's test command, CI's)
+#   make test-core [PYTEST_ARGS=...]     the fast tier on the stable core alone (CUBLAS_GUARD_EXT_NATIVE=core)
+#   make test-all [PYTEST_ARGS=...]      the whole suite: fast tier, fast tier on the core, slow tier (the README's test command, CI's)
 #   make demo                            run the demo
 #   make wheel                           dist/*.whl: the stable core (abi3) + the locked _C for the venv's torch
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
@@ -47,10 +48,10 @@ BUILD_STAMP := $(VENV)/.ext-installed
 
 # Everything the compiled _C depends on: a change to any of these must rebuild it,
 # or a stale _C*.so would be tested.
-EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
+EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/core_build.py cublas_guard_ext/_native/ninja_build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv wheel demo test test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
+.PHONY: venv wheel demo test test-core test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -98,7 +99,13 @@ test-slow: $(BUILD_STAMP)
 # about a minute and the slow tier runs only when the fast one passed (what CI runs).
 test-all: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+	CUBLAS_GUARD_EXT_NATIVE=core $(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+
+# The stable core alone (the library users of another torch load from the wheel), in the same
+# venv: the editable install builds _core next to _C; tests that need _C are skipped.
+test-core: $(BUILD_STAMP)
+	CUBLAS_GUARD_EXT_NATIVE=core $(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 # The C++/CUDA sources clang-format owns (.clang-format); ruff finds the Python itself (pyproject.toml).
 CXX_FORMAT_SOURCES = $(shell find csrc benchmarks -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' \
@@ -142,7 +149,7 @@ sanitize: $(BUILD_STAMP)
 
 # Build outputs only; the next `make test` rebuilds the extension.
 clean:
-	rm -rf build *.egg-info cublas_guard_ext/_C*.so $(BUILD_STAMP) .pytest_cache .hypothesis
+	rm -rf build *.egg-info cublas_guard_ext/_C*.so cublas_guard_ext/_core*.so cublas_guard_ext/_C.torch cublas_guard_ext/_core_cuda.cuda $(BUILD_STAMP) .pytest_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -path ./.ci-cache -prune -o -name __pycache__ -type d -print \
 		| xargs rm -rf
 

@@ -9,10 +9,16 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)
-# Tracked and untracked-but-not-ignored files that exist: no .venv, build/, *.so.
-(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
-  | while IFS= read -r -d '' f; do if [[ -f $f ]]; then printf '%s\0' "$f"; fi; done \
-  | tar --null -T - -cf -) | tar -xf - -C "$WORK"
+# Tracked and untracked-but-not-ignored files that exist: no .venv, build/, *.so (outside a git
+# checkout, such as CI's copies of the tree: everything but the build outputs).
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
+    | while IFS= read -r -d '' f; do if [[ -f $f ]]; then printf '%s\0' "$f"; fi; done \
+    | tar --null -T - -cf -) | tar -xf - -C "$WORK"
+else
+  tar -C "$ROOT" --exclude=.git --exclude=.venv --exclude=.ci-cache --exclude=build --exclude=dist \
+    --exclude='*.egg-info' --exclude='*.so' --exclude=__pycache__ -cf - . | tar -xf - -C "$WORK"
+fi
 rm -f "$OUT"/cublas_guard_ext-*.whl
 (cd "$WORK" && "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$OUT" .) >"$OUT/wheel-build.log" 2>&1 \
   || { tail -n 60 "$OUT/wheel-build.log"; echo "build_wheel: failed (log: $OUT/wheel-build.log)" >&2; exit 1; }

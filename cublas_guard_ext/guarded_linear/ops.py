@@ -329,6 +329,6 @@ torch.fx.node.has_side_effect(_ops.check_in_graph.default)
 # ABI as RuntimeError with the payload line. The ops' Autograd kernels raise them typed
 # (_native/stable_core.py); check() calls an op without tensors, which has none.
 if _info.library == "core":
-    from ._native import stable_core as _stable_core
+    from .._native import stable_core as _stable_core
 
     check = _stable_core.typed_errors(check)

@@ -8,6 +8,9 @@ the medians over rounds: the ratio to nn.Linear, the extra microseconds per call
 extra cost as a multiple of the locked library's (the target: within 2x).
 
     chrt -f 1 python benchmarks/stable_core_bench.py --rounds 5 --threads 1
+
+Run it with the package installed from the wheel (both libraries prebuilt: the locked one's fast
+eager entry exists only in a prebuilt _C), from outside the source tree.
 """
 
 from __future__ import annotations
@@ -18,9 +21,6 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -69,7 +69,6 @@ print("RESULT " + json.dumps(out))
 
 def run_child(library: str, threads: int, reps: int) -> dict:
     env = dict(os.environ, CUBLAS_GUARD_EXT_NATIVE=library, OMP_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(threads), str(reps)], env=env, capture_output=True, text=True
     )

@@ -15,6 +15,11 @@ using LinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const c
 using GradGemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using GuardValuesSignature = void(const at::Tensor&, c10::string_view, int64_t, int64_t);
 using ScanSignature = at::Tensor(const at::Tensor&);
+using GroupedLinearSignature = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                          const c10::optional<at::Tensor>&, const at::Tensor&,
+                                          c10::string_view, c10::string_view, int64_t, bool);
+using GroupedGradSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                        c10::string_view, c10::string_view, bool);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -39,6 +44,18 @@ inline const c10::TypedOperatorHandle<ScanSignature>& scan_handle() {
 }
 inline const c10::TypedOperatorHandle<GuardValuesSignature>& guard_values_handle() {
   static const auto op = find_op<GuardValuesSignature>("cublas_guard::guard_values");
+  return op;
+}
+inline const c10::TypedOperatorHandle<GroupedLinearSignature>& grouped_linear_handle() {
+  static const auto op = find_op<GroupedLinearSignature>("cublas_guard::grouped_linear");
+  return op;
+}
+inline const c10::TypedOperatorHandle<GroupedGradSignature>& grouped_grad_input_handle() {
+  static const auto op = find_op<GroupedGradSignature>("cublas_guard::grouped_linear_grad_input");
+  return op;
+}
+inline const c10::TypedOperatorHandle<GroupedGradSignature>& grouped_grad_weight_handle() {
+  static const auto op = find_op<GroupedGradSignature>("cublas_guard::grouped_linear_grad_weight");
   return op;
 }
 

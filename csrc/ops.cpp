@@ -7,6 +7,7 @@
 // so what a user sees under torch.ops.cublas_guard is the product only.
 #include "core/registration.h"
 #include "linear/linear_op.h"
+#include "moe/grouped_op.h"
 
 #include <string>
 
@@ -48,6 +49,25 @@ std::string (*&cuda_build_info_provider())() {
 #define CUBLAS_GUARD_STRINGIFY2(...) #__VA_ARGS__
 #define CUBLAS_GUARD_STRINGIFY(...) CUBLAS_GUARD_STRINGIFY2(__VA_ARGS__)
 
+// The grouped linear's rules alone (moe/grouped_checks.cpp), as argument_rules_op.
+void grouped_argument_rules_op(StringArg op, const Tensor& a, const Tensor& b,
+                               const std::optional<Tensor>& bias, const Tensor& offs, StringArg layer,
+                               StringArg parameter, int64_t mode, bool transposed) {
+  const GroupedNames names{std::string(layer), std::string(parameter)};
+  const std::string which(op);
+  if (which == "grouped_linear") {
+    parse_mode(mode);
+    check_grouped_args(a, b, bias, offs, transposed, names);
+  } else if (which == "grouped_linear_grad_input") {
+    if (b.dim() != 3) raise_shape(b, "weight", "[experts, ., .]", names.label());
+    check_grouped_grad_args(a, b, "weight", sym_size_at(b, transposed ? 2 : 1), offs, names);
+  } else if (which == "grouped_linear_grad_weight") {
+    check_grouped_grad_args(a, b, "input", sym_size_at(a, -1), offs, names);
+  } else {
+    throw_value_error("cublas_guard_ext: grouped_argument_rules: unknown op '" + which + "'");
+  }
+}
+
 }  // namespace
 
 void set_cuda_build_info(std::string (*provider)()) { cuda_build_info_provider() = provider; }
@@ -81,6 +101,17 @@ CG_LIBRARY(cublas_guard, m) {
   m.def("linear_grad_input(Tensor grad_output, Tensor weight, str layer=\"\") -> Tensor");
   m.def("linear_grad_weight(Tensor grad_output, Tensor x, str layer=\"\") -> Tensor");
   m.def("check_features(Tensor x, int in_features, str layer=\"\") -> ()");
+  // A mixture of experts' expert GEMMs (moe/grouped_op.h): rows of x sorted by
+  // expert, offs their int32 cumulative group ends (torch's grouped_mm's offs).
+  m.def(
+      "grouped_linear(Tensor x, Tensor weight, Tensor? bias, Tensor offs, str layer=\"\", "
+      "str parameter=\"\", int mode=1, bool transposed=False) -> Tensor");
+  m.def(
+      "grouped_linear_grad_input(Tensor grad_output, Tensor weight, Tensor offs, str layer=\"\", "
+      "str parameter=\"\", bool transposed=False) -> Tensor");
+  m.def(
+      "grouped_linear_grad_weight(Tensor grad_output, Tensor x, Tensor offs, str layer=\"\", "
+      "str parameter=\"\", bool transposed=False) -> Tensor");
   m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
   m.def("async_check(bool synchronize=True) -> ()");
   m.def("build_info() -> str");
@@ -88,9 +119,13 @@ CG_LIBRARY(cublas_guard, m) {
 
 CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
   m.def("argument_rules(str op, Tensor a, Tensor b, Tensor? bias, str layer, int mode) -> ()");
+  m.def(
+      "grouped_argument_rules(str op, Tensor a, Tensor b, Tensor? bias, Tensor offs, str layer, "
+      "str parameter, int mode, bool transposed) -> ()");
 }
 CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
   CG_IMPL(m, "argument_rules", &cublas_guard::argument_rules_op);
+  CG_IMPL(m, "grouped_argument_rules", &cublas_guard::grouped_argument_rules_op);
 }
 
 CG_LIBRARY_IMPL(cublas_guard, CompositeExplicitAutograd, m) {

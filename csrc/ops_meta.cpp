@@ -4,6 +4,7 @@
 // traced or compiled model refuses the same inputs with the same errors. The
 // stable core registers Python fake kernels instead (_native/fake.py).
 #include "linear/linear_op.h"
+#include "moe/grouped_op.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -49,6 +50,38 @@ void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_v
   check_input(x, in_features, std::string(layer));
 }
 
+GroupedNames grouped_names(c10::string_view layer, c10::string_view parameter) {
+  return {std::string(layer), std::string(parameter)};
+}
+
+at::Tensor grouped_linear_meta(const at::Tensor& x, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias, const at::Tensor& offs,
+                               c10::string_view layer, c10::string_view parameter, int64_t mode,
+                               bool transposed) {
+  parse_mode(mode);
+  check_grouped_args(x, weight, bias, offs, transposed, grouped_names(layer, parameter));
+  return at::empty_symint({x.sym_size(0), weight.sym_size(transposed ? 2 : 1)}, weight.options());
+}
+
+at::Tensor grouped_grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
+                                   const at::Tensor& offs, c10::string_view layer, c10::string_view parameter,
+                                   bool transposed) {
+  const GroupedNames names = grouped_names(layer, parameter);
+  if (weight.dim() != 3) raise_shape(weight, "weight", "[experts, ., .]", names.label());
+  check_grouped_grad_args(grad_output, weight, "weight", weight.sym_size(transposed ? 2 : 1), offs, names);
+  return at::empty_symint({grad_output.sym_size(0), weight.sym_size(transposed ? 1 : 2)}, weight.options());
+}
+
+at::Tensor grouped_grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
+                                    const at::Tensor& offs, c10::string_view layer,
+                                    c10::string_view parameter, bool transposed) {
+  check_grouped_grad_args(grad_output, x, "input", grad_output.sym_size(-1), offs,
+                          grouped_names(layer, parameter));
+  const c10::SymInt out_features = grad_output.sym_size(1), in_features = x.sym_size(1);
+  if (transposed) return at::empty_symint({offs.sym_size(0), in_features, out_features}, x.options());
+  return at::empty_symint({offs.sym_size(0), out_features, in_features}, x.options());
+}
+
 void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/, int64_t mode) {
   parse_mode(mode);
 }
@@ -63,5 +96,8 @@ TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
   m.impl("linear_grad_input", &grad_input_meta);
   m.impl("linear_grad_weight", &grad_weight_meta);
   m.impl("check_features", &check_features_meta);
+  m.impl("grouped_linear", &grouped_linear_meta);
+  m.impl("grouped_linear_grad_input", &grouped_grad_input_meta);
+  m.impl("grouped_linear_grad_weight", &grouped_grad_weight_meta);
   m.impl("guard_values", &guard_values_meta);
 }

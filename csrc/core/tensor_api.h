@@ -130,13 +130,15 @@ Tensor from_blob(const void* data, const std::vector<int64_t>& sizes, const std:
 // A view of `t`'s storage with other sizes/strides (offset in elements, from t's own).
 Tensor as_view(const Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides,
                int64_t extra_offset = 0);
-Tensor transposed(const Tensor& t);          // t() of a 2-D tensor, a view
+Tensor transposed_view(const Tensor& t);          // t() of a 2-D tensor, a view
 Tensor row(const Tensor& t, int64_t i);      // t[i], a view
+Tensor first_rows(const Tensor& t, int64_t begin, int64_t count);  // t[begin:begin+count], a view
 Tensor reshaped(const Tensor& t, const std::vector<int64_t>& sizes);  // a view when strides allow
 Tensor as_contiguous(const Tensor& t);
 Tensor to_cpu(const Tensor& t);
 void copy_into(Tensor& dst, const Tensor& src);  // broadcasts src, as Tensor::copy_
 void zero(Tensor& t);
+void add_into(Tensor& t, const Tensor& other);  // t += other (broadcast), in place
 // c = beta * c + alpha * a @ b, torch's CPU addmm (MKL/OpenBLAS/oneDNN).
 void addmm_cpu(Tensor& c, const Tensor& a, const Tensor& b, double beta, double alpha);
 // Whether `e` is torch's allocator running out of memory; if so, its first line.

@@ -42,13 +42,15 @@ Tensor as_view(const Tensor& t, const std::vector<int64_t>& sizes, const std::ve
                int64_t extra_offset) {
   return t.as_strided(sizes, strides, t.storage_offset() + extra_offset);
 }
-Tensor transposed(const Tensor& t) { return t.t(); }
+Tensor transposed_view(const Tensor& t) { return t.t(); }
 Tensor row(const Tensor& t, int64_t i) { return t[i]; }
+Tensor first_rows(const Tensor& t, int64_t begin, int64_t count) { return t.narrow(0, begin, count); }
 Tensor reshaped(const Tensor& t, const std::vector<int64_t>& sizes) { return t.reshape(sizes); }
 Tensor as_contiguous(const Tensor& t) { return t.contiguous(); }
 Tensor to_cpu(const Tensor& t) { return t.cpu(); }
 void copy_into(Tensor& dst, const Tensor& src) { dst.copy_(src); }
 void zero(Tensor& t) { t.zero_(); }
+void add_into(Tensor& t, const Tensor& other) { t.add_(other); }
 void addmm_cpu(Tensor& c, const Tensor& a, const Tensor& b, double beta, double alpha) {
   c.addmm_(a, b, beta, alpha);
 }

@@ -108,12 +108,19 @@ Tensor as_view(const Tensor& t, const std::vector<int64_t>& sizes, const std::ve
                                          strides.data(), extra_offset, &out));
   return Tensor(out);
 }
-Tensor transposed(const Tensor& t) { return as_view(t, {t.size(1), t.size(0)}, {t.stride(1), t.stride(0)}); }
+Tensor transposed_view(const Tensor& t) {
+  return as_view(t, {t.size(1), t.size(0)}, {t.stride(1), t.stride(0)});
+}
 Tensor row(const Tensor& t, int64_t i) {
   std::vector<int64_t> sizes = sizes_of(t), strides = strides_of(t);
   sizes.erase(sizes.begin());
   strides.erase(strides.begin());
   return as_view(t, sizes, strides, i * t.stride(0));
+}
+Tensor first_rows(const Tensor& t, int64_t begin, int64_t count) {
+  std::vector<int64_t> sizes = sizes_of(t);
+  sizes[0] = count;
+  return as_view(t, sizes, strides_of(t), begin * t.stride(0));
 }
 Tensor reshaped(const Tensor& t, const std::vector<int64_t>& sizes) {
   if (viewable_as_contiguous(t)) return as_view(t, sizes, contiguous_strides(sizes));
@@ -128,6 +135,8 @@ Tensor to_cpu(const Tensor& t) {
 }
 void copy_into(Tensor& dst, const Tensor& src) { CG_SHIM(aoti_torch_copy_(dst.get(), src.get(), 0)); }
 void zero(Tensor& t) { CG_SHIM(aoti_torch_zero_(t.get())); }
+// t - (-1) * other: the negation is exact and so is x - (-y) == x + y, bit for bit as add_.
+void add_into(Tensor& t, const Tensor& other) { copy_into(t, torch::stable::subtract(t, other, -1.0)); }
 void addmm_cpu(Tensor& c, const Tensor& a, const Tensor& b, double beta, double alpha) {
   CG_SHIM(aoti_torch_cpu_addmm_out(c.get(), c.get(), a.get(), b.get(), beta, alpha));
 }

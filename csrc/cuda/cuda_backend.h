@@ -73,6 +73,15 @@ void check_launch(const char* kernel, const std::string& layer);
 // earlier kernel (device-side assert, illegal address, ...), not by this call.
 bool is_sticky_context_error(cudaError_t err);
 
+// The CUDA backend of the guarded ops (linear.cu): checked cuBLAS on torch's
+// handle and current stream, the CUDA scans, the async record.
+const LinearBackend& cuda_backend();
+
+// A c10::Error torch raised inside a guarded call (an allocation, a copy):
+// when an earlier kernel broke the context, raises PendingCudaError naming it;
+// otherwise returns (the caller rethrows).
+void raise_if_earlier_cuda_error(const TorchError& e, const std::string& layer);
+
 // Raises the PendingCudaError report for `err`, seen at `stage`.
 [[noreturn]] void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer);
 

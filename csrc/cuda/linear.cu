@@ -249,15 +249,21 @@ auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()
   try {
     return fn();
   } catch (const TorchError& e) {
-    const std::string what = error_text(e);
-    if (what.find(kPayloadMarker) != std::string::npos) throw;  // already one of ours
-    // Queries the stream (not while it is captured) and clears what the query
-    // leaves: a busy stream's cudaErrorNotReady must not reach the next call.
-    const int err = sticky_error_behind_failure(cuda_probe());
-    if (err != cudaSuccess) {
-      raise_pending_cuda_error(static_cast<cudaError_t>(err), "during the guarded call", layer);
-    }
+    raise_if_earlier_cuda_error(e, layer);
     throw;
+  }
+}
+
+}  // namespace
+
+void raise_if_earlier_cuda_error(const TorchError& e, const std::string& layer) {
+  const std::string what = error_text(e);
+  if (what.find(kPayloadMarker) != std::string::npos) return;  // already one of ours
+  // Queries the stream (not while it is captured) and clears what the query
+  // leaves: a busy stream's cudaErrorNotReady must not reach the next call.
+  const int err = sticky_error_behind_failure(cuda_probe());
+  if (err != cudaSuccess) {
+    raise_pending_cuda_error(static_cast<cudaError_t>(err), "during the guarded call", layer);
   }
 }
 
@@ -276,6 +282,8 @@ const LinearBackend& cuda_backend() {
                                      scan_cuda_into_prefilling};
   return backend;
 }
+
+namespace {
 
 // Compile-time facts and, when a GPU is visible, the runtime versions.
 std::string cuda_build_info() {

@@ -7,8 +7,6 @@
 
 namespace cublas_guard {
 
-namespace {
-
 [[noreturn]] void raise_shape(const Tensor& t, const char* role, const std::string& expected,
                               const std::string& layer) {
   ErrorReport report("shape_mismatch");
@@ -28,8 +26,6 @@ namespace {
   report.raise_runtime_error("layer '" + layer + "': " + role + " is on " + device_str(t) + " but " +
                              anchor_name + " is on " + device_str(anchor));
 }
-
-}  // namespace
 
 bool is_guarded_dtype(ScalarType dtype) {
   return dtype == kFloat || dtype == kBFloat16 || dtype == kHalf || dtype == kDouble;

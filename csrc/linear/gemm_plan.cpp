@@ -119,7 +119,7 @@ ColumnMajorView as_column_major(const Tensor& matrix, bool fit_limit) {
     // Zero strides (expand), overlapping or doubly strided views: one copy, in
     // the layout whose leading dimension is the smaller dim, so that a huge
     // batch dimension never becomes a leading dimension (32-bit limit).
-    view.storage = transposed(as_contiguous(transposed(matrix)));
+    view.storage = transposed_view(as_contiguous(transposed_view(matrix)));
     view.transposed = false;
     view.ld = std::max<int64_t>(1, rows);
     view.copied = true;

@@ -3,6 +3,7 @@
 // enters, the GEMM plan (linear/gemm_plan.cpp) and the out-of-memory report.
 // The CPU and CUDA kernels differ only in their LinearBackend.
 #include "linear/linear_op.h"
+#include "linear/reporting_oom.h"
 #include "linear/value_scans.h"
 #include "report/async_registry.h"
 #include "report/call_scope.h"
@@ -14,26 +15,6 @@
 namespace cublas_guard {
 
 namespace {
-
-// Allocations in a guarded call that run out of memory are reported with the
-// device's numbers and the request (torch raises its own OOM otherwise).
-template <typename Fn>
-auto reporting_oom(const LinearBackend& be, Device device, const std::string& layer, const char* stage,
-                   int64_t bytes, Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    // torch's allocator ran out (c10::OutOfMemoryError in the locked build; in
-    // the stable core only the message says so): anything else goes on as it was.
-    std::string detail;
-    if (!out_of_memory_detail(e, detail)) throw;
-    ErrorReport report("out_of_memory");
-    report.add("layer", layer).add("stage", stage).add("bytes_requested", bytes);
-    report.add("detail", detail);
-    if (be.memory_info != nullptr) be.memory_info(report, device);
-    report.raise_out_of_memory("layer '" + layer + "': out of memory during " + stage);
-  }
-}
 
 // [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
 // is explicit: reshape({-1, 0}) is ambiguous for empty tensors.
@@ -98,8 +79,8 @@ Tensor linear_forward(const LinearBackend& be, const Tensor& x, const Tensor& we
     gemm_bias = bias->data_ptr();
   }
   reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
-    matmul_into(be, out, x2d, transposed(weight), beta, "forward", {"input", "weight^T", "output"}, layer,
-                gemm_bias);
+    matmul_into(be, out, x2d, transposed_view(weight), beta, "forward", {"input", "weight^T", "output"},
+                layer, gemm_bias);
     return 0;
   });
   if (x.dim() == 2) return out;  // already the output's shape
@@ -135,7 +116,7 @@ Tensor linear_grad_weight(const LinearBackend& be, const Tensor& grad_output, co
   const int64_t bytes = out_features * in_features * x.element_size();
   return reporting_oom(be, x.device(), layer, "the weight gradient", bytes, [&] {
     Tensor grad_weight = empty({out_features, in_features}, x.scalar_type(), x);
-    matmul_into(be, grad_weight, transposed(g2d), x2d, 0.0, "grad_weight",
+    matmul_into(be, grad_weight, transposed_view(g2d), x2d, 0.0, "grad_weight",
                 {"grad_output^T", "input", "grad_weight"}, layer);
     return grad_weight;
   });

@@ -38,9 +38,9 @@ int gemm_cpu(const GemmCall& call, GemmContext& ctx) {
     return injected;
   }
   const ScalarType t = call.dtype;
-  Tensor a = call.trans_a ? transposed(column_major(call.a, call.k, call.m, call.lda, t))
+  Tensor a = call.trans_a ? transposed_view(column_major(call.a, call.k, call.m, call.lda, t))
                           : column_major(call.a, call.m, call.k, call.lda, t);
-  Tensor b = call.trans_b ? transposed(column_major(call.b, call.n, call.k, call.ldb, t))
+  Tensor b = call.trans_b ? transposed_view(column_major(call.b, call.n, call.k, call.ldb, t))
                           : column_major(call.b, call.k, call.n, call.ldb, t);
   Tensor c = column_major(call.c, call.m, call.n, call.ldc, t);
   addmm_cpu(c, a, b, call.beta, call.alpha);
@@ -64,6 +64,8 @@ void async_slot_cpu(Device /*device*/, AsyncRecord** record, int** claim) {
   *claim = &cpu_claim;
 }
 
+}  // namespace
+
 const LinearBackend& cpu_backend() {
   // torch's CPU addmm has no 32-bit limit: the "64-bit API" is the same call.
   static const LinearBackend backend{scan_cpu_into,          fetch_cpu,      gemm_cpu,
@@ -71,6 +73,8 @@ const LinearBackend& cpu_backend() {
                                      /*has_64bit_api=*/true, gemm_names_cpu};
   return backend;
 }
+
+namespace {
 
 Tensor scan_op(const Tensor& x) { return scan(cpu_backend(), x); }
 

@@ -117,6 +117,15 @@ void check_scannable(const Tensor& t);
 [[noreturn]] void raise_dtype_mismatch(const Tensor& t, const char* role, const Tensor& anchor,
                                        const char* anchor_role, const std::string& layer);
 
+// ValueError report: `t` (playing `role`) has a shape other than `expected` (a
+// parameter's or a gradient's, not the input's last dim: check_input).
+[[noreturn]] void raise_shape(const Tensor& t, const char* role, const std::string& expected,
+                              const std::string& layer);
+// RuntimeError report: `t` (playing `role`) is not on the device of `anchor`
+// (the layer's `anchor_name`).
+[[noreturn]] void raise_device_mismatch(const Tensor& t, const char* role, const Tensor& anchor,
+                                        const char* anchor_name, const std::string& layer);
+
 // The input alone (what check_features needs): a guarded dtype, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
 // Sizes are compared as SymInts, so a traced batch dim stays symbolic.
@@ -233,6 +242,9 @@ Tensor linear_grad_weight(const LinearBackend& backend, const Tensor& grad_outpu
 void check_features(const LinearBackend& backend, const Tensor& x, int64_t in_features,
                     const std::string& layer);
 Tensor scan(const LinearBackend& backend, const Tensor& x);
+
+// The CPU backend (linear/linear_cpu.cpp): torch's CPU BLAS behind the same plan.
+const LinearBackend& cpu_backend();
 
 // The CPU scan (also the reference the CUDA scan is tested against).
 void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target, const std::string& layer);

@@ -1,6 +1,9 @@
-// Error reports: structured fields -> the JSON payload line Python parses.
+// Error reports: structured fields -> the JSON payload line Python parses,
+// with the fields of the thread's report place (report/report_place.h).
 #include "linear/linear_op.h"
+#include "report/report_place.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -38,7 +41,15 @@ std::string json_string(const std::string& s) {
   return out;
 }
 
+thread_local const ReportPlace* tls_place = nullptr;
+
 }  // namespace
+
+const ReportPlace* current_report_place() { return tls_place; }
+
+ReportPlaceScope::ReportPlaceScope(const ReportPlace* place) : outer_(tls_place) { tls_place = place; }
+
+ReportPlaceScope::~ReportPlaceScope() { tls_place = outer_; }
 
 ErrorReport::ErrorReport(std::string kind) : kind_(std::move(kind)) {}
 
@@ -102,6 +113,21 @@ std::string ErrorReport::json() const {
   std::string out = "{\"kind\": " + json_string(kind_);
   for (const auto& field : fields_) {
     out += ", " + json_string(field.first) + ": " + field.second;
+  }
+  // Raised inside one expert of a grouped call: where (unless the report says it itself).
+  if (const ReportPlace* place = current_report_place()) {
+    ErrorReport where(kind_);
+    if (place->module != nullptr) where.add("experts_module", *place->module);
+    if (place->parameter != nullptr) where.add("parameter", *place->parameter);
+    if (place->expert >= 0) {
+      where.add("expert", place->expert);
+      where.add("expert_rows", std::vector<int64_t>{place->first_row, place->end_row});
+    }
+    for (const auto& field : where.fields_) {
+      const bool present = std::any_of(fields_.begin(), fields_.end(),
+                                       [&](const auto& own) { return own.first == field.first; });
+      if (!present) out += ", " + json_string(field.first) + ": " + field.second;
+    }
   }
   out += "}";
   return out;

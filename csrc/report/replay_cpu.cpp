@@ -49,8 +49,8 @@ int64_t replay_gemm_cpu(const Tensor& a, const Tensor& b, const Tensor& c, bool 
     addmm_cpu(out, empty_cpu({m, 0}, c.scalar_type()), empty_cpu({0, n}, c.scalar_type()), beta, alpha);
     return 0;
   }
-  const Tensor op_a = transa ? transposed(column_major(a, k, m, lda)) : column_major(a, m, k, lda);
-  const Tensor op_b = transb ? transposed(column_major(b, n, k, ldb)) : column_major(b, k, n, ldb);
+  const Tensor op_a = transa ? transposed_view(column_major(a, k, m, lda)) : column_major(a, m, k, lda);
+  const Tensor op_b = transb ? transposed_view(column_major(b, n, k, ldb)) : column_major(b, k, n, ldb);
   addmm_cpu(out, op_a, op_b, beta, alpha);
   return 0;
 }

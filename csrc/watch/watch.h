@@ -87,6 +87,11 @@ struct OpInfo {
   bool scan_written_args = false;  // returns nothing but writes arguments (_foreach_add_)
   bool composite = false;          // decomposes into dispatched ops, writes nothing itself
   bool product = false;            // a product or a square (the overflow note's is_product)
+  // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments
+  // holding its group ends and the weight's name (-1: none). A finding in its output
+  // names the group of the first bad row (watch_device_report.cpp).
+  int offs_arg = -1;
+  int parameter_arg = -1;
 };
 
 // What watch(...) passes to begin (watch_python.cpp converts the Python

@@ -284,6 +284,17 @@ void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, i
 }
 
 // A tensor input's descriptor item (the first kDescItems); its input index.
+// A grouped GEMM's group ends and weight name (OpInfo::offs_arg), kept for its report.
+void set_groups(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
+  c.offs =
+      info.offs_arg >= 0 && args[info.offs_arg].isTensor() ? args[info.offs_arg].toTensor() : at::Tensor();
+  if (info.parameter_arg >= 0 && args[info.parameter_arg].isString()) {
+    c.parameter = args[info.parameter_arg].toStringRef();
+  } else if (!c.parameter.empty()) {
+    c.parameter.clear();
+  }
+}
+
 int32_t describe_tensor(CallDesc& c, size_t arg, const at::Tensor& t) {
   if (c.n_items < kDescItems) {
     DescItem& item = c.items[c.n_items++];
@@ -462,6 +473,7 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     c.node = node;
     c.output_index = index;
     c.out.set(t);
+    set_groups(c, info, args);
     launch(*d, t, a);
     if (s.verify) verify_after(s, op, t);
   };
@@ -541,6 +553,7 @@ void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool a
   c.node.reset();
   c.out.set(t);
   c.n_items = 0;
+  c.offs.reset();
   w.names.push_back(name);
   c.entry_name = static_cast<int32_t>(w.names.size()) - 1;
   launch(*d, t, a);

@@ -65,6 +65,10 @@ struct CallDesc {
   DescItem items[kDescItems];
   int64_t num_inputs = 0;   // tensors, also those beyond kDescItems
   int32_t entry_name = -1;  // entry: index into TagState::names
+  // A grouped GEMM's group ends (OpInfo::offs_arg; a reference to the small int tensor,
+  // read only when a finding is reported) and its weight's name.
+  at::Tensor offs;
+  std::string parameter;
 };
 
 // Storage -> slot. Weak references, so a freed storage's slot goes back to

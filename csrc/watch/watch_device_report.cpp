@@ -7,8 +7,10 @@
 // is not known are counted and said in the finding that is raised.
 #include "watch/watch_device.h"
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -50,6 +52,32 @@ void add_call_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const Ca
 
 namespace {
 
+// A grouped GEMM's output (rows sorted by group, CallDesc::offs their ends): the
+// group of the first bad row (the expert, named as the guarded grouped linear's
+// own reports name it), or that the row is past the last group end, where
+// torch's grouped_mm leaves its output and its input gradient uninitialized.
+// The ends are read back here, on the report's path only.
+void add_group_of_first_bad_row(ErrorReport& r, const Session& s, const CallDesc& c, const BirthEntry& b) {
+  if (!c.offs.defined() || c.out.ndim != 2 || b.first_bad_index < 0) return;
+  const c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  const at::Tensor ends = c.offs.to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t* end = ends.const_data_ptr<int64_t>();
+  const int64_t groups = ends.numel();
+  const int64_t row = b.first_bad_index / std::max<int64_t>(1, c.out.sizes[1]);
+  const int64_t routed = groups == 0 ? 0 : end[groups - 1];
+  if (row >= routed) {
+    r.add("past_groups", true).add("groups_end", routed);
+    return;
+  }
+  const int64_t group = std::upper_bound(end, end + groups, row) - end;
+  if (c.module >= 0 && static_cast<size_t>(c.module) < s.config.module_names.size()) {
+    r.add("experts_module", s.config.module_names[c.module]);
+  }
+  if (!c.parameter.empty()) r.add("parameter", c.parameter);
+  r.add("expert", group);
+  r.add("expert_rows", c10::IntArrayRef({group == 0 ? 0 : end[group - 1], end[group]}));
+}
+
 // The report of a producer, from the descriptor and the birth entry.
 void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorReport& r, std::string& summary,
                   std::string& key) {
@@ -72,6 +100,7 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
   r.add("first_bad_value", b.first_bad_value);
   if (c.product) r.add("product", true);
   add_call_inputs(r, schema, c);
+  add_group_of_first_bad_row(r, s, c, b);
   // The views' maxima (the scan recorded which input each view is), where known.
   for (int v = 0; v < kMaxViews; ++v) {
     if (std::isfinite(b.input_absmax[v])) {

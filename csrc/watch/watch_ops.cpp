@@ -81,6 +81,18 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
       " mm addmm bmm baddbmm matmul linear mul mul_ pow pow_ square dot mv addmv einsum mse_loss "
       "_scaled_dot_product_flash_attention addcmul addcmul_ prod ";
   info.product = aten && products.find(" " + base + " ") != std::string::npos;
+  // Grouped GEMMs: rows sorted by group, `offs` their int32 group ends.
+  for (size_t i = 0; i < info.num_args; ++i) {
+    const auto& arg = schema.arguments()[i];
+    const c10::TypeKind kind = arg.real_type()->kind();
+    const bool tensor = kind == c10::TypeKind::TensorType ||
+                        (kind == c10::TypeKind::OptionalType &&
+                         arg.real_type()->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+                             c10::TypeKind::TensorType);
+    if (arg.name() == "offs" && tensor) info.offs_arg = static_cast<int>(i);
+    if (arg.name() == "parameter" && kind == c10::TypeKind::StringType)
+      info.parameter_arg = static_cast<int>(i);
+  }
   return tls_op_info.emplace(key, std::move(info)).first->second;
 }
 

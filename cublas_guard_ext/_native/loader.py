@@ -320,9 +320,10 @@ def load() -> NativeInfo:
                 fix="delete the build cache (TORCH_EXTENSIONS_DIR) and reinstall",
             )
         if info.library == "core":
-            from . import stable_core
+            from . import stable_core, stable_core_grouped
 
             stable_core.register()
+            stable_core_grouped.register(stable_core.library())
         _info = info
         return info
 

@@ -22,6 +22,9 @@ CORE_CPU_SOURCES = (
     "linear/param_cache_stable.cpp",
     "linear/linear_cpu.cpp",
     "linear/gemm_route.cpp",
+    "moe/grouped_checks.cpp",
+    "moe/grouped_common.cpp",
+    "moe/grouped_cpu.cpp",
     "report/errors.cpp",
     "report/raise_aten.cpp",
     "report/raise_stable.cpp",
@@ -34,6 +37,7 @@ CORE_CPU_SOURCES = (
 )
 LOCKED_CPU_SOURCES = (
     "ops_meta.cpp",
+    "moe/grouped_autograd.cpp",
     "python_module.cpp",
     "linear/autograd.cpp",
     "linear/autocast.cpp",
@@ -59,6 +63,7 @@ CORE_CUDA_SOURCES = (
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",
+    "moe/grouped_cuda.cu",
 )
 LOCKED_CUDA_SOURCES = ("cuda/watch_scan.cu",)
 

@@ -113,6 +113,7 @@ class _Linear(torch.autograd.Function):
         return _below_autograd(_ops.linear.default, keyset, x, weight, bias, layer, mode, scan_grad)
 
     @staticmethod
+    @typed_errors  # the engine re-raises a Python exception from a backward as it is
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -120,9 +121,9 @@ class _Linear(torch.autograd.Function):
         if need_x and need_w and _broadcast_in_memory(grad):
             grad = grad.contiguous()
         if ctx.grad_mode != _codes.MODE_OFF:
-            _ops.guard_values.default(grad, ctx.layer, _codes.ROLE_GRAD_OUTPUT, ctx.grad_mode)
-        grad_x = _ops.linear_grad_input.default(grad, weight, ctx.layer) if need_x else None
-        grad_w = _ops.linear_grad_weight.default(grad, x, ctx.layer) if need_w else None
+            _call(_ops.guard_values.default, grad, ctx.layer, _codes.ROLE_GRAD_OUTPUT, ctx.grad_mode)
+        grad_x = _call(_ops.linear_grad_input.default, grad, weight, ctx.layer) if need_x else None
+        grad_w = _call(_ops.linear_grad_weight.default, grad, x, ctx.layer) if need_w else None
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = grad.sum(tuple(range(grad.dim() - 1))) if grad.dim() > 1 else grad.clone()
@@ -139,6 +140,7 @@ class _GradInput(torch.autograd.Function):
         return _below_autograd(_ops.linear_grad_input.default, keyset, grad_output, weight, layer)
 
     @staticmethod
+    @typed_errors  # the engine re-raises a Python exception from a backward as it is
     def backward(ctx, dgi):  # noqa: ANN001, ANN205
         # gi = g W:  dg = dgi W^T = linear(dgi, W);  dW = g^T dgi = grad_weight(g, dgi)
         g, weight = ctx.saved_tensors
@@ -160,6 +162,7 @@ class _GradWeight(torch.autograd.Function):
         return _below_autograd(_ops.linear_grad_weight.default, keyset, grad_output, x, layer)
 
     @staticmethod
+    @typed_errors  # the engine re-raises a Python exception from a backward as it is
     def backward(ctx, dgw):  # noqa: ANN001, ANN205
         # gw = g^T x:  dg = x dgw^T = linear(x, dgw);  dx = g dgw = grad_input(g, dgw)
         g, x = ctx.saved_tensors
@@ -178,7 +181,77 @@ def _untracked_inference_weight(weight: torch.Tensor) -> bool:
 
 def _below_autograd(op: Any, keyset: Any, *args: Any) -> Any:
     with torch._C._AutoDispatchBelowAutograd():
+        if keyset is None:  # called from Python directly (fast_linear), not from the dispatcher
+            return op(*args)
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+
+def _call(op: Any, *args: Any) -> Any:
+    """A backward formula's op: straight below autograd unless a gradient of it is recorded
+    (create_graph), which only the dispatcher's Autograd kernel records."""
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+# ---------------------------------------------------------------------------
+# The fast eager entry under the core (the locked library's is C++: csrc/python_module.cpp):
+# SafeLinear's call goes straight to the autograd node or below autograd, without the
+# dispatcher's round trip through the Python Autograd kernel (about 9 us of a 16x16 call).
+# The caller (guarded_linear/ops.py's fast_linear) has ruled out torch.compile and torch.func.
+# ---------------------------------------------------------------------------
+_cuda_devices_seen: set[int] = set()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def cuda_first_use_done(index: int) -> None:
+    """The package ran its first-use diagnostics for CUDA device ``index``."""
+    _cuda_devices_seen.add(index)
+
+
+def fast_linear(*args: Any) -> torch.Tensor | None:
+    """The guarded linear of (x, weight, bias, layer, code, scan_grad), or None when the
+    torch.ops path must decide (as the C++ entry: arguments of other types, tensor subclasses,
+    torch function modes, autocast, the JIT tracer, non-strided input, a CUDA device before its
+    first-use diagnostics, the default mode to read)."""
+    if len(args) != 6:
+        return None
+    x, weight, bias, layer, code, scan_grad = args
+    if (
+        type(layer) is not str
+        or type(code) is not int
+        or not 0 <= code < 2**63  # the op refuses other codes itself, with their ValueError
+        or type(scan_grad) is not bool
+        or type(x) not in _PLAIN
+        or type(weight) not in _PLAIN
+        or (bias is not None and type(bias) not in _PLAIN)
+        or x.layout != torch.strided
+        or torch._C._is_torch_function_mode_enabled()
+        or torch.jit.is_tracing()
+        or x.device.type not in ("cpu", "cuda")
+        or torch.is_autocast_enabled(x.device.type)
+    ):
+        return None
+    if x.is_cuda:
+        if x.device.index not in _cuda_devices_seen:
+            return None
+        if x.dtype in _HALF:
+            hand_over_cuda_settings()
+    try:
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            if _untracked_inference_weight(weight):
+                weight = weight.detach()
+            return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.linear.default(x, weight, bias, layer, code, scan_grad)
+    except RuntimeError as exc:
+        typed = translate(exc)
+        if typed is None:
+            raise
+        raise typed.with_traceback(exc.__traceback__) from None
 
 
 # torch's cuBLAS settings for half-precision GEMMs, which the stable ABI cannot read: handed
@@ -218,6 +291,14 @@ def _autograd_kernel(
 
     def kernel(keyset, *args):  # noqa: ANN001, ANN202
         args = args + defaults[len(args) - (n_args - len(defaults)) :] if len(args) < n_args else args
+        if torch.autograd.forward_ad._current_level >= 0 and any(
+            isinstance(a, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(a).tangent is not None
+            for a in args
+        ):
+            raise RuntimeError(
+                f"cublas_guard_ext: jvp is not implemented for {op} (forward-mode AD): "
+                "torch.func.jvp on SafeLinear uses the package's own formulas"
+            )
         try:
             first = args[0]
             if first.is_cuda and first.dtype in _HALF:
@@ -239,7 +320,9 @@ def _autograd_kernel(
 # ---------------------------------------------------------------------------
 # Autocast (csrc/linear/autocast.cpp's rule)
 # ---------------------------------------------------------------------------
-def _autocast_kernel(device_type: str) -> Callable[..., torch.Tensor]:
+def _autocast_kernel(device_type: str, op: Any, positions: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """``op``'s Autocast kernel: the floating arguments at ``positions`` cast to the autocast
+    dtype in effect at run time (not one fixed at registration), float64 left alone."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
 
     def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -251,12 +334,11 @@ def _autocast_kernel(device_type: str) -> Callable[..., torch.Tensor]:
         )
         return t.to(dtype) if eligible and t.dtype != dtype else t
 
-    def kernel(x, weight, bias=None, layer="", mode=_codes.MODE_SYNC, scan_grad=False):  # noqa: ANN001, ANN202
+    def kernel(*args):  # noqa: ANN002, ANN202 (the op's schema)
         dtype = torch.get_autocast_dtype(device_type)
+        args = tuple(cast(a, dtype) if i in positions else a for i, a in enumerate(args))
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return _ops.linear.default(
-                cast(x, dtype), cast(weight, dtype), cast(bias, dtype), layer, mode, scan_grad
-            )
+            return op(*args)
 
     return kernel
 
@@ -335,8 +417,14 @@ def register() -> None:
         _library.impl(name, _autograd_kernel(op, function, defaults), "Autograd", with_keyset=True)
     for device_type in ("cpu", "cuda"):
         key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-        _library.impl("linear", _autocast_kernel(device_type), key)
+        _library.impl("linear", _autocast_kernel(device_type, _ops.linear.default, (0, 1, 2)), key)
     _registered = True
+
+
+def library() -> torch.library.Library:
+    """The Library the core's Python kernels are registered with (stable_core_grouped's too)."""
+    assert _library is not None, "stable_core.register() first"
+    return _library
 
 
 # ---------------------------------------------------------------------------

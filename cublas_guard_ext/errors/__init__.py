@@ -21,6 +21,7 @@ under 600 lines:
 * ``inputs``      errors about a call's arguments
 * ``watch_findings``  what watch raises (an op's NaN/Inf, a bad entry, a capture refused)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
+* ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
 * ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 from .base import GuardError
 from .corruption import SilentCorruptionError
+from .experts import ExpertsImplementationError, GroupOffsetsError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
@@ -83,6 +85,8 @@ __all__ = [
     "SilentCorruptionError",
     "PeerFailedError",
     "NonFiniteGradientsError",
+    "GroupOffsetsError",
+    "ExpertsImplementationError",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from .format import _distributed_rank, _environment_line
+from .format import _distributed_rank, _environment_line, _expert_line
 
 # The environment block of the runtime errors (``with_environment``) is read by
 # _native/facts.py (error_context: versions, GPU, libraries), which hands its reader in when
@@ -65,6 +65,9 @@ class GuardError(Exception):
         rank = self.fields.get("rank")
         prefix = f"[rank {rank}/{self.fields.get('world_size', '?')}] " if rank is not None else ""
         lines = [prefix + self._headline()]
+        place = _expert_line(self.fields)  # raised inside one expert of a grouped GEMM
+        if place:
+            lines.append(f"  {place}")
         lines += [f"  {d}" for d in self._details()]
         if self.fields.get("environment"):
             lines.append(f"  environment: {_environment_line(self.fields['environment'])}")

@@ -77,6 +77,26 @@ def _watch_lines(f: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _expert_line(f: dict[str, Any]) -> str | None:
+    """Where in an experts module an error was raised (the fields the native report place
+    adds: experts_module, parameter, expert, expert_rows), or None outside one."""
+    module, expert = f.get("experts_module"), f.get("expert")
+    if not module or expert is None:
+        return None
+    rows = f.get("expert_rows")
+    text = f"in expert {expert} of '{module}'"
+    if f.get("parameter"):
+        text += f", parameter {f['parameter']} ({f['parameter']}[{expert}])"
+    if isinstance(rows, list) and len(rows) == 2:
+        begin, end = rows
+        text += (
+            f"; the expert's rows of the sorted input are {begin}..{end - 1} ({end - begin} rows)"
+            if end > begin
+            else "; no row was routed to it"
+        )
+    return text
+
+
 def _layer(name: Any) -> str:
     return f"'{name}'" if name else "(unnamed layer)"
 

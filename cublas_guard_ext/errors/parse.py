@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import GuardError
+from .experts import GroupOffsetsError
 from .format import _dtype
 from .inputs import (
     DeviceMismatchError,
@@ -48,6 +49,7 @@ _BY_KIND: dict[str, type[GuardError]] = {
         GraphCaptureError,
         OutOfMemoryError,
         CublasOutOfMemoryError,
+        GroupOffsetsError,
     )
 }
 

@@ -25,6 +25,7 @@ REPORT_KINDS = (
     "device_mismatch",
     "dtype",
     "graph_capture",
+    "group_offsets",
     "non_finite",
     "non_finite_entry",
     "non_finite_output",
@@ -65,6 +66,18 @@ NATIVE_FIELDS: dict[str, str] = {
     "name": "str",
     "producer": "str",
     "reader": "str",
+    # a grouped GEMM (a mixture of experts): the experts module, its weight's name, the expert
+    # a report was raised in and its rows of the sorted input (report/report_place.h); the
+    # group offsets and the input's rows (GroupOffsetsError)
+    "experts_module": "str",
+    "parameter": "str",
+    "expert": "int",
+    "expert_rows": "ints",
+    "offsets": "ints",
+    "num_tokens": "int",
+    # watch, a grouped GEMM's output: the first bad row is past the last group end (groups_end)
+    "past_groups": "bool",
+    "groups_end": "int",
     # tensors
     "shape": "ints",
     "strides": "ints",
@@ -207,6 +220,9 @@ PYTHON_FIELDS: dict[str, str] = {
     "param_absmax": "float",
     "param_absmax_name": "str",
     "param_dtype": "str",
+    # ExpertsImplementationError (errors/experts.py): the experts module's class, and notes
+    "module_type": "str",
+    "notes": "list",
     # TrainingGuard(silent_corruption=...) (errors/corruption.py): SilentCorruptionError
     "verdict": "str",  # "replicas_differ" / "transient" / "persistent"
     "ranks": "list",  # every rank that differed

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import GuardError
+from .experts import past_groups_details, past_groups_steps
 from .format import (
     _PRODUCER_HINTS,
     _coords,
@@ -92,7 +93,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         inputs = _inputs_line(f)
         if inputs:
             lines.append(inputs)
-        lines += self._explained()
+        lines += past_groups_details(f) or self._explained()
         if f.get("backward_node"):
             lines.append(
                 f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
@@ -109,7 +110,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             return ["run the step again with a larger watch(..., capacity=...) to name the op"]
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
-        steps = []
+        steps = past_groups_steps(self.fields)
         hint = _PRODUCER_HINTS.get(base.rstrip("_")) or _PRODUCER_HINTS.get(base.split("_")[0])
         if hint:
             steps.append(f"likely {hint}")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..errors.experts import experts_left_reason, experts_other_reason, fused_3d_reason
 from ..guarded_linear import modes
 from ..guarded_linear.nn import (
     FAST_PATH_ORIGINALS,
@@ -36,6 +37,7 @@ from ..guarded_linear.nn import (
     retyped,
 )
 from ..guarded_linear.ops import DTYPE_POLICIES
+from . import experts
 
 __all__ = ["replace_linear", "restore_linear", "coverage", "Coverage"]
 
@@ -75,9 +77,14 @@ _NOT_WEIGHT_WORDS = ("embed", "pos", "token", "bias", "table", "scale", "norm")
 
 def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
     """Why this module's matmul is not guarded (None: guarded, or it holds none)."""
-    if is_guarded(module):
+    if is_guarded(module) or experts.is_guarded_experts(module):
         return None
     kind = type(module).__name__
+    if experts.is_hf_experts(module):
+        implementation = experts.implementation_of(module)
+        if implementation in experts.GUARDABLE:
+            return experts_left_reason(implementation)
+        return experts_other_reason(implementation)
     if isinstance(module, nn.MultiheadAttention):
         return (
             "MultiheadAttention multiplies its packed in_proj_weight inside "
@@ -113,10 +120,7 @@ def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
         return None
     shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own)
     if any(p.dim() >= 3 for _, p in own):
-        return (
-            f"fused 3-D weights ({shapes}, e.g. a mixture of experts' stacked expert weights) "
-            "multiplied in its own forward, not through a Linear"
-        )
+        return fused_3d_reason(shapes)
     return (
         f"a 2-D weight ({shapes}) multiplied in its own forward (a router or gate calling "
         "F.linear/matmul itself), not through a Linear"
@@ -133,7 +137,7 @@ def coverage(model: nn.Module, *, conv1d: bool = True) -> Coverage:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if is_guarded(module):
+        if is_guarded(module) or experts.is_guarded_experts(module):
             out.guarded.append(name)
             continue
         reason = _reason_left(module, conv1d)
@@ -219,6 +223,12 @@ def replace_linear(
     built before the first swap: an error leaves the model untouched. If ``model`` itself
     is an ``nn.Linear`` (or a Conv1D), the guarded layer is returned.
 
+    transformers' mixture-of-experts experts modules (3-D expert weights run by the experts
+    interface: Mixtral, Qwen-MoE, gpt-oss, ...) get the guarded ``"cublas_guard"`` experts
+    implementation (:mod:`cublas_guard_ext.models.experts`) with ``which="all"`` or when named in
+    ``which``; the router is untouched. The implementation is chosen per config, as
+    transformers chooses it: the experts modules sharing a config are guarded together.
+
     What was swapped and what was left (with the reason: fused 3-D expert weights,
     MultiheadAttention's packed projection, a Linear subclass, ...) is logged at INFO on the
     ``cublas_guard_ext`` logger, and a ``UserWarning`` names what was left unguarded;
@@ -254,6 +264,7 @@ def replace_linear(
                 slots.append([])
             slots[position[id(module)]].append(qualified)
     by_name = {name: i for i, names in enumerate(slots) for name in names}
+    experts_names = {name for name, module in model.named_modules() if experts.is_hf_experts(module)}
 
     explicit = not isinstance(which, str)
     if isinstance(which, str):
@@ -271,11 +282,11 @@ def replace_linear(
             raise ValueError(f"which must be 'all', 'first' or a list of names, got {which!r}")
     else:
         names = list(which)
-        unknown = [n for n in names if n not in by_name]
+        unknown = [n for n in names if n not in by_name and n not in experts_names]
         if unknown:
             also = " (nor transformers Conv1D)" if conv1d else ""
             raise ValueError(f"not nn.Linear modules of this model{also}: {unknown}")
-        chosen = list(dict.fromkeys(by_name[n] for n in names))
+        chosen = list(dict.fromkeys(by_name[n] for n in names if n in by_name))
 
     # Plan: refuse or skip what cannot be swapped, build every guarded layer; then swap.
     built: list[tuple[int, nn.Module]] = []
@@ -291,6 +302,8 @@ def replace_linear(
             _set_child(model, qualified, safe)
             _remember_slot(model, qualified, options)
     name_layers(model)
+    if which == "all" or (explicit and experts_names.intersection(names)):
+        experts.guard_experts(model, None if which == "all" else set(names), mode)
     _report(model, conv1d, explicit or which == "first")
     return model
 
@@ -365,6 +378,8 @@ def restore_linear(model: nn.Module) -> nn.Module:
     their fused fast path back. For what needs plain modules: ``torch.onnx.export`` of a model
     without the guard, ``torch.ao.quantization.quantize_dynamic`` (which only converts exact
     ``nn.Linear`` types), or pickling a whole model for a machine without this package.
+    transformers experts modules get back the experts implementation they had before
+    :func:`replace_linear` (``grouped_mm``, ``eager``, ...).
     """
     if is_guarded(model):
         return _plain_twin(model)
@@ -384,6 +399,7 @@ def restore_linear(model: nn.Module) -> nn.Module:
         if originals:
             for attr, value in originals.items():
                 setattr(module, attr, value)
+    experts.restore_experts(model)
     return model
 
 

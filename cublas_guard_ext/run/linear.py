@@ -1,4 +1,6 @@
-"""Every ``nn.Linear`` of the process through the guarded op, named by its qualified name.
+"""Every ``nn.Linear`` of the process through the guarded op, named by its qualified name; and
+every transformers experts module (a mixture of experts' 3-D expert weights) through the guarded
+grouped GEMM (:func:`cublas_guard_ext.models.experts.install_everywhere`).
 
 ``nn.Linear.forward`` is replaced on the class (modules built before and after alike; the
 subclasses that keep nn.Linear's forward too; ``SafeLinear`` has its own). The replacement is
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from ..guarded_linear import ops as _ops
+from ..models import experts as _experts
 from ..training.state import _unwrap
 
 NAME_ATTR = "_cublas_guard_run_name"
@@ -149,10 +152,12 @@ def install() -> None:
     _original["compile"] = torch.compile
     nn.Linear.forward = guarded_forward  # type: ignore[method-assign]
     torch.compile = _compile_naming(torch.compile)  # type: ignore[assignment]
+    _experts.install_everywhere()
 
 
 def uninstall() -> None:
     if not _original:
         return
+    _experts.uninstall_everywhere()
     nn.Linear.forward = _original.pop("forward")  # type: ignore[method-assign]
     torch.compile = _original.pop("compile")  # type: ignore[assignment]

@@ -35,6 +35,9 @@ def _samples(name: str, dtype: torch.dtype, device: str) -> list[Sample]:
     def t(*shape: int, grad: bool = True) -> torch.Tensor:
         return _tensor(dtype, device, *shape, grad=grad)
 
+    def offs(*ends: int) -> torch.Tensor:  # a grouped GEMM's int32 group ends
+        return torch.tensor(ends, dtype=torch.int32, device=device)
+
     table: dict[str, Callable[[], list[Sample]]] = {
         "scan": lambda: [(t(7, 3, grad=False),), (t(4, 6, grad=False).t(),), (t(0, grad=False),)],
         "linear": lambda: [
@@ -45,6 +48,20 @@ def _samples(name: str, dtype: torch.dtype, device: str) -> list[Sample]:
         "linear_grad_weight": lambda: [(t(4, 3), t(4, 5), "l")],
         "check_features": lambda: [(t(4, 5, grad=False), 5, "l")],
         "guard_values": lambda: [(t(4, 5, grad=False), "l", ROLE_CODES["weight"], MODE_SYNC)],
+        # Experts: 7 sorted rows in groups of 2, 0 and 3 (an empty expert, and 2 rows past the
+        # last end that come back zero); Linear-layout and transposed weights, with a bias.
+        "grouped_linear": lambda: [
+            (t(7, 5), t(3, 4, 5), t(3, 4), offs(2, 2, 5), "e", "gate_up_proj", MODE_SYNC, False),
+            (t(7, 5), t(3, 5, 4), None, offs(2, 2, 5), "e", "down_proj", MODE_ASYNC, True),
+        ],
+        "grouped_linear_grad_input": lambda: [
+            (t(7, 4), t(3, 4, 5), offs(2, 2, 5), "e", "gate_up_proj", False),
+            (t(7, 4), t(3, 5, 4), offs(3, 3, 7), "e", "down_proj", True),
+        ],
+        "grouped_linear_grad_weight": lambda: [
+            (t(7, 4), t(7, 5), offs(2, 2, 5), "e", "gate_up_proj", False),
+            (t(7, 4), t(7, 5), offs(0, 4, 7), "e", "down_proj", True),
+        ],
         # The ops below take no floating tensor: their samples do not depend on the dtype.
         "check_in_graph": lambda: [(torch.empty(0, device=device),)],
         "async_check": lambda: [(True,), (False,)],

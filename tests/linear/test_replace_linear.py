@@ -152,21 +152,21 @@ def test_a_conv1d_given_alone_is_returned_guarded():
 # -- what is left, and the summary -------------------------------------------------------------
 
 
-def test_mixtral_router_and_fused_experts_are_reported_with_the_reason(caplog):
+def test_mixtral_router_is_reported_with_the_reason_and_the_experts_are_guarded(caplog):
     model = mixtral()
     with caplog.at_level(logging.INFO, logger="cublas_guard_ext"):
-        with pytest.warns(UserWarning, match="left 2 matmul-bearing modules unguarded") as caught:
+        with pytest.warns(UserWarning, match="left 1 matmul-bearing modules unguarded") as caught:
             cg.replace_linear(model)
     text = str(caught[0].message)
     assert "model.layers.0.mlp.gate (MixtralTopKRouter): a 2-D weight (weight [4, 16])" in text
-    assert "model.layers.0.mlp.experts (MixtralExperts): fused 3-D weights (gate_up_proj [4, 64, 16]" in text
-    assert "cublas_guard_ext: 5 layers guarded, 2 left unguarded" in caplog.text
+    assert "experts" not in text
+    assert "cublas_guard_ext: 6 layers guarded, 1 left unguarded" in caplog.text
     summary = cg.coverage(model)
     assert sorted(summary.guarded) == sorted(
-        [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + ["lm_head"]
+        [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + ["lm_head", "model.layers.0.mlp.experts"]
     )
-    assert [kind for _, kind, _ in summary.left] == ["MixtralTopKRouter", "MixtralExperts"]
-    assert str(summary).splitlines()[0] == "cublas_guard_ext: 5 layers guarded, 2 left unguarded"
+    assert [kind for _, kind, _ in summary.left] == ["MixtralTopKRouter"]
+    assert str(summary).splitlines()[0] == "cublas_guard_ext: 6 layers guarded, 1 left unguarded"
     with torch.no_grad():
         model(IDS)  # still runs
 

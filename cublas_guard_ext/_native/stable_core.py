@@ -72,6 +72,8 @@ def typed_errors(fn: F) -> F:
 def _take_failure_context() -> dict[str, Any]:
     """The failing call's tensors and facts, as python_errors.cpp hands them to the capsule."""
     internal = torch.ops.cublas_guard_internal
+    if not hasattr(internal, "failure_names"):  # not the stable core: nothing kept
+        return {"buffers": {}, "operands": {}}
     names = list(internal.failure_names())
     tensors = list(internal.take_failure_tensors())
     context: dict[str, Any] = {"buffers": {}, "operands": {}}

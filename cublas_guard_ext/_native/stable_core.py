@@ -95,6 +95,7 @@ def _take_failure_context() -> dict[str, Any]:
 # too), so it is also where the core's errors become typed, forward and backward alike.
 # ---------------------------------------------------------------------------
 _ops = torch.ops.cublas_guard
+_LINEAR = _ops.linear.default
 
 
 def _broadcast_in_memory(t: torch.Tensor) -> bool:
@@ -212,6 +213,16 @@ def cuda_first_use_done(index: int) -> None:
     _cuda_devices_seen.add(index)
 
 
+# Looked up once: every name below is read on every guarded call.
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_tracing = torch._C._is_tracing  # what torch.jit.is_tracing reads, without its Python frame
+_autocast_on = torch.is_autocast_enabled
+_grad_on = torch.is_grad_enabled
+_below = torch._C._AutoDispatchBelowAutograd
+_strided = torch.strided
+_DEVICES = ("cpu", "cuda")
+
+
 def fast_linear(*args: Any) -> torch.Tensor | None:
     """The guarded linear of (x, weight, bias, layer, code, scan_grad), or None when the
     torch.ops path must decide (as the C++ entry: arguments of other types, tensor subclasses,
@@ -221,34 +232,35 @@ def fast_linear(*args: Any) -> torch.Tensor | None:
         return None
     x, weight, bias, layer, code, scan_grad = args
     if (
-        type(layer) is not str
+        type(x) not in _PLAIN
+        or type(weight) not in _PLAIN
+        or (bias is not None and type(bias) not in _PLAIN)
+        or type(layer) is not str
         or type(code) is not int
         or not 0 <= code < 2**63  # the op refuses other codes itself, with their ValueError
         or type(scan_grad) is not bool
-        or type(x) not in _PLAIN
-        or type(weight) not in _PLAIN
-        or (bias is not None and type(bias) not in _PLAIN)
-        or x.layout != torch.strided
-        or torch._C._is_torch_function_mode_enabled()
-        or torch.jit.is_tracing()
-        or x.device.type not in ("cpu", "cuda")
-        or torch.is_autocast_enabled(x.device.type)
+        or x.layout is not _strided
+        or _function_mode_on()
+        or _tracing()
     ):
         return None
-    if x.is_cuda:
+    device = x.device.type
+    if device not in _DEVICES or _autocast_on(device):
+        return None
+    if device == "cuda":
         if x.device.index not in _cuda_devices_seen:
             return None
         if x.dtype in _HALF:
             hand_over_cuda_settings()
     try:
-        if torch.is_grad_enabled() and (
+        if _grad_on() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
             if _untracked_inference_weight(weight):
                 weight = weight.detach()
             return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
-        with torch._C._AutoDispatchBelowAutograd():
-            return _ops.linear.default(x, weight, bias, layer, code, scan_grad)
+        with _below():
+            return _LINEAR(x, weight, bias, layer, code, scan_grad)
     except RuntimeError as exc:
         typed = translate(exc)
         if typed is None:

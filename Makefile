@@ -4,8 +4,10 @@
 #
 #   make test  [PYTEST_ARGS=...]         the fast tier: every test not marked slow (a few minutes)
 #   make test-slow [PYTEST_ARGS=...]     the slow tier: builds, subprocesses, real models, long runs
-#   make test-all [PYTEST_ARGS=...]      the whole suite, fast tier first (the README's test command, CI's)
+#   make test-core [PYTEST_ARGS=...]     the fast tier on the stable core alone (CUBLAS_GUARD_EXT_NATIVE=core)
+#   make test-all [PYTEST_ARGS=...]      the whole suite: fast tier, fast tier on the core, slow tier (the README's test command, CI's)
 #   make demo                            run the demo
+#   make wheel                           dist/*.whl: the stable core (abi3) + the locked _C for the venv's torch
 #   make cuda-check                      compile-check every csrc/**/*.cu with nvcc (sm_80 + sm_90)
 #   make cuda-build-check                full CUDAExtension build in a separate CUDA-torch venv
 #   make lint                            ruff (rules, format) and clang-format check; change nothing
@@ -46,10 +48,10 @@ BUILD_STAMP := $(VENV)/.ext-installed
 
 # Everything the compiled _C depends on: a change to any of these must rebuild it,
 # or a stale _C*.so would be tested.
-EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
+EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/core_build.py cublas_guard_ext/_native/ninja_build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
-.PHONY: venv demo test test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
+.PHONY: venv wheel demo test test-core test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE
 
 venv: $(BUILD_STAMP)
 
@@ -77,6 +79,13 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
 demo: $(BUILD_STAMP)
 	$(VENV_PY) -m cublas_guard_ext demo
 
+# One wheel for Linux x86_64 and every CPython >= 3.10 (docs/building.md): the stable core
+# (cp310-abi3, every torch from its floor on; its CUDA part where a toolkit is found) and the
+# version-locked _C for the venv's torch, used only beside that torch and CPython. Built in a
+# copy of the tree (tracked and untracked-but-not-ignored files), so no in-place build leaks in.
+wheel: $(DEPS_STAMP)
+	bash .ci/build_wheel.sh $(abspath $(VENV_PY)) dist
+
 # Two tiers, split by the `slow` marker (pyproject.toml): `make test` is what a contributor runs
 # after every change, so whatever makes it wait (a build, a subprocess, a real model, thousands of
 # steps) is marked slow and runs in `make test-slow`.
@@ -90,7 +99,13 @@ test-slow: $(BUILD_STAMP)
 # about a minute and the slow tier runs only when the fast one passed (what CI runs).
 test-all: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+	CUBLAS_GUARD_EXT_NATIVE=core $(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+
+# The stable core alone (the library users of another torch load from the wheel), in the same
+# venv: the editable install builds _core next to _C; tests that need _C are skipped.
+test-core: $(BUILD_STAMP)
+	CUBLAS_GUARD_EXT_NATIVE=core $(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 # The C++/CUDA sources clang-format owns (.clang-format); ruff finds the Python itself (pyproject.toml).
 CXX_FORMAT_SOURCES = $(shell find csrc benchmarks -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' \
@@ -134,7 +149,7 @@ sanitize: $(BUILD_STAMP)
 
 # Build outputs only; the next `make test` rebuilds the extension.
 clean:
-	rm -rf build *.egg-info cublas_guard_ext/_C*.so $(BUILD_STAMP) .pytest_cache .hypothesis
+	rm -rf build *.egg-info cublas_guard_ext/_C*.so cublas_guard_ext/_core*.so cublas_guard_ext/_C.torch cublas_guard_ext/_core_cuda.cuda $(BUILD_STAMP) .pytest_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -path ./.ci-cache -prune -o -name __pycache__ -type d -print \
 		| xargs rm -rf
 

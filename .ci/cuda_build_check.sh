@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prove the FULL CUDA build (CUDAExtension: nvcc + g++ compile, link) works on a
-# machine with a CUDA toolkit but no GPU, and that the result imports and passes the
-# test suite, both tiers (the CUDA-only tests skip without a GPU; the CPU ones must pass with
+# machine with a CUDA toolkit but no GPU, as the project's one wheel (the stable core with its
+# CUDA part, and the locked _C; left in CI_WHEEL_DIR for the version matrix), and that the
+# result imports and passes the test suite, both tiers, and the fast tier on the core alone (the CUDA-only tests skip without a GPU; the CPU ones must pass with
 # the CUDA build of torch and of the extension; the slow tier's compile and subprocess tests
 # are the ones that see a torch other than the pinned one here).
 #
@@ -29,6 +30,7 @@
 #   CI_CACHE           cache directory (default: .ci-cache)
 #   CI_KEEP_VENVS      1: keep the venv between runs (default: delete it at the end)
 #   STRAY_CUBLAS_SPEC  the wheel the stray libcublasLt comes from (default: nvidia-cublas==13.0.0.19)
+#   CI_WHEEL_DIR       where the wheel is left (default: .ci-cache/dist)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -108,16 +110,15 @@ fi
 echo "$(find "$SRC" -type f | wc -l) files in $SRC"
 if find "$SRC" -name '*.so' | grep -q .; then die "the copy holds a prebuilt .so"; fi
 
-# ---- 3. build and install (non-editable) --------------------------------------------
-stage "build + install (CUDAExtension)"
-LOG=$CACHE/cuda_build.log
+# ---- 3. the project's wheel, built once here, installed (non-editable) ----------------
+# The wheel every later stage installs (the version matrix): the stable core (_core, and
+# _core_cuda for CUDA 13) and the locked _C for this torch, from the copy (.ci/build_wheel.sh).
+stage "wheel: build + install (CUDA)"
+WHEEL_DIR=${CI_WHEEL_DIR:-$CACHE/dist}
+LOG=$WHEEL_DIR/wheel-build.log
 echo "CUDA_HOME=$CUDA_HOME TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST; full log: $LOG"
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
-if ! (cd "$SRC" && "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$LOG" 2>&1; then
-  tail -n 60 "$LOG"
-  die "build failed (log: $LOG)"
-fi
-grep -m1 'cublas_guard_ext: building' "$LOG" || true
+(cd "$SRC" && bash .ci/build_wheel.sh "$VPY" "$WHEEL_DIR") || die "the wheel build failed (log: $LOG)"
 grep -q 'cublas_guard_ext: building CUDA extension' "$LOG" \
   || die "setup.py did not choose the CUDA build (see the 'building' line above)"
 # setup.py falls back to a CPU-only build when the CUDA compile fails: here that is a failure.
@@ -125,6 +126,11 @@ if grep -q 'the CUDA build failed' "$LOG"; then
   grep -m1 'the CUDA build failed' "$LOG"
   die "the CUDA compile failed and setup.py built CPU-only (log: $LOG)"
 fi
+WHEEL=$(ls "$WHEEL_DIR"/cublas_guard_ext-*-cp310-abi3-*.whl) || die "no cp310-abi3 wheel in $WHEEL_DIR"
+for member in _core.abi3.so _core_cuda.abi3.so _C.torch _core_cuda.cuda _csrc/ops.cpp; do
+  "$VPY" -m zipfile -l "$WHEEL" | grep -q "cublas_guard_ext/$member" || die "the wheel lacks $member"
+done
+"$VPY" -m pip install --quiet --no-deps "$WHEEL"
 
 # ---- 4. import check, outside the source copy ---------------------------------------
 stage "import check"
@@ -146,6 +152,17 @@ assert info.kind == "prebuilt", f"the installed _C did not load (got a {info.kin
 assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"), \
     "no CUDA kernel registered for cublas_guard::linear"
 print("torch.cuda.is_available():", torch.cuda.is_available())
+PY
+)
+# The same wheel's stable core alone: the CUDA core (_core_cuda, not _core) loads beside a
+# CUDA torch and registers the CUDA kernels.
+(cd "$WORK/elsewhere" && CUBLAS_GUARD_EXT_NATIVE=core "$VPY" - <<'PY'
+import torch
+from cublas_guard_ext._native import loader
+info = loader.info()
+print("native:", info.library, info.kind, info.path, info.detail)
+assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith("_core_cuda.abi3.so"), info
+assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"), "no CUDA kernel"
 PY
 )
 
@@ -173,6 +190,20 @@ if path.startswith(cwd + os.sep):
 rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])
 assert os.path.realpath(sys.modules["cublas_guard_ext"].__file__) == path
 sys.exit(rc)
+PY
+)
+# The stable core alone (its CUDA part loaded), the fast tier: what a user of another torch runs.
+stage "pytest (installed package, the stable core alone)"
+(cd "$SRC" && CUBLAS_GUARD_EXT_NATIVE=core "$VPY" - <<'PY'
+import os, sys
+cwd = os.path.realpath(os.getcwd())
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
+import cublas_guard_ext
+import pytest
+from cublas_guard_ext._native import loader
+assert not os.path.realpath(cublas_guard_ext.__file__).startswith(cwd + os.sep)
+assert loader.info().library == "core", loader.info()
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests"]))
 PY
 )
 if [[ -d $TORCH_EXTENSIONS_DIR ]] && find "$TORCH_EXTENSIONS_DIR" -name '*.so' | grep -q .; then

@@ -1,32 +1,33 @@
 #!/usr/bin/env bash
-# The torch versions users run: build the extension (CPU-only) against each torch of the
-# matrix, run the demo, and run the fast suite, each in its own venv with Python 3.12.
-# The project's own .venv (torch 2.13.0, Python 3.11) is `make test`'s; this adds the
-# oldest and the newest torch we support.
+# The torch versions users run, beside the project's own .venv (torch 2.13.0, Python 3.11):
+# the oldest and the newest torch we support, with the oldest and a recent CPython.
 #
 # For each version V of MATRIX_TORCH_VERSIONS (default "2.11.0 2.15.0"):
-#   * a venv .ci-cache/venv-torchV-pyX.Y, deleted when that version is done (a CUDA build
-#     of torch is ~5 GB; .ci/disk.sh says why); CI_KEEP_VENVS=1 keeps it for reruns, and a
-#     kept venv is rebuilt when its package list changes. torch 2.15 is above this machine's pip constraint (torch<=2.14.1),
-#     so the venv's installs run with PIP_CONSTRAINT=/dev/null; every torch is pinned.
-#   * a temporary copy of the tree (tracked + untracked-but-not-ignored files), installed
-#     editable into that venv: for the versions of MATRIX_CUDA_VERSIONS (default "2.15.0") the
-#     way a user's default install does it, a CUDA build since nvcc is present (for one arch,
-#     MATRIX_CUDA_ARCH_LIST, default 9.0, to keep the stage short); for the others
-#     CPU-only (CUBLAS_GUARD_EXT_FORCE_CPU=1; the PyPI wheels of these torches are CUDA
-#     builds, and the full CUDA build is .ci/cuda_build_check.sh's job);
-#   * `python -m cublas_guard_ext demo --steps 20 --no-bench`, then pytest on tests/ with
-#     `-m "not slow"` minus MATRIX_IGNORE (files too slow for the stage's budget; they
-#     run in `make test-slow`); for a CUDA build also tests/building/test_build.py whole (its slow tests
-#     build the extension in subprocesses: the installed build and a JIT build into the
-#     directory the parent process computes, the JIT key's stability); and the torch.compile
-#     tests (MATRIX_COMPILE_TESTS), marked slow for `make test`'s budget but the tests most
-#     likely to change from one torch release to the next.
+#   * a venv .ci-cache/venv-torchV-pyX.Y (Python 3.10 for 2.11, 3.12 for 2.15: MATRIX_PYTHONS),
+#     deleted when that version is done (a CUDA build of torch is ~5 GB; .ci/disk.sh says why);
+#     CI_KEEP_VENVS=1 keeps it for reruns, and a kept venv is rebuilt when its package list
+#     changes. torch 2.15 is above this machine's pip constraint (torch<=2.14.1), so the venv's
+#     installs run with PIP_CONSTRAINT=/dev/null; every torch is pinned.
+#   * the project's ONE wheel (built once by .ci/cuda_build_check.sh for torch 2.14.1+cu130 and
+#     CPython 3.11, cp310-abi3; without it, a CPU wheel from .venv) installed with no compiler
+#     reachable: the stable core must load (_core_cuda beside a CUDA 13 torch, for the versions of
+#     MATRIX_CUDA_VERSIONS, default "2.15.0"), then `python -m cublas_guard_ext demo --steps 20
+#     --no-bench`, pytest on tests/ with `-m "not slow"` minus MATRIX_IGNORE (files too slow for
+#     the stage's budget; they run in `make test-slow`) and the torch.compile tests
+#     (MATRIX_COMPILE_TESTS: Dynamo and Inductor change with every release), all on the core, and
+#     nothing JIT-built;
+#   * then `python -m cublas_guard_ext build`, what a user runs for watch: the version-locked
+#     library compiled for V from the wheel's sources (CPU-only, or CUDA for one arch,
+#     MATRIX_CUDA_ARCH_LIST, default 9.0, as a user's default install with nvcc present), and
+#     tests/watch and the `locked` tests on it, in processes that find it in the JIT cache (the
+#     JIT key is the same whichever process computes it).
 #
 # Environment:
 #   MATRIX_TORCH_VERSIONS  torch versions to test (default: "2.11.0 2.15.0")
-#   MATRIX_PYTHON          interpreter that creates the venvs (default: a Python 3.12 from
-#                          PATH or pyenv; if none is found, python3, with a warning)
+#   MATRIX_PYTHON          interpreter that creates the venvs (default: MATRIX_PYTHONS's version
+#                          from PATH or pyenv; if none is found, python3, with a warning)
+#   MATRIX_PYTHONS         "torch=python ..." (default: "2.11.0=3.10 2.15.0=3.12")
+#   CI_WHEEL_DIR           where the wheel is (default: .ci-cache/dist)
 #   MATRIX_IGNORE          test files left out (default: see IGNORE below)
 #   MATRIX_COMPILE_TESTS   slow-marked torch.compile tests run too (default: see COMPILE_TESTS below)
 #   MATRIX_CUDA_VERSIONS   versions built with CUDA, as a user's default install (default: 2.15.0)
@@ -76,11 +77,15 @@ if [[ ${1:-} != --one ]] && (($(wc -w <<<"$VERSIONS") > 1)); then
 fi
 [[ ${1:-} == --one ]] && shift
 
-# ---- the interpreter ----------------------------------------------------------------
-find_python312() {
+# ---- the interpreter: Python 3.10 for the oldest torch, 3.12 for the newest ---------------
+# (MATRIX_PYTHONS: "torch=python ..."; the wheel is cp310-abi3, so both ends of its promise run.)
+PYTHONS=${MATRIX_PYTHONS:-2.11.0=3.10 2.15.0=3.12}
+want_py=3.12
+for pair in $PYTHONS; do [[ ${pair%%=*} == "$VERSIONS" ]] && want_py=${pair#*=}; done
+find_python() {  # find_python X.Y
   local candidate
-  for candidate in "$(command -v python3.12 || true)" \
-    "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+  for candidate in "$(command -v "python$1" || true)" \
+    "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/"$1"*/bin/python"$1"; do
     if [[ -n $candidate && -x $candidate ]] && "$candidate" -c 'import venv, ensurepip' 2>/dev/null; then
       echo "$candidate"
       return 0
@@ -91,11 +96,11 @@ find_python312() {
 PY_WARNING=
 if [[ -n ${MATRIX_PYTHON:-} ]]; then
   BASE_PYTHON=$MATRIX_PYTHON
-elif BASE_PYTHON=$(find_python312); then
+elif BASE_PYTHON=$(find_python "$want_py"); then
   :
 else
   BASE_PYTHON=python3
-  PY_WARNING="no Python 3.12 found (PATH, pyenv): the matrix ran with $(python3 --version 2>&1)"
+  PY_WARNING="no Python $want_py found (PATH, pyenv): the matrix ran with $(python3 --version 2>&1)"
   echo "version_matrix: WARNING: $PY_WARNING" >&2
 fi
 PY_TAG=$("$BASE_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') \
@@ -147,6 +152,41 @@ copy_tree() {  # copy_tree DEST: what a commit of the working tree would hold
 ignore_args=()
 for f in $IGNORE; do ignore_args+=("--ignore=$f"); done
 
+# installed_pytest PYTHON LIBRARY ARGS...: pytest, from a copy of the tree (the tests read its
+# csrc/ and docs/), against the INSTALLED package: the copy's root is taken off sys.path (no
+# Python the tests start puts it back: PYTHONSAFEPATH), and the library that loaded is checked.
+installed_pytest() {
+  local python=$1 library=$2
+  shift 2
+  PYTHONSAFEPATH=1 "$python" - "$library" "$@" <<'PY'
+import os, sys
+cwd = os.path.realpath(os.getcwd())
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
+import cublas_guard_ext
+import pytest
+from cublas_guard_ext._native import loader
+path = os.path.realpath(cublas_guard_ext.__file__)
+assert not path.startswith(cwd + os.sep), f"imported the copy ({path}), not the installed package"
+info = loader.info()
+print("testing", path, "native:", info.library, info.kind, info.path)
+assert info.library == sys.argv[1], info
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]]))
+PY
+}
+
+# The one wheel (.ci/cuda_build_check.sh leaves it in CI_WHEEL_DIR); without one (that stage
+# skipped), a CPU wheel built here from the project's .venv.
+WHEEL_DIR=${CI_WHEEL_DIR:-$CACHE/dist}
+if ! ls "$WHEEL_DIR"/cublas_guard_ext-*-cp310-abi3-*.whl >/dev/null 2>&1; then
+  echo "version_matrix: no wheel in $WHEEL_DIR; building one from .venv (CPU only)"
+  bash "$ROOT/.ci/build_wheel.sh" "$ROOT/.venv/bin/python" "$WHEEL_DIR" || die "the wheel build failed"
+  CUDA_VERSIONS=""  # a CPU wheel has no CUDA core to check
+fi
+WHEEL=$(ls "$WHEEL_DIR"/cublas_guard_ext-*-cp310-abi3-*.whl)
+echo "version_matrix: the wheel $WHEEL"
+NO_NVCC_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste -sd:)
+mkdir -p "$WORK/elsewhere"
+
 for version in $VERSIONS; do
   venv=$CACHE/venv-torch$version-py$PY_TAG
   vpy=$venv/bin/python
@@ -173,69 +213,75 @@ if torch.__version__.split("+")[0] != want:
     sys.exit(f"the venv holds torch {torch.__version__}, not {want}")
 PY
 
-  # ---- 2. build (editable, in a copy of the tree): CUDA as a user's default, or CPU-only
-  build_env=(CUBLAS_GUARD_EXT_FORCE_CPU=1) flavour=CPU-only
-  if [[ " $CUDA_VERSIONS " == *" $version "* ]]; then
-    build_env=(TORCH_CUDA_ARCH_LIST="$CUDA_ARCH_LIST") flavour=CUDA
-  fi
-  stage "torch $version: build ($flavour)"
+  # ---- 2. the one wheel, installed with no compiler ------------------------------------
+  # The wheel CI built once (.ci/cuda_build_check.sh, torch 2.14.1+cu130, Python 3.11). Here
+  # its locked _C is another torch's and CPython's: the stable core serves (_core_cuda where
+  # torch has CUDA 13). No compiler may run: CC/CXX/NVCC point at `false`, nvcc is off PATH,
+  # and a private TORCH_EXTENSIONS_DIR must stay empty.
+  stage "torch $version: install the wheel (no compiler)"
   src=$WORK/src-$version
   copy_tree "$src"
-  log=$CACHE/matrix-build-torch$version.log
-  echo "full log: $log"
   "$vpy" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
-  if ! (cd "$src" && env "${build_env[@]}" PIP_CONSTRAINT=/dev/null \
-    "$vpy" -m pip install --no-build-isolation --no-deps -v -e .) >"$log" 2>&1; then
-    tail -n 60 "$log"
-    die "torch $version: build failed (log: $log)"
-  fi
-  grep -m1 'cublas_guard_ext: building' "$log" || true
-  grep -q "cublas_guard_ext: building $flavour extension" "$log" \
-    || die "torch $version: setup.py did not build the $flavour extension"
-  if grep -q 'the CUDA build failed' "$log"; then
-    grep -m1 'the CUDA build failed' "$log"
-    die "torch $version: the CUDA compile failed and setup.py built CPU-only (log: $log)"
-  fi
-  grep 'cublas_guard_ext build: done in' "$log" || true
-
-  # ---- 3. the demo ------------------------------------------------------------------
-  stage "torch $version: demo"
-  mkdir -p "$WORK/elsewhere"
-  (cd "$WORK/elsewhere" && "$vpy" - "$src" <<'PY'
-import os, sys
+  no_compiler=(CC=false CXX=false NVCC=false CUDA_HOME=/nonexistent PATH="$NO_NVCC_PATH"
+    TORCH_EXTENSIONS_DIR="$WORK/ext-$version")
+  env "${no_compiler[@]}" PIP_CONSTRAINT=/dev/null "$vpy" -m pip install --quiet --no-deps "$WHEEL"
+  core_module=_core.abi3.so
+  [[ " $CUDA_VERSIONS " == *" $version "* ]] && core_module=_core_cuda.abi3.so
+  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" - "$core_module" <<'PY'
+import sys, torch
 import cublas_guard_ext
 from cublas_guard_ext._native import loader
-path = os.path.realpath(cublas_guard_ext.__file__)
-assert path.startswith(os.path.realpath(sys.argv[1]) + os.sep), f"imported {path}, not the copy"
 info = loader.info()
-assert info.kind == "prebuilt", f"the built _C did not load (got a {info.kind} build)"
-print("cublas_guard_ext from", path, "native:", info.kind, info.path)
+print("native:", info.library, info.kind, info.path, info.detail)
+assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith(sys.argv[1]), info
+if sys.argv[1].startswith("_core_cuda"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
 PY
   )
-  (cd "$WORK/elsewhere" && "$vpy" -m cublas_guard_ext demo --steps 20 --no-bench) \
+
+  # ---- 3. the demo, on the core -------------------------------------------------------
+  stage "torch $version: demo"
+  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" -m cublas_guard_ext demo --steps 20 --no-bench) \
     >"$CACHE/matrix-demo-torch$version.log" 2>&1 \
     || { tail -n 40 "$CACHE/matrix-demo-torch$version.log"; die "torch $version: the demo failed"; }
   tail -n 5 "$CACHE/matrix-demo-torch$version.log"
 
-  # ---- 4. the fast suite ------------------------------------------------------------
-  stage "torch $version: pytest (fast suite)"
-  # A private TORCH_EXTENSIONS_DIR: nothing falls back to (or reuses) another JIT build.
+  # ---- 4. the fast suite and the torch.compile tests, on the core, still no compiler --
+  stage "torch $version: pytest (fast suite, the stable core)"
   # --durations: the slowest tests, to keep the stage within its budget.
-  (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
-    "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
+  (cd "$src" && export "${no_compiler[@]}" && installed_pytest "$vpy" core \
+    -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
   if [[ -n $COMPILE_TESTS ]]; then
-    stage "torch $version: pytest (torch.compile tests)"
+    stage "torch $version: pytest (torch.compile tests, the stable core)"
     # shellcheck disable=SC2086  # a list of test ids, split on purpose
-    (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version \
-      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 $COMPILE_TESTS "$@")
+    (cd "$src" && export "${no_compiler[@]}" && installed_pytest "$vpy" core --durations=5 $COMPILE_TESTS "$@")
   fi
-  if [[ $flavour == CUDA ]]; then
-    # The slow build tests too: the installed CUDA build is used, and a JIT CUDA build in a
-    # subprocess lands in the directory this process computes (one key however it started).
-    stage "torch $version: pytest tests/building/test_build.py (CUDA build)"
-    (cd "$src" && TORCH_EXTENSIONS_DIR=$WORK/ext-$version TORCH_CUDA_ARCH_LIST=$CUDA_ARCH_LIST \
-      "$vpy" -m pytest -q -p no:cacheprovider --durations=5 tests/building/test_build.py "$@")
+  if find "$WORK/ext-$version" -name '*.so' 2>/dev/null | grep -q .; then
+    die "torch $version: something compiled (JIT) where the wheel alone must do"
   fi
+
+  # ---- 5. the locked library for this torch, built by the command users run ------------
+  # `python -m cublas_guard_ext build` compiles _C from the wheel's sources into the JIT cache
+  # (CPU-only, or CUDA as a user's default install for MATRIX_CUDA_VERSIONS, one arch); a
+  # process started after it loads _C, and the tests that need it (watch, the parameter cache,
+  # the C++ autograd node: tests/watch and the `locked` ones) run on it.
+  build_env=(CUBLAS_GUARD_EXT_FORCE_CPU=1) flavour=CPU-only
+  if [[ " $CUDA_VERSIONS " == *" $version "* ]]; then
+    build_env=(TORCH_CUDA_ARCH_LIST="$CUDA_ARCH_LIST") flavour=CUDA
+  fi
+  stage "torch $version: python -m cublas_guard_ext build ($flavour)"
+  log=$CACHE/matrix-build-torch$version.log
+  (cd "$WORK/elsewhere" && env "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" \
+    "$vpy" -m cublas_guard_ext build) >"$log" 2>&1 || { tail -n 60 "$log"; die "torch $version: build failed"; }
+  grep -E 'cublas_guard_ext build: done in|the version-locked library is ready' "$log" || true
+  if [[ $flavour == CUDA ]] && ! grep -q 'JIT build (cuda' "$log"; then
+    die "torch $version: the build command did not build CUDA kernels (log: $log)"
+  fi
+  stage "torch $version: pytest (watch and the locked-library tests)"
+  (cd "$src" && export "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" && installed_pytest "$vpy" locked \
+    -m "not slow" --durations=5 tests/watch --ignore=tests/watch/test_watch_minilm.py "$@")
+  (cd "$src" && export "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" && installed_pytest "$vpy" locked \
+    -m "locked and not slow" tests "$@")
   rm -rf "$src" "$WORK/ext-$version"
   drop_venv "$venv"
 done

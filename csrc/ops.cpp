@@ -1,92 +1,43 @@
-// Every public op schema (torch.ops.cublas_guard), the Meta kernels that
-// torch.compile / FakeTensor use, and the device-independent ops. The test
+// Every public op schema (torch.ops.cublas_guard) and the device-independent
+// ops, in both builds of the core (core/tensor_api.h). The Meta kernels that
+// torch.compile / FakeTensor use are the locked library's (ops_meta.cpp: they
+// need SymInts); the stable core's are Python's (_native/fake.py). The test
 // hooks have their own namespace (testing.cpp), the package's private entry
 // points theirs (cublas_guard_internal, defined where they are implemented),
 // so what a user sees under torch.ops.cublas_guard is the product only.
+#include "core/registration.h"
 #include "linear/linear_op.h"
 #include "moe/grouped_op.h"
-
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <string>
 
 namespace cublas_guard {
 namespace {
 
-// Sizes as SymInts: under torch.compile(dynamic=...) and torch.export a batch
-// dim is symbolic and must stay so (no sizes(), no guard on it).
-c10::SymDimVector linear_output_shape(const at::Tensor& x, const c10::SymInt& out_features) {
-  c10::SymDimVector shape(x.sym_sizes().begin(), x.sym_sizes().end());
-  shape.back() = out_features;
-  return shape;
-}
-
-// Meta kernels run the same rule functions as the real ones, so a traced or
-// compiled model refuses the same inputs with the same errors.
-at::Tensor scan_meta(const at::Tensor& x) {
-  check_scannable(x);
-  return at::empty({kScanFields}, x.options().dtype(at::kLong));
-}
-
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                       c10::string_view layer, int64_t mode, bool /*scan_grad*/) {
-  parse_mode(mode);
-  check_linear_args(x, weight, bias, std::string(layer));
-  return at::empty_symint(linear_output_shape(x, weight.sym_size(0)), weight.options());
-}
-
-at::Tensor grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
-  check_grad_args(grad_output, weight, weight.sym_size(0), "weight", std::string(layer));
-  return at::empty_symint(linear_output_shape(grad_output, weight.sym_size(1)), weight.options());
-}
-
-at::Tensor grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
-  check_grad_args(grad_output, x, grad_output.sym_size(-1), "input", std::string(layer));
-  return at::empty_symint({grad_output.sym_size(-1), x.sym_size(-1)}, x.options());
-}
-
-void check_features_meta(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
-  check_input(x, in_features, std::string(layer));
-}
-
-GroupedNames grouped_names(c10::string_view layer, c10::string_view parameter) {
-  return {std::string(layer), std::string(parameter)};
-}
-
-at::Tensor grouped_linear_meta(const at::Tensor& x, const at::Tensor& weight,
-                               const c10::optional<at::Tensor>& bias, const at::Tensor& offs,
-                               c10::string_view layer, c10::string_view parameter, int64_t mode,
-                               bool transposed) {
-  parse_mode(mode);
-  check_grouped_args(x, weight, bias, offs, transposed, grouped_names(layer, parameter));
-  return at::empty_symint({x.sym_size(0), weight.sym_size(transposed ? 2 : 1)}, weight.options());
-}
-
-at::Tensor grouped_grad_input_meta(const at::Tensor& grad_output, const at::Tensor& weight,
-                                   const at::Tensor& offs, c10::string_view layer, c10::string_view parameter,
-                                   bool transposed) {
-  const GroupedNames names = grouped_names(layer, parameter);
-  if (weight.dim() != 3) raise_shape(weight, "weight", "[experts, ., .]", names.label());
-  check_grouped_grad_args(grad_output, weight, "weight", weight.sym_size(transposed ? 2 : 1), offs, names);
-  return at::empty_symint({grad_output.sym_size(0), weight.sym_size(transposed ? 1 : 2)}, weight.options());
-}
-
-at::Tensor grouped_grad_weight_meta(const at::Tensor& grad_output, const at::Tensor& x,
-                                    const at::Tensor& offs, c10::string_view layer,
-                                    c10::string_view parameter, bool transposed) {
-  check_grouped_grad_args(grad_output, x, "input", grad_output.sym_size(-1), offs,
-                          grouped_names(layer, parameter));
-  const c10::SymInt out_features = grad_output.sym_size(1), in_features = x.sym_size(1);
-  if (transposed) return at::empty_symint({offs.sym_size(0), in_features, out_features}, x.options());
-  return at::empty_symint({offs.sym_size(0), out_features, in_features}, x.options());
-}
-
-void guard_values_meta(const at::Tensor& /*t*/, c10::string_view /*layer*/, int64_t /*role*/, int64_t mode) {
-  parse_mode(mode);
-}
-
 void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
+
+// The argument rules of an op, alone: what the locked library's Meta kernels run
+// (ops_meta.cpp). The stable core's fake kernels are Python's (_native/stable_core.py)
+// and call this for the rules, whenever the sizes are concrete, so a traced call
+// or one on meta tensors refuses the same inputs with the same errors.
+void argument_rules_op(StringArg op, const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias,
+                       StringArg layer_arg, int64_t mode) {
+  const std::string which(op), layer(layer_arg);
+  if (which == "linear") {
+    parse_mode(mode);
+    check_linear_args(a, b, bias, layer);
+  } else if (which == "linear_grad_input") {
+    check_grad_args(a, b, sym_size_at(b, 0), "weight", layer);
+  } else if (which == "linear_grad_weight") {
+    check_grad_args(a, b, sym_size_at(a, -1), "input", layer);
+  } else if (which == "scan") {
+    check_scannable(a);
+  } else if (which == "check_features") {
+    check_input(a, mode, layer);  // `mode` carries in_features here
+  } else {
+    throw_value_error("cublas_guard_ext: argument_rules: unknown op '" + which + "'");
+  }
+}
 
 std::string build_info_op() { return build_info_json(); }
 
@@ -98,14 +49,39 @@ std::string (*&cuda_build_info_provider())() {
 #define CUBLAS_GUARD_STRINGIFY2(...) #__VA_ARGS__
 #define CUBLAS_GUARD_STRINGIFY(...) CUBLAS_GUARD_STRINGIFY2(__VA_ARGS__)
 
+// The grouped linear's rules alone (moe/grouped_checks.cpp), as argument_rules_op.
+void grouped_argument_rules_op(StringArg op, const Tensor& a, const Tensor& b,
+                               const std::optional<Tensor>& bias, const Tensor& offs, StringArg layer,
+                               StringArg parameter, int64_t mode, bool transposed) {
+  const GroupedNames names{std::string(layer), std::string(parameter)};
+  const std::string which(op);
+  if (which == "grouped_linear") {
+    parse_mode(mode);
+    check_grouped_args(a, b, bias, offs, transposed, names);
+  } else if (which == "grouped_linear_grad_input") {
+    if (b.dim() != 3) raise_shape(b, "weight", "[experts, ., .]", names.label());
+    check_grouped_grad_args(a, b, "weight", sym_size_at(b, transposed ? 2 : 1), offs, names);
+  } else if (which == "grouped_linear_grad_weight") {
+    check_grouped_grad_args(a, b, "input", sym_size_at(a, -1), offs, names);
+  } else {
+    throw_value_error("cublas_guard_ext: grouped_argument_rules: unknown op '" + which + "'");
+  }
+}
+
 }  // namespace
 
 void set_cuda_build_info(std::string (*provider)()) { cuda_build_info_provider() = provider; }
 
 std::string build_info_json() {
   std::string out = "{\"built_with_torch\": \"";
-#ifdef CUBLAS_GUARD_TORCH_VERSION
+#if defined(CUBLAS_GUARD_STABLE)
+  // The stable core is built for every torch from its floor on, not for one.
+  out += "stable ABI\", \"library\": \"stable core\", \"stable_abi_floor\": \"";
+  out +=
+      std::to_string(TORCH_TARGET_VERSION >> 56) + "." + std::to_string((TORCH_TARGET_VERSION >> 48) & 0xff);
+#elif defined(CUBLAS_GUARD_TORCH_VERSION)
   out += CUBLAS_GUARD_STRINGIFY(CUBLAS_GUARD_TORCH_VERSION);
+  out += "\", \"library\": \"locked";
 #else
   out += "unknown";
 #endif
@@ -117,8 +93,7 @@ std::string build_info_json() {
 
 }  // namespace cublas_guard
 
-TORCH_LIBRARY(cublas_guard, m) {
-  using namespace cublas_guard;
+CG_LIBRARY(cublas_guard, m) {
   m.def("scan(Tensor x) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor weight, Tensor? bias, str layer=\"\", int mode=1, "
@@ -138,19 +113,23 @@ TORCH_LIBRARY(cublas_guard, m) {
       "grouped_linear_grad_weight(Tensor grad_output, Tensor x, Tensor offs, str layer=\"\", "
       "str parameter=\"\", bool transposed=False) -> Tensor");
   m.def("guard_values(Tensor t, str layer, int role, int mode) -> ()");
-  m.def("async_check(bool synchronize=True) -> ()", &async_check_op);
-  m.def("build_info() -> str", &build_info_op);
+  m.def("async_check(bool synchronize=True) -> ()");
+  m.def("build_info() -> str");
 }
 
-TORCH_LIBRARY_IMPL(cublas_guard, Meta, m) {
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("argument_rules(str op, Tensor a, Tensor b, Tensor? bias, str layer, int mode) -> ()");
+  m.def(
+      "grouped_argument_rules(str op, Tensor a, Tensor b, Tensor? bias, Tensor offs, str layer, "
+      "str parameter, int mode, bool transposed) -> ()");
+}
+CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
+  CG_IMPL(m, "argument_rules", &cublas_guard::argument_rules_op);
+  CG_IMPL(m, "grouped_argument_rules", &cublas_guard::grouped_argument_rules_op);
+}
+
+CG_LIBRARY_IMPL(cublas_guard, CompositeExplicitAutograd, m) {
   using namespace cublas_guard;
-  m.impl("scan", &scan_meta);
-  m.impl("linear", &linear_meta);
-  m.impl("linear_grad_input", &grad_input_meta);
-  m.impl("linear_grad_weight", &grad_weight_meta);
-  m.impl("check_features", &check_features_meta);
-  m.impl("grouped_linear", &grouped_linear_meta);
-  m.impl("grouped_linear_grad_input", &grouped_grad_input_meta);
-  m.impl("grouped_linear_grad_weight", &grouped_grad_weight_meta);
-  m.impl("guard_values", &guard_values_meta);
+  CG_IMPL(m, "async_check", &async_check_op);
+  CG_IMPL(m, "build_info", &build_info_op);
 }

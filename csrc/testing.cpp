@@ -9,13 +9,10 @@
 //   simulate_cuda_errors  run pending_errors.h's decisions against a model of the
 //                         CUDA runtime's last-error rules (any build, no GPU needed)
 //   clean_cache_stats     the parameter cache's counters (defined in linear/param_cache.cpp)
+// The watch hooks (the version-locked library's) are in watch/watch_testing.cpp.
+#include "core/registration.h"
 #include "linear/linear_op.h"
 #include "report/pending_errors.h"
-#include "watch/watch_device.h"
-
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -27,10 +24,6 @@
 #include <vector>
 
 namespace cublas_guard {
-namespace watch {
-// watch/watch_device.cpp: the CPU as two devices, a late harvest, a small tag array.
-void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
-}  // namespace watch
 
 // ---------------------------------------------------------------------------
 // Fault injection: the state production code reads (a relaxed load per GEMM)
@@ -57,8 +50,8 @@ std::atomic<bool>& any_fault_armed() {
 
 void require_testing_env(const char* what) {
   const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
-              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+  CG_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
+           " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
 }
 
 }  // namespace
@@ -83,10 +76,10 @@ void set_fault_for_testing(const std::string& site, int64_t code, int64_t times)
   } else if (site == "handle") {
     which = FaultSite::kHandle;
   } else {
-    TORCH_CHECK_VALUE(false, "cublas_guard_ext: unknown fault site '", site,
+    throw_value_error("cublas_guard_ext: unknown fault site '" + site +
                       "' (expected gemm, launch or handle)");
   }
-  TORCH_CHECK_VALUE(times >= 0, "cublas_guard_ext: fault count must be >= 0");
+  CG_CHECK_VALUE(times >= 0, "cublas_guard_ext: fault count must be >= 0");
   auto& fault = faults()[static_cast<size_t>(which)];
   fault.code.store(static_cast<int>(code));
   fault.remaining.store(times);
@@ -147,8 +140,8 @@ const bool faults_from_environment = (arm_faults_from_environment(), true);
 
 int64_t set_size_limit_for_testing(int64_t limit, bool allow_64bit_api) {
   require_testing_env("the size limit override");
-  TORCH_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
-                    "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
+  CG_CHECK_VALUE(limit >= 1 && limit <= 2147483647,
+                 "cublas_guard_ext: size limit must be in [1, 2^31-1], got ", limit);
   return set_gemm_size_limit(limit, allow_64bit_api);
 }
 
@@ -199,7 +192,7 @@ int fake_stream_is_capturing(bool* capturing) {
 // raised inside a call) on the modelled state, then the next sync-mode call's
 // check on what it left. Returns {reported, last error left (peeked), stream
 // queries made, capture invalidated, what the next call's check reports}.
-std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_error, int64_t context_error,
+std::vector<int64_t> simulate_cuda_errors(StringArg stage, int64_t last_error, int64_t context_error,
                                           bool stream_busy, bool capturing) {
   FakeCuda state;
   state.last = static_cast<int>(last_error);
@@ -216,7 +209,7 @@ std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_e
     reported = sticky_error_behind_failure(probe);
   } else {
     fake = nullptr;
-    TORCH_CHECK_VALUE(false, "cublas_guard_ext: stage must be 'before' or 'failure', got '", which, "'");
+    throw_value_error("cublas_guard_ext: stage must be 'before' or 'failure', got '" + which + "'");
   }
   const int left = state.context != 0 ? state.context : state.last;
   const int next = take_pending_error(probe);
@@ -224,7 +217,7 @@ std::vector<int64_t> simulate_cuda_errors(c10::string_view stage, int64_t last_e
   return {reported, left, state.queries, state.capture_invalidated ? 1 : 0, next};
 }
 
-void set_fault_op(c10::string_view site, int64_t code, int64_t times) {
+void set_fault_op(StringArg site, int64_t code, int64_t times) {
   set_fault_for_testing(std::string(site), code, times);
 }
 
@@ -232,48 +225,20 @@ int64_t set_size_limit_op(int64_t limit, bool allow_64bit) {
   return set_size_limit_for_testing(limit, allow_64bit);
 }
 
-// watch blocks that begin from now on run with this seam (watch_device.h, TestSeam): float64
-// CPU tensors on a tag array of their own (two devices), the record read only at check(), the
-// block's end or an error path (a GPU running behind the host), a small initial tag array.
-void watch_test_seam_op(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity) {
-  require_testing_env("watch_test_seam");
-  watch::set_test_seam_values(two_cpu_devices, late_harvest, tag_capacity);
-}
-
-// The watch key on (or off) in this thread with no session of its own, as
-// autograd's device threads run (the key comes with the forward thread's
-// state): its backward ops find the session of the node's thread. The previous value.
-bool watch_set_key_included_op(bool on) {
-  require_testing_env("watch_set_key_included");
-  const bool previous = c10::impl::tls_is_dispatch_key_included(watch::kWatchKey);
-  c10::impl::tls_set_dispatch_key_included(watch::kWatchKey, on);
-  return previous;
-}
-
-// How many grown-out tag arrays this thread's watch keeps until its final check.
-int64_t watch_retired_arrays_op() {
-  require_testing_env("watch_retired_arrays");
-  watch::Session* s = watch::tls_session;
-  if (s == nullptr) return 0;
-  watch::SessionLock lock(*s->mu);
-  int64_t n = 0;
-  for (const watch::DeviceTags& d : s->tags->devices) n += static_cast<int64_t>(d.retired.size());
-  return n;
-}
-
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY(cublas_guard_testing, m) {
-  using namespace cublas_guard;
-  m.def("set_fault(str site, int code, int times) -> ()", &set_fault_op);
-  m.def("set_size_limit(int limit, bool allow_64bit=True) -> int", &set_size_limit_op);
-  m.def("watch_test_seam(bool two_cpu_devices=False, bool late_harvest=False, int tag_capacity=0) -> ()",
-        &watch_test_seam_op);
-  m.def("watch_set_key_included(bool on) -> bool", &watch_set_key_included_op);
-  m.def("watch_retired_arrays() -> int", &watch_retired_arrays_op);
+CG_LIBRARY(cublas_guard_testing, m) {
+  m.def("set_fault(str site, int code, int times) -> ()");
+  m.def("set_size_limit(int limit, bool allow_64bit=True) -> int");
   m.def(
       "simulate_cuda_errors(str stage, int last_error, int context_error, bool stream_busy, "
-      "bool capturing) -> int[]",
-      &simulate_cuda_errors);
+      "bool capturing) -> int[]");
+}
+
+CG_LIBRARY_IMPL(cublas_guard_testing, CompositeExplicitAutograd, m) {
+  using namespace cublas_guard;
+  CG_IMPL(m, "set_fault", &set_fault_op);
+  CG_IMPL(m, "set_size_limit", &set_size_limit_op);
+  CG_IMPL(m, "simulate_cuda_errors", &simulate_cuda_errors);
 }

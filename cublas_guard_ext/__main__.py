@@ -1,4 +1,4 @@
-"""``python -m cublas_guard_ext {demo,doctor,bench,replay,run}``."""
+"""``python -m cublas_guard_ext {demo,doctor,bench,replay,run,build}``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     replay.add_argument("capsule", metavar="CAPSULE", help="the capsule file a failing call wrote")
     replay.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser(
+        "build",
+        help="compile the version-locked library for this torch (watch needs it where the wheel's is another torch's)",
+    )
+    sub.add_parser(
         "run",
         help="run an unmodified script (or -m MODULE) under the guard; `run --help` for its options",
     )
@@ -52,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import doctor as doctor_module
 
         return doctor_module.main(as_json=args.json, probe=not args.no_probe, capsule=args.capsule)
+    if args.command == "build":
+        from .tools import build_locked
+
+        return build_locked.main()
     if args.command == "replay":
         from .capsule import replaying as replay_module
 

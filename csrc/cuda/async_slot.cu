@@ -2,12 +2,7 @@
 // device's address space, and a device-memory claim word) and the replay
 // counters of calls captured into CUDA graphs, allocated once per device.
 // (async_record.h says how the record is written and taken.)
-#include "cuda_backend.h"
-
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
+#include "cuda/cuda_backend.h"
 
 #include <array>
 #include <cstring>
@@ -41,32 +36,32 @@ std::array<DeviceRecord, 64>& device_slots() {
 // waits for it.
 void zero_on_private_stream(void* device_memory, size_t bytes) {
   cudaStream_t stream = nullptr;
-  C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaError_t err = cudaMemsetAsync(device_memory, 0, bytes, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
   const cudaError_t destroyed = cudaStreamDestroy(stream);
-  C10_CUDA_CHECK(err);
-  C10_CUDA_CHECK(destroyed);
+  CG_CUDA_CHECK(err);
+  CG_CUDA_CHECK(destroyed);
 }
 
 }  // namespace
 
-void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
+void async_slot_cuda(Device device, AsyncRecord** record, int** claim) {
   const int index = device.index();
-  TORCH_CHECK(index >= 0 && index < 64, "cublas_guard_ext: unsupported CUDA device index ", index);
+  CG_CHECK(index >= 0 && index < 64, "cublas_guard_ext: unsupported CUDA device index ", index);
   std::lock_guard<std::mutex> lock(slots_mutex());
   DeviceRecord& slot = device_slots()[index];
   if (slot.record == nullptr) {
-    const c10::cuda::CUDAGuard guard(device);
+    const CudaDeviceGuard guard(index);
     // One-time allocations, allowed even if the first async call is being captured.
-    const c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    const RelaxedCaptureModeGuard relaxed;
     void* host = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(AsyncRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+    CG_CUDA_CHECK(cudaHostAlloc(&host, sizeof(AsyncRecord), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(host, 0, sizeof(AsyncRecord));
     void* device_view = nullptr;
-    C10_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
+    CG_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, host, 0));
     // With unified addressing (every 64-bit platform CUDA supports) both are one address.
-    TORCH_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
+    CG_CHECK(device_view == host, "cublas_guard_ext: async mode needs unified virtual addressing");
     // The claim word, then the replay counters (8-byte aligned), all zero. The
     // zeroing runs on a private non-blocking stream and is waited for there:
     // no later stream is ordered after it. Not cudaMemset and the legacy
@@ -75,15 +70,15 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
     // would be invalidated.
     const size_t bytes = sizeof(int64_t) * (1 + kReplayCounters);
     void* device_memory = nullptr;
-    C10_CUDA_CHECK(cudaMalloc(&device_memory, bytes));
+    CG_CUDA_CHECK(cudaMalloc(&device_memory, bytes));
     zero_on_private_stream(device_memory, bytes);
     slot.record = static_cast<AsyncRecord*>(host);
     slot.claim = static_cast<int*>(device_memory);
     slot.replay_counters = static_cast<int64_t*>(device_memory) + 1;
     RecordHooks hooks;
-    hooks.synchronize = [](c10::Device d) {
-      const c10::cuda::CUDAGuard g(d);
-      C10_CUDA_CHECK(cudaDeviceSynchronize());
+    hooks.synchronize = [](Device d) {
+      const CudaDeviceGuard g(d.index());
+      CG_CUDA_CHECK(cudaDeviceSynchronize());
     };
     register_async_record(device, slot.record, slot.claim, hooks);
   }
@@ -94,10 +89,10 @@ void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim) {
 // Async mode: a captured call gets its own replay counter. Asked before the
 // call's scans are chosen (a captured call scans its parameters every replay),
 // so it makes sure the device's slot, which holds the counters, exists.
-bool capture_replay_counter_cuda(c10::Device device, int64_t** counter) {
+bool capture_replay_counter_cuda(Device device, int64_t** counter) {
   *counter = nullptr;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device.index()), &status) != cudaSuccess) {
+  if (cudaStreamIsCapturing(current_cuda_stream(device.index()), &status) != cudaSuccess) {
     (void)cudaGetLastError();  // not known to be capturing: count nothing, leave no error behind
     return false;
   }

@@ -1,6 +1,10 @@
-// Declarations shared by the CUDA translation units (scan.cu, linear.cu, lt_gemm.cu).
+// Declarations shared by the CUDA translation units (scan.cu, linear.cu,
+// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; watch_scan.cu in the locked
+// library). Written against core/tensor_api.h and core/cuda_api.h, so that the
+// core's CUDA sources compile into both builds.
 #pragma once
 
+#include "core/cuda_api.h"
 #include "cuda/launch_limits.h"
 #include "linear/gemm_route.h"
 #include "linear/linear_op.h"
@@ -12,19 +16,24 @@
 namespace cublas_guard {
 
 // Fused NaN/+Inf/-Inf scan on the current stream (see scan.cu).
-void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                    const std::string& layer);
+void scan_cuda_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target, const std::string& layer);
 
 // The same scan, whose launch also writes `bias` into every row of the
 // contiguous 2-D `out` (CUBLAS_GUARD_GEMM_PATH=lt: one launch before the GEMM).
-void scan_cuda_into_prefilling(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                               const std::string& layer, at::Tensor& out, const at::Tensor& bias);
+void scan_cuda_into_prefilling(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, Tensor& out, const Tensor& bias);
 // The prefill alone (off mode): one launch.
-void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::string& layer);
+void prefill_bias_cuda(Tensor& out, const Tensor& bias, const std::string& layer);
 // The column-major C[m x n] (leading dimension ldc) gets bias[r] in each
 // column's row r: the fallback of a cuBLASLt call cuBLASLt refused.
 void prefill_columns_cuda(void* c, const void* bias, int64_t m, int64_t n, int64_t ldc, int64_t element_size,
                           const std::string& layer);
+
+// One checked cuBLAS GEMM on torch's handle (cublas_gemm.cu), what it runs
+// for a dtype, and the device memory at a failure (for reports).
+int gemm_cuda(const GemmCall& call, GemmContext& ctx);
+GemmNames gemm_names_cuda(ScalarType dtype);
+MemoryFacts cuda_memory_snapshot(int device);
 
 // One cuBLASLt bias-epilogue GEMM (lt_gemm.cu), and what became of it: the
 // step that stopped it and the descriptors it was given, for a report.
@@ -40,10 +49,10 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected = 0);
 
 // The async record of `device`: pinned host memory mapped into the device's
 // address space, and a device-memory claim word. Allocated on first use.
-void async_slot_cuda(c10::Device device, AsyncRecord** record, int** claim);
+void async_slot_cuda(Device device, AsyncRecord** record, int** claim);
 // Async mode: whether the current stream of `device` is being captured; if
 // so, *counter is this call's own replay counter (nullptr when none is left).
-bool capture_replay_counter_cuda(c10::Device device, int64_t** counter);
+bool capture_replay_counter_cuda(Device device, int64_t** counter);
 
 // Before our first launch of a call: clears a stale non-sticky error (it is
 // not ours and would be blamed on the launch), reports a sticky one.
@@ -71,7 +80,7 @@ const LinearBackend& cuda_backend();
 // A c10::Error torch raised inside a guarded call (an allocation, a copy):
 // when an earlier kernel broke the context, raises PendingCudaError naming it;
 // otherwise returns (the caller rethrows).
-void raise_if_earlier_cuda_error(const c10::Error& e, const std::string& layer);
+void raise_if_earlier_cuda_error(const TorchError& e, const std::string& layer);
 
 // Raises the PendingCudaError report for `err`, seen at `stage`.
 [[noreturn]] void raise_pending_cuda_error(cudaError_t err, const char* stage, const std::string& layer);

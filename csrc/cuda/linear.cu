@@ -1,42 +1,19 @@
-// The CUDA backend: a direct, checked cuBLAS GEMM on PyTorch's own cuBLAS
-// handle (per thread and device, bound to the current stream, with torch's
-// workspace and TF32 setting), the CUDA error attribution, and the async
-// record in mapped host memory. The orchestration is linear_common.cpp's.
-//
-// Per dtype, as at::cuda::blas::gemm does it:
-//   float32   cublasSgemm (TF32 as torch's allow_tf32 set the handle's math mode)
-//   bfloat16  cublasGemmEx, CUDA_R_16BF, CUBLAS_COMPUTE_32F, reduced-precision
-//             reductions as torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction says
-//   float16   cublasGemmEx, CUDA_R_16F, CUBLAS_COMPUTE_32F, likewise with
-//             allow_fp16_reduced_precision_reduction
-//   float64   cublasDgemm
-// and the _64 variants (cuBLAS 12+) for arguments beyond the 32-bit limit.
-// float16 accumulates in float16 (CUBLAS_COMPUTE_16F) when
-// torch.backends.cuda.matmul.allow_fp16_accumulation is set, as torch's hgemm.
-// Under CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h) the forward's bias goes
-// through cuBLASLt's epilogue for bfloat16/float16 (lt_gemm.cu; cublasGemmEx
-// when cuBLASLt refuses) and through our prefill, fused into the input's scan,
-// for float32/float64.
-#include "cuda_backend.h"
+// The CUDA backend of the linear op: the backend table linear_common.cpp's
+// orchestration runs (the GEMM itself is cublas_gemm.cu's, the scan scan.cu's,
+// the async record async_slot.cu's), the CUDA error attribution (an error an
+// earlier kernel left is reported as that, not blamed on our launch or call),
+// the launch checks, sync mode's fetch of scan results, and the CUDA kernels
+// of the cublas_guard ops, registered for both builds (core/registration.h).
+#include "core/registration.h"
+#include "cuda/cuda_backend.h"
 #include "report/pending_errors.h"
 
-#include <ATen/Context.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/from_blob.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cublas_v2.h>
-#include <cuda_fp16.h>
-#include <torch/library.h>
-#include <torch/version.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
+#include <string>
 
 namespace cublas_guard {
 
@@ -66,8 +43,8 @@ namespace {
 // legacy path's GEMMs, and float32/float64 on both paths) our prefill writes
 // it, fused into the input's scan when one runs (one launch of ours before
 // the GEMM, beta = 1), alone in off mode: no full-size broadcast copy.
-BiasHandling bias_handling_cuda(at::ScalarType dtype) {
-  if (gemm_path() == GemmPath::kLt && (dtype == at::kBFloat16 || dtype == at::kHalf) && lt_available()) {
+BiasHandling bias_handling_cuda(ScalarType dtype) {
+  if (gemm_path() == GemmPath::kLt && (dtype == kBFloat16 || dtype == kHalf) && lt_available()) {
     return BiasHandling::kBiasInGemm;
   }
   return BiasHandling::kBiasByBackend;
@@ -75,15 +52,15 @@ BiasHandling bias_handling_cuda(at::ScalarType dtype) {
 
 // The real runtime behind pending_errors.h's decisions (current device and stream).
 const CudaErrorProbe& cuda_probe() {
-  static const CudaErrorProbe probe{
-      [] { return static_cast<int>(cudaGetLastError()); },
-      [] { return static_cast<int>(cudaStreamQuery(at::cuda::getCurrentCUDAStream())); },
-      [](bool* capturing) {
-        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-        const cudaError_t err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status);
-        *capturing = status != cudaStreamCaptureStatusNone;
-        return static_cast<int>(err);
-      }};
+  static const CudaErrorProbe probe{[] { return static_cast<int>(cudaGetLastError()); },
+                                    [] { return static_cast<int>(cudaStreamQuery(current_cuda_stream())); },
+                                    [](bool* capturing) {
+                                      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+                                      const cudaError_t err =
+                                          cudaStreamIsCapturing(current_cuda_stream(), &status);
+                                      *capturing = status != cudaStreamCaptureStatusNone;
+                                      return static_cast<int>(err);
+                                    }};
   return probe;
 }
 
@@ -123,16 +100,16 @@ namespace {
 const LaunchLimits& device_launch_limits() {
   static thread_local int cached_device = -1;
   static thread_local LaunchLimits limits;
-  const int device = c10::cuda::current_device();
+  const int device = current_cuda_device();
   if (device != cached_device) {
-    const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+    const cudaDeviceProp& props = cuda_device_properties(device);
     for (int i = 0; i < 3; ++i) {
-      limits.max_grid[i] = props->maxGridSize[i];
-      limits.max_block[i] = props->maxThreadsDim[i];
+      limits.max_grid[i] = props.maxGridSize[i];
+      limits.max_block[i] = props.maxThreadsDim[i];
     }
-    limits.max_threads_per_block = props->maxThreadsPerBlock;
+    limits.max_threads_per_block = props.maxThreadsPerBlock;
     limits.max_shared_bytes =
-        static_cast<int64_t>(std::max(props->sharedMemPerBlock, props->sharedMemPerBlockOptin));
+        static_cast<int64_t>(std::max(props.sharedMemPerBlock, props.sharedMemPerBlockOptin));
     cached_device = device;
   }
   return limits;
@@ -164,7 +141,7 @@ void check_launch(const char* kernel, const std::string& layer) {
   if (is_sticky_context_error(err)) raise_pending_cuda_error(err, "at a guard kernel's launch", layer);
   int device = -1;
   cudaGetDevice(&device);
-  cudaDeviceProp* props = device >= 0 ? at::cuda::getDeviceProperties(device) : nullptr;
+  const cudaDeviceProp* props = device >= 0 ? &cuda_device_properties(device) : nullptr;
   ErrorReport report("cuda_launch");
   report.add("layer", layer).add("kernel", kernel);
   report.add("cuda_error", cudaGetErrorName(err)).add("cuda_error_code", static_cast<int64_t>(err));
@@ -180,10 +157,8 @@ void check_launch(const char* kernel, const std::string& layer) {
                              " failed: " + cudaGetErrorName(err));
 }
 
-namespace {
-
 // Best effort: in a broken context these calls fail too, and the fields stay -1.
-MemoryFacts memory_snapshot(int device) {
+MemoryFacts cuda_memory_snapshot(int device) {
   MemoryFacts m;
   size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
@@ -192,258 +167,18 @@ MemoryFacts memory_snapshot(int device) {
   } else {
     (void)cudaGetLastError();  // do not leave our probe's error for the next caller
   }
-  try {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-    m.torch_allocated = stats.allocated_bytes[0].current;
-    m.torch_reserved = stats.reserved_bytes[0].current;
-    m.workspace_bytes = static_cast<int64_t>(at::cuda::getChosenWorkspaceSize());
-  } catch (const c10::Error&) {
-  }
+  const TorchCudaMemory torch_memory = torch_cuda_memory(device);
+  m.torch_allocated = torch_memory.allocated;
+  m.torch_reserved = torch_memory.reserved;
+  m.workspace_bytes = torch_memory.cublas_workspace;
   return m;
 }
 
-void memory_info_cuda(ErrorReport& report, c10::Device device) {
-  add_memory_fields(report, memory_snapshot(device.index()));
+namespace {
+
+void memory_info_cuda(ErrorReport& report, Device device) {
+  add_memory_fields(report, cuda_memory_snapshot(device.index()));
   report.add("device", "cuda:" + std::to_string(device.index()));
-}
-
-std::string describe_device(int device) {
-  cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
-  return "cuda:" + std::to_string(device) + " (" + props->name + ", sm_" + std::to_string(props->major) +
-         std::to_string(props->minor) + ")";
-}
-
-std::string math_mode_name(cublasMath_t mode) {
-  std::string name;
-  const int base =
-      static_cast<int>(mode) & ~static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
-  switch (base) {
-    case CUBLAS_DEFAULT_MATH: name = "CUBLAS_DEFAULT_MATH"; break;
-    case CUBLAS_PEDANTIC_MATH: name = "CUBLAS_PEDANTIC_MATH"; break;
-    case CUBLAS_TF32_TENSOR_OP_MATH: name = "CUBLAS_TF32_TENSOR_OP_MATH"; break;
-    default: name = "cublasMath_t(" + std::to_string(base) + ")";
-  }
-  if (static_cast<int>(mode) & static_cast<int>(CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)) {
-    name += " | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION";
-  }
-  return name;
-}
-
-// torch's hgemm: float16 products accumulate in float16 when the user allows it (sm_70+).
-bool fp16_accumulation() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
-  return at::globalContext().allowFP16AccumulationCuBLAS() &&
-         at::cuda::getCurrentDeviceProperties()->major >= 7;
-#else
-  return false;
-#endif
-}
-
-GemmNames gemm_names_cuda(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16: return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16BF", "CUBLAS_COMPUTE_32F"};
-    case at::kHalf:
-      return {"cublasGemmEx", "cublasGemmEx_64", "CUDA_R_16F",
-              fp16_accumulation() ? "CUBLAS_COMPUTE_16F" : "CUBLAS_COMPUTE_32F"};
-    case at::kDouble: return {"cublasDgemm", "cublasDgemm_64", "CUDA_R_64F", "CUBLAS_COMPUTE_64F"};
-    default: return {"cublasSgemm", "cublasSgemm_64", "CUDA_R_32F", "CUBLAS_COMPUTE_32F"};
-  }
-}
-
-// The math mode torch's own half-precision GEMMs use: reduced-precision
-// reductions only when the user allows them (the default allows them).
-// DisallowReducedPrecisionDisallowSplitK never gets here: cublasGemmEx cannot
-// honour it and gemm_cuda refuses it first (gemm_ex_refused_reduction).
-cublasMath_t half_math_mode(at::ScalarType dtype) {
-  const auto option = static_cast<at::CuBLASReductionOption>(torch_reduction_option(static_cast<int>(dtype)));
-  if (option == at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) return CUBLAS_DEFAULT_MATH;
-  return static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
-}
-
-// Runs the planned call with the routine for its dtype (the handle's math mode
-// is already what torch chose for float32).
-cublasStatus_t run_gemm(cublasHandle_t handle, const GemmCall& call) {
-  const cublasOperation_t op_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  // plan_gemm_call has checked every argument against the 32-bit limit unless use_64bit.
-  const int m = static_cast<int>(call.m), n = static_cast<int>(call.n), k = static_cast<int>(call.k);
-  const int lda = static_cast<int>(call.lda), ldb = static_cast<int>(call.ldb);
-  const int ldc = static_cast<int>(call.ldc);
-#if CUBLAS_VER_MAJOR < 12
-  TORCH_INTERNAL_ASSERT(!call.use_64bit, "cublas_guard_ext: 64-bit GEMM planned without cuBLAS 12+");
-#endif
-  switch (call.dtype) {
-    case at::kDouble: {
-      const double alpha = call.alpha, beta = call.beta;
-      const auto* a = static_cast<const double*>(call.a);
-      const auto* b = static_cast<const double*>(call.b);
-      auto* c = static_cast<double*>(call.c);
-#if CUBLAS_VER_MAJOR >= 12
-      if (call.use_64bit) {
-        return cublasDgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b, call.ldb,
-                              &beta, c, call.ldc);
-      }
-#endif
-      return cublasDgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
-    }
-    case at::kBFloat16:
-    case at::kHalf: {
-      // CUBLAS_COMPUTE_32F takes float alpha and beta, CUBLAS_COMPUTE_16F half ones.
-      const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
-      const __half halpha = __float2half(alpha), hbeta = __float2half(beta);
-      const bool accumulate16 = call.dtype == at::kHalf && fp16_accumulation();
-      const cublasComputeType_t compute = accumulate16 ? CUBLAS_COMPUTE_16F : CUBLAS_COMPUTE_32F;
-      const void* alpha_ptr = accumulate16 ? static_cast<const void*>(&halpha) : &alpha;
-      const void* beta_ptr = accumulate16 ? static_cast<const void*>(&hbeta) : &beta;
-      const cudaDataType_t type = call.dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
-      // The math mode is set only when it differs from what torch left on the
-      // handle, and given back only then (no calls that change nothing).
-      cublasMath_t previous = CUBLAS_DEFAULT_MATH;
-      cublasStatus_t status = cublasGetMathMode(handle, &previous);
-      if (status != CUBLAS_STATUS_SUCCESS) return status;
-      const cublasMath_t wanted = half_math_mode(call.dtype);
-      if (wanted != previous) {
-        status = cublasSetMathMode(handle, wanted);
-        if (status != CUBLAS_STATUS_SUCCESS) return status;
-      }
-#if CUBLAS_VER_MAJOR >= 12
-      if (call.use_64bit) {
-        status = cublasGemmEx_64(handle, op_a, op_b, call.m, call.n, call.k, alpha_ptr, call.a, type,
-                                 call.lda, call.b, type, call.ldb, beta_ptr, call.c, type, call.ldc, compute,
-                                 CUBLAS_GEMM_DEFAULT_TENSOR_OP);
-      } else
-#endif
-      {
-        status = cublasGemmEx(handle, op_a, op_b, m, n, k, alpha_ptr, call.a, type, lda, call.b, type, ldb,
-                              beta_ptr, call.c, type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
-      }
-      if (wanted == previous) return status;
-      // Give the handle back as torch left it (it sets TF32 per allow_tf32).
-      const cublasStatus_t restored = cublasSetMathMode(handle, previous);
-      return status != CUBLAS_STATUS_SUCCESS ? status : restored;
-    }
-    default: {
-      const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
-      const auto* a = static_cast<const float*>(call.a);
-      const auto* b = static_cast<const float*>(call.b);
-      auto* c = static_cast<float*>(call.c);
-#if CUBLAS_VER_MAJOR >= 12
-      if (call.use_64bit) {
-        return cublasSgemm_64(handle, op_a, op_b, call.m, call.n, call.k, &alpha, a, call.lda, b, call.ldb,
-                              &beta, c, call.ldc);
-      }
-#endif
-      return cublasSgemm(handle, op_a, op_b, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc);
-    }
-  }
-}
-
-// The report's device and math-mode text: built only for a failure: no
-// string work on the clean path, which is per-call host cost.
-void describe_for_report(GemmContext& ctx, int device, cublasHandle_t handle, at::ScalarType dtype) {
-  ctx.device = describe_device(device);
-  ctx.gemm_path = gemm_path_name(gemm_path());
-  cublasMath_t math = CUBLAS_DEFAULT_MATH;
-  if (dtype == at::kBFloat16 || dtype == at::kHalf) {
-    ctx.math_mode = math_mode_name(half_math_mode(dtype));  // what run_gemm sets
-  } else if (cublasGetMathMode(handle, &math) == CUBLAS_STATUS_SUCCESS) {
-    ctx.math_mode = math_mode_name(math);
-  }
-}
-
-int gemm_cuda(const GemmCall& call, GemmContext& ctx) {
-  const int device = c10::cuda::current_device();
-  cublasHandle_t handle = nullptr;
-  if (const int injected = take_injected_fault(FaultSite::kHandle)) {
-    ctx.device = describe_device(device);
-    ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
-    ctx.math_mode = "unknown (no handle)";
-    ErrorReport report("cublas");
-    report.add("layer", ctx.layer).add("status", static_cast<int64_t>(injected));
-    report.add("status_name", ctx.status_name).add("stage", "handle");
-    report.add("device", ctx.device).add("purpose", call.purpose);
-    add_memory_fields(report, memory_snapshot(device));
-    report.raise_runtime_error("layer '" + ctx.layer + "': creating the cuBLAS handle failed with " +
-                               ctx.status_name);
-  }
-  try {
-    handle = at::cuda::getCurrentCUDABlasHandle();
-  } catch (const c10::OutOfMemoryError& e) {
-    // torch allocates the handle's workspace through its caching allocator.
-    ctx.device = describe_device(device);
-    ErrorReport report("out_of_memory");
-    report.add("layer", ctx.layer).add("stage", "cuBLAS handle/workspace creation");
-    report.add("detail", e.what_without_backtrace());
-    add_memory_fields(report, memory_snapshot(device));
-    report.add("device", ctx.device);
-    report.raise_out_of_memory("layer '" + ctx.layer +
-                               "': out of GPU memory while creating the cuBLAS handle/workspace");
-  } catch (const c10::Error& e) {
-    // cublasCreate failed: NOT_INITIALIZED (often out of memory, or a broken context).
-    ctx.device = describe_device(device);
-    const std::string what = e.what_without_backtrace();
-    static const std::array<std::pair<const char*, int>, 4> known = {{{"CUBLAS_STATUS_NOT_INITIALIZED", 1},
-                                                                      {"CUBLAS_STATUS_ALLOC_FAILED", 3},
-                                                                      {"CUBLAS_STATUS_ARCH_MISMATCH", 8},
-                                                                      {"CUBLAS_STATUS_INTERNAL_ERROR", 14}}};
-    int status = 1;
-    for (const auto& k : known) {
-      if (what.find(k.first) != std::string::npos) status = k.second;
-    }
-    ErrorReport report("cublas");
-    report.add("layer", ctx.layer).add("status", static_cast<int64_t>(status));
-    report.add("status_name", cublasGetStatusName(static_cast<cublasStatus_t>(status)));
-    report.add("stage", "handle").add("device", ctx.device).add("detail", what);
-    report.add("purpose", call.purpose);
-    add_memory_fields(report, memory_snapshot(device));
-    report.raise_runtime_error("layer '" + ctx.layer + "': getting torch's cuBLAS handle failed: " + what);
-  }
-  const GemmRoute route = first_route(static_cast<int>(call.dtype), gemm_path(), call.bias != nullptr,
-                                      call.use_64bit, lt_available());
-  const int injected = take_injected_fault(FaultSite::kGemmStatus);
-  if (injected != 0 && route != GemmRoute::kLtBias) {
-    describe_for_report(ctx, device, handle, call.dtype);
-    ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(injected));
-    ctx.memory = memory_snapshot(device);
-    return injected;  // as if the routine had returned it (tests only)
-  }
-  const GemmCall* to_run = &call;
-  GemmCall fallback;
-  if (call.bias != nullptr && route == GemmRoute::kLtBias) {
-    // A test's injected status stands for cublasLtMatmul's (every step before it runs).
-    const LtAttempt lt = lt_gemm_bias(call, injected);
-    if (lt.verdict == LtVerdict::kContinue) return 0;
-    if (lt.verdict == LtVerdict::kReport) {
-      describe_for_report(ctx, device, handle, call.dtype);
-      ctx.api = lt.step;
-      ctx.descriptors = lt.descriptors;
-      ctx.status_name = cublasGetStatusName(static_cast<cublasStatus_t>(lt.status));
-      ctx.memory = memory_snapshot(device);
-      return lt.status;
-    }
-    // cuBLASLt refused the case: cublasGemmEx on the bias prefilled into C.
-  }
-  if (call.dtype == at::kBFloat16 || call.dtype == at::kHalf) {
-    // As torch: split-K off needs cuBLASLt, which cublasGemmEx is not.
-    const int dtype = static_cast<int>(call.dtype);
-    const char* refused = gemm_ex_refused_reduction(dtype, torch_reduction_option(dtype));
-    if (refused != nullptr) raise_gemm_ex_reduction_refused(call, refused, ctx.layer);
-  }
-  if (call.bias != nullptr) {
-    prefill_columns_cuda(call.c, call.bias, call.m, call.n, call.ldc,
-                         static_cast<int64_t>(c10::elementSize(call.dtype)), ctx.layer);
-    fallback = call;
-    fallback.bias = nullptr;
-    fallback.beta = 1.0;
-    to_run = &fallback;
-  }
-  const cublasStatus_t status = run_gemm(handle, *to_run);
-  if (status != CUBLAS_STATUS_SUCCESS) {
-    describe_for_report(ctx, device, handle, call.dtype);
-    ctx.status_name = cublasGetStatusName(status);
-    ctx.memory = memory_snapshot(device);
-  }
-  return static_cast<int>(status);
 }
 
 // Sync mode's results land in a pinned buffer of the calling thread (one
@@ -457,21 +192,21 @@ struct PinnedResults {
   }
 };
 
-at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
+Tensor fetch_cuda(const Tensor& results, const std::string& layer) {
   static thread_local PinnedResults pinned;
   const int64_t count = results.numel();
-  TORCH_INTERNAL_ASSERT(results.is_contiguous() && results.scalar_type() == at::kLong);
+  CG_INTERNAL_ASSERT(results.is_contiguous() && results.scalar_type() == kLong);
   if (count > pinned.capacity) {
-    if (pinned.data != nullptr) C10_CUDA_CHECK(cudaFreeHost(pinned.data));
+    if (pinned.data != nullptr) CG_CUDA_CHECK(cudaFreeHost(pinned.data));
     pinned.data = nullptr;
     pinned.capacity = 0;
     const int64_t capacity = std::max<int64_t>(64, count);
     void* host = nullptr;
-    C10_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int64_t) * capacity, cudaHostAllocPortable));
+    CG_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int64_t) * capacity, cudaHostAllocPortable));
     pinned.data = static_cast<int64_t*>(host);
     pinned.capacity = capacity;
   }
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   cudaError_t err = cudaMemcpyAsync(pinned.data, results.data_ptr(), sizeof(int64_t) * count,
                                     cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
@@ -485,9 +220,9 @@ at::Tensor fetch_cuda(const at::Tensor& results, const std::string& layer) {
                                "while waiting for the input scan (stream synchronize)", layer);
     }
     (void)cudaGetLastError();
-    C10_CUDA_CHECK(err);
+    CG_CUDA_CHECK(err);
   }
-  return at::from_blob(pinned.data, results.sizes(), at::TensorOptions().dtype(at::kLong));
+  return from_blob(pinned.data, sizes_of(results), strides_of(results), kLong, cpu_device());
 }
 
 void check_pending_error_cuda(const std::string& layer) {
@@ -496,7 +231,7 @@ void check_pending_error_cuda(const std::string& layer) {
   cudaError_t err = static_cast<cudaError_t>(take_pending_error(cuda_probe()));
   if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  err = cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &capture);
+  err = cudaStreamIsCapturing(current_cuda_stream(), &capture);
   if (err != cudaSuccess) raise_pending_cuda_error(err, "before the guarded call", layer);
   if (capture != cudaStreamCaptureStatusNone) {
     ErrorReport report("graph_capture");
@@ -513,7 +248,7 @@ template <typename Fn>
 auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
-  } catch (const c10::Error& e) {
+  } catch (const TorchError& e) {
     raise_if_earlier_cuda_error(e, layer);
     throw;
   }
@@ -521,8 +256,8 @@ auto attributing_cuda_errors(const std::string& layer, Fn&& fn) -> decltype(fn()
 
 }  // namespace
 
-void raise_if_earlier_cuda_error(const c10::Error& e, const std::string& layer) {
-  const std::string what = e.what_without_backtrace();
+void raise_if_earlier_cuda_error(const TorchError& e, const std::string& layer) {
+  const std::string what = error_text(e);
   if (what.find(kPayloadMarker) != std::string::npos) return;  // already one of ours
   // Queries the stream (not while it is captured) and clears what the query
   // leaves: a busy stream's cudaErrorNotReady must not reach the next call.
@@ -578,45 +313,47 @@ const bool cuda_build_info_registered = (set_cuda_build_info(&cuda_build_info), 
 
 // The layer's device when it is a CUDA device; else the input's (the checks
 // then report the mismatch).
-c10::Device guard_device(const at::Tensor& preferred, const at::Tensor& other) {
-  return preferred.is_cuda() ? preferred.device() : other.device();
+int guard_device(const Tensor& preferred, const Tensor& other) {
+  return device_index(preferred.is_cuda() ? preferred : other);
 }
 
-at::Tensor scan_op(const at::Tensor& x) {
-  const c10::cuda::CUDAGuard guard(x.device());
+// The kernels, named functions with core/tensor_api.h's types (the stable
+// core boxes them: TORCH_BOX).
+Tensor scan_op(const Tensor& x) {
+  const CudaDeviceGuard guard(device_index(x));
   return scan(cuda_backend(), x);
 }
 
-at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                     c10::string_view layer, int64_t mode, bool /*scan_grad: autograd's business*/) {
-  const c10::cuda::CUDAGuard guard(guard_device(weight, x));
+Tensor linear_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, StringArg layer,
+                 int64_t mode, bool /*scan_grad: autograd's business*/) {
+  const CudaDeviceGuard guard(guard_device(weight, x));
   const std::string name(layer);
   return attributing_cuda_errors(name,
                                  [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
 }
 
-at::Tensor grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight, c10::string_view layer) {
-  const c10::cuda::CUDAGuard guard(guard_device(weight, grad_output));
+Tensor grad_input_op(const Tensor& grad_output, const Tensor& weight, StringArg layer) {
+  const CudaDeviceGuard guard(guard_device(weight, grad_output));
   const std::string name(layer);
   return attributing_cuda_errors(
       name, [&] { return linear_grad_input(cuda_backend(), grad_output, weight, name); });
 }
 
-at::Tensor grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
-  const c10::cuda::CUDAGuard guard(guard_device(x, grad_output));
+Tensor grad_weight_op(const Tensor& grad_output, const Tensor& x, StringArg layer) {
+  const CudaDeviceGuard guard(guard_device(x, grad_output));
   const std::string name(layer);
   return attributing_cuda_errors(name,
                                  [&] { return linear_grad_weight(cuda_backend(), grad_output, x, name); });
 }
 
-void check_features_op(const at::Tensor& x, int64_t in_features, c10::string_view layer) {
-  const c10::cuda::CUDAGuard guard(x.device());
+void check_features_op(const Tensor& x, int64_t in_features, StringArg layer) {
+  const CudaDeviceGuard guard(device_index(x));
   const std::string name(layer);
   attributing_cuda_errors(name, [&] { check_features(cuda_backend(), x, in_features, name); });
 }
 
-void guard_values_op(const at::Tensor& t, c10::string_view layer, int64_t role, int64_t mode) {
-  const c10::cuda::CUDAGuard guard(t.device());
+void guard_values_op(const Tensor& t, StringArg layer, int64_t role, int64_t mode) {
+  const CudaDeviceGuard guard(device_index(t));
   const std::string name(layer);
   attributing_cuda_errors(name, [&] { guard_tensor(cuda_backend(), t, name, role, mode); });
 }
@@ -624,12 +361,12 @@ void guard_values_op(const at::Tensor& t, c10::string_view layer, int64_t role, 
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_IMPL(cublas_guard, CUDA, m) {
+CG_LIBRARY_IMPL(cublas_guard, CUDA, m) {
   using namespace cublas_guard;
-  m.impl("scan", &scan_op);
-  m.impl("linear", &linear_op);
-  m.impl("linear_grad_input", &grad_input_op);
-  m.impl("linear_grad_weight", &grad_weight_op);
-  m.impl("check_features", &check_features_op);
-  m.impl("guard_values", &guard_values_op);
+  CG_IMPL(m, "scan", &scan_op);
+  CG_IMPL(m, "linear", &linear_op);
+  CG_IMPL(m, "linear_grad_input", &grad_input_op);
+  CG_IMPL(m, "linear_grad_weight", &grad_weight_op);
+  CG_IMPL(m, "check_features", &check_features_op);
+  CG_IMPL(m, "guard_values", &guard_values_op);
 }

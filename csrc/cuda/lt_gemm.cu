@@ -1,7 +1,9 @@
 // bfloat16/float16 GEMMs with a bias through cuBLASLt's bias epilogue, as
 // torch's own addmm runs them (aten/src/ATen/cuda/CUDABlas.cpp,
 // gemm_and_bias): torch's cuBLASLt handle and its cuBLASLt workspace (the
-// same pointer and size), the heuristics preference torch sets (maximum
+// same pointer and size; in the stable core, which cannot reach them, a
+// handle of ours and a workspace of torch's default size: core/cuda_api.h),
+// the heuristics preference torch sets (maximum
 // workspace, the reduced-precision reduction mask from
 // allow_{bf16,fp16}_reduced_precision_reduction, the operands' alignments),
 // one heuristic result, C = D = the output, beta = 0. float16 accumulates in
@@ -19,36 +21,24 @@
 // D declares the smaller of C's and the bias's alignment (a split piece's C
 // is offset). Used only under CUBLAS_GUARD_GEMM_PATH=lt (gemm_route.h). Never
 // run on a GPU yet: the GPU check (benchmarks/gpu/) is its first test.
-#include "cuda_backend.h"
+#include "cuda/cuda_backend.h"
 #include "linear/gemm_route.h"
 
-#include <ATen/Context.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <cublasLt.h>
 #include <cuda_fp16.h>
-#include <torch/version.h>
-
-#include <c10/cuda/CUDAFunctions.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
-
-// torch's separate cuBLASLt workspace and allowFP16AccumulationCuBLAS (torch 2.7+).
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
-#define CUBLAS_GUARD_HAS_LT 1
-#else
-#define CUBLAS_GUARD_HAS_LT 0
-#endif
 
 namespace cublas_guard {
 
 static_assert(CUBLAS_STATUS_NOT_SUPPORTED == 15 && CUBLAS_STATUS_INVALID_VALUE == 7,
               "gemm_route.cpp's NOT_SUPPORTED and INVALID_VALUE codes");
 
-bool lt_available() { return CUBLAS_GUARD_HAS_LT != 0; }
-
-#if CUBLAS_GUARD_HAS_LT
+// torch before 2.7 has no cuBLASLt workspace of its own (core/cuda_api.h):
+// the path is then never chosen.
+bool lt_available() { return cublas_lt_supported(); }
 
 namespace {
 
@@ -104,8 +94,10 @@ const char* mask_name(uint32_t mask) {
 
 LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   LtAttempt result;
-  TORCH_INTERNAL_ASSERT(call.bias != nullptr && call.beta == 0.0 && !call.use_64bit);
-  const bool half = call.dtype == at::kHalf;
+  CG_INTERNAL_ASSERT(call.bias != nullptr && call.beta == 0.0 && !call.use_64bit);
+  const bool half = call.dtype == kHalf;
+  const int device = current_cuda_device();
+  const cudaStream_t stream = current_cuda_stream(device);
   const cudaDataType_t ab_type = half ? CUDA_R_16F : CUDA_R_16BF;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   cudaDataType_t scale = CUDA_R_32F;
@@ -113,24 +105,25 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
   const __half halpha = __float2half(alpha), hbeta = __float2half(0.0f);
   const void* alpha_ptr = &alpha;
   const void* beta_ptr = &beta;
-  if (half && at::cuda::getCurrentDeviceProperties()->major >= 7 &&
-      at::globalContext().allowFP16AccumulationCuBLAS()) {
+  if (half && torch_fp16_accumulation() && cuda_device_properties(device).major >= 7) {
     compute = CUBLAS_COMPUTE_16F;
     scale = CUDA_R_16F;
     alpha_ptr = &halpha;
     beta_ptr = &hbeta;
   }
-  const at::CuBLASReductionOption reduction =
-      half ? at::globalContext().allowFP16ReductionCuBLAS() : at::globalContext().allowBF16ReductionCuBLAS();
-  const bool set_mask = reduction != at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK;
-  const uint32_t mask = reduction == at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK
+  // torch's allow_{fp16,bf16}_reduced_precision_reduction (gemm_route.h): 0 allows
+  // reduced precision and split-K, 1 disallows reduced precision, 2 also split-K.
+  const int reduction = torch_reduction_option(static_cast<int>(call.dtype));
+  const bool set_mask = reduction != reduction_option::kAllowReducedPrecisionWithSplitK;
+  const uint32_t mask = reduction == reduction_option::kDisallowReducedPrecisionAllowSplitK
                             ? (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_NONE)
                             : CUBLASLT_REDUCTION_SCHEME_NONE;
   const cublasOperation_t trans_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t trans_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-  void* workspace = at::cuda::getCUDABlasLtWorkspace();
-  const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
+  const LtWorkspace space = cublas_lt_workspace(device, stream);  // held until the call is enqueued
+  void* workspace = space.data;
+  const size_t workspace_size = space.bytes;
   // D is C here: a split piece's C and bias are offset, so D takes the smaller alignment (gemm_route.h).
   const LtAlignments align =
       lt_alignments(reinterpret_cast<uintptr_t>(call.a), reinterpret_cast<uintptr_t>(call.b),
@@ -167,12 +160,14 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
     }
     return true;
   };
+  cublasLtHandle_t handle = nullptr;
+  if (!step("cublasLtCreate (the cuBLASLt handle)", cublas_lt_handle(device, &handle))) return result;
 
   LtPlanKey key;
-  key.device = c10::cuda::current_device();
+  key.device = device;
   key.dtype = static_cast<int>(call.dtype);
   key.accumulate16 = compute == CUBLAS_COMPUTE_16F;
-  key.reduction = static_cast<int>(reduction);
+  key.reduction = reduction;
   key.trans_a = call.trans_a;
   key.trans_b = call.trans_b;
   key.m = call.m;
@@ -240,9 +235,8 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
       }
     }
     int found = 0;
-    const cublasStatus_t query =
-        cublasLtMatmulAlgoGetHeuristic(at::cuda::getCurrentCUDABlasLtHandle(), d.matmul, d.a, d.b, d.c, d.c,
-                                       d.preference, 1, &fresh.heuristic, &found);
+    const cublasStatus_t query = cublasLtMatmulAlgoGetHeuristic(handle, d.matmul, d.a, d.b, d.c, d.c,
+                                                                d.preference, 1, &fresh.heuristic, &found);
     if (!step("cublasLtMatmulAlgoGetHeuristic", query, /*heuristic=*/true, found)) {
       if (result.verdict != LtVerdict::kFallBack) return result;  // reported, not cached
       fresh.refused_status = result.status;
@@ -265,24 +259,12 @@ LtAttempt lt_gemm_bias(const GemmCall& call, int injected) {
                                            sizeof(call.bias)))) {
     return result;
   }
-  step("cublasLtMatmul", injected != 0 ? static_cast<cublasStatus_t>(injected)
-                                       : cublasLtMatmul(at::cuda::getCurrentCUDABlasLtHandle(), d.matmul,
-                                                        alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr, call.c,
-                                                        d.c, call.c, d.c, &plan->heuristic.algo, workspace,
-                                                        workspace_size, at::cuda::getCurrentCUDAStream()));
+  step("cublasLtMatmul",
+       injected != 0
+           ? static_cast<cublasStatus_t>(injected)
+           : cublasLtMatmul(handle, d.matmul, alpha_ptr, call.a, d.a, call.b, d.b, beta_ptr, call.c, d.c,
+                            call.c, d.c, &plan->heuristic.algo, workspace, workspace_size, stream));
   return result;
 }
-
-#else  // torch without its cuBLASLt workspace: never chosen (lt_available() is false)
-
-LtAttempt lt_gemm_bias(const GemmCall& /*call*/, int /*injected*/) {
-  LtAttempt result;
-  result.status = static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED);
-  result.verdict = LtVerdict::kFallBack;
-  result.step = "cuBLASLt (this torch has no cuBLASLt workspace)";
-  return result;
-}
-
-#endif
 
 }  // namespace cublas_guard

@@ -31,15 +31,9 @@
 //    from the graph's own pool instead (a replay on another stream must not
 //    share them with eager scans). With CUBLAS_GUARD_GEMM_PATH=lt the last
 //    block to finish reduces them (a ticket in that buffer): one launch.
-#include "cuda_backend.h"
+#include "cuda/cuda_backend.h"
 #include "linear/gemm_route.h"
 #include "scan/strided_index.h"
-
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -312,9 +306,9 @@ __global__ void __launch_bounds__(kThreads)
 int sm_count_of_current_device() {
   static thread_local int cached_device = -1;
   static thread_local int sm_count = 0;
-  const int device = c10::cuda::current_device();
+  const int device = current_cuda_device();
   if (device != cached_device) {
-    sm_count = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+    sm_count = cuda_device_properties(device).multiProcessorCount;
     cached_device = device;
   }
   return sm_count;
@@ -342,8 +336,9 @@ struct PartialsKeyHash {
 };
 
 // After the partials: the ticket word of the one-launch finish (zero between scans).
-Partial* stream_partials(int grid, cudaStream_t stream, unsigned** ticket) {
-  const int device = c10::cuda::current_device();
+// `device_like`: a tensor on the current device (the buffer is made there).
+Partial* stream_partials(int grid, cudaStream_t stream, const Tensor& device_like, unsigned** ticket) {
+  const int device = current_cuda_device();
   const int capacity = 4 * sm_count_of_current_device();
   static thread_local PartialsKey last_key{-1, nullptr};
   static thread_local Partial* last = nullptr;
@@ -353,18 +348,18 @@ Partial* stream_partials(int grid, cudaStream_t stream, unsigned** ticket) {
   }
   static std::mutex mutex;
   static auto* buffers =
-      new std::unordered_map<PartialsKey, at::Tensor, PartialsKeyHash>();  // kept for the process
-  TORCH_INTERNAL_ASSERT(grid <= capacity);
+      new std::unordered_map<PartialsKey, Tensor, PartialsKeyHash>();  // kept for the process
+  CG_INTERNAL_ASSERT(grid <= capacity);
   std::lock_guard<std::mutex> lock(mutex);
   auto it = buffers->find(PartialsKey{device, stream});
   if (it == buffers->end()) {
     // Zeroed on the stream that uses it, so the ticket is 0 before its first scan.
-    at::Tensor buffer =
-        at::zeros({capacity + 1, 4}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kLong));
+    Tensor buffer = empty({capacity + 1, 4}, kLong, device_like);
+    zero(buffer);
     it = buffers->emplace(PartialsKey{device, stream}, std::move(buffer)).first;
   }
   last_key = PartialsKey{device, stream};
-  last = reinterpret_cast<Partial*>(it->second.data_ptr<int64_t>());
+  last = reinterpret_cast<Partial*>(data_as<int64_t>(it->second));
   *ticket = reinterpret_cast<unsigned*>(last + capacity);
   return last;
 }
@@ -389,12 +384,12 @@ int multi_block_grid(long long work_items, int threads) {
 namespace {
 
 template <typename F>
-void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long long n,
-                 at::Tensor& partials_owner, long long* out, const AsyncTarget& target,
-                 const std::string& layer, const Prefill<typename F::Bits>& prefill) {
+void launch_scan(const Tensor& owner, const ScanGeometry& geometry, long long n, Tensor& partials_owner,
+                 long long* out, const AsyncTarget& target, const std::string& layer,
+                 const Prefill<typename F::Bits>& prefill) {
   using Bits = typename F::Bits;
   constexpr int kPerVector = 16 / sizeof(Bits);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_cuda_stream();
   const Bits* data = n > 0 ? static_cast<const Bits*>(owner.data_ptr()) : nullptr;
 
   int grid = 1, threads = kSmallThreads;
@@ -427,11 +422,11 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
     // Async mode knows whether it is captured; other scans ask the stream.
     const bool captured = target.record != nullptr ? target.captured : stream_is_capturing(stream);
     if (captured) {
-      partials_owner = at::empty({grid, 4}, owner.options().dtype(at::kLong));  // the graph's pool
-      partials_ptr = reinterpret_cast<Partial*>(partials_owner.data_ptr<int64_t>());
+      partials_owner = empty({grid, 4}, kLong, owner);  // the graph's pool
+      partials_ptr = reinterpret_cast<Partial*>(data_as<int64_t>(partials_owner));
     } else {
       unsigned* stream_ticket = nullptr;
-      partials_ptr = stream_partials(grid, stream, &stream_ticket);
+      partials_ptr = stream_partials(grid, stream, owner, &stream_ticket);
       if (gemm_path() == GemmPath::kLt) ticket = stream_ticket;
     }
   }
@@ -460,11 +455,11 @@ void launch_scan(const at::Tensor& owner, const ScanGeometry& geometry, long lon
 namespace {
 
 template <typename Bits>
-Prefill<Bits> make_prefill(at::Tensor* out, const at::Tensor* bias) {
+Prefill<Bits> make_prefill(Tensor* out, const Tensor* bias) {
   Prefill<Bits> pf{nullptr, nullptr, 0, 0, 1};
   if (out == nullptr || out->numel() == 0) return pf;
-  TORCH_INTERNAL_ASSERT(out->is_contiguous() && out->dim() == 2 && bias->stride(0) == 1 &&
-                        out->element_size() == sizeof(Bits) && bias->element_size() == sizeof(Bits));
+  CG_INTERNAL_ASSERT(out->is_contiguous() && out->dim() == 2 && bias->stride(0) == 1 &&
+                     out->element_size() == sizeof(Bits) && bias->element_size() == sizeof(Bits));
   pf.out = static_cast<Bits*>(out->data_ptr());
   pf.bias = static_cast<const Bits*>(bias->data_ptr());
   pf.m = out->size(1);
@@ -474,35 +469,35 @@ Prefill<Bits> make_prefill(at::Tensor* out, const at::Tensor* bias) {
 }
 
 // The scan of `t`, and with `prefill_out` the bias prefill in the same launch.
-void scan_impl(const at::Tensor& t, const at::Tensor& out_slot, const AsyncTarget* target_ptr,
-               const std::string& layer, at::Tensor* prefill_out, const at::Tensor* prefill_bias) {
-  TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
-  TORCH_INTERNAL_ASSERT(!out_slot.defined() || (out_slot.is_cuda() && out_slot.is_contiguous() &&
-                                                out_slot.scalar_type() == at::kLong));
-  const c10::cuda::CUDAGuard device_guard(t.device());
+void scan_impl(const Tensor& t, const Tensor& out_slot, const AsyncTarget* target_ptr,
+               const std::string& layer, Tensor* prefill_out, const Tensor* prefill_bias) {
+  CG_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
+  CG_INTERNAL_ASSERT(!out_slot.defined() ||
+                     (out_slot.is_cuda() && out_slot.is_contiguous() && out_slot.scalar_type() == kLong));
+  const CudaDeviceGuard device_guard(device_index(t));
   const AsyncTarget target = target_ptr != nullptr ? *target_ptr : AsyncTarget{};
-  auto* out = out_slot.defined() ? reinterpret_cast<long long*>(out_slot.data_ptr<int64_t>()) : nullptr;
+  auto* out = out_slot.defined() ? reinterpret_cast<long long*>(data_as<int64_t>(out_slot)) : nullptr;
   const long long n = t.numel();
 
   ScanGeometry geometry;
-  at::Tensor owner = t;
+  Tensor owner = t;
   if (n > 0 && !scan_geometry(t, geometry)) {
-    owner = t.contiguous();  // more than kMaxScanDims unmergeable dims (documented)
+    owner = as_contiguous(t);  // more than kMaxScanDims unmergeable dims (documented)
     scan_geometry(owner, geometry);
   }
   if (n == 0) geometry.contiguous = true;
   clear_stale_launch_error(layer);
-  at::Tensor partials;  // a captured scan's partials: alive until the kernels are enqueued
+  Tensor partials;  // a captured scan's partials: alive until the kernels are enqueued
   switch (t.scalar_type()) {
-    case at::kBFloat16:
+    case kBFloat16:
       launch_scan<BFloat16Bits>(owner, geometry, n, partials, out, target, layer,
                                 make_prefill<BFloat16Bits::Bits>(prefill_out, prefill_bias));
       break;
-    case at::kHalf:
+    case kHalf:
       launch_scan<Float16Bits>(owner, geometry, n, partials, out, target, layer,
                                make_prefill<Float16Bits::Bits>(prefill_out, prefill_bias));
       break;
-    case at::kDouble:
+    case kDouble:
       launch_scan<Float64Bits>(owner, geometry, n, partials, out, target, layer,
                                make_prefill<Float64Bits::Bits>(prefill_out, prefill_bias));
       break;
@@ -518,27 +513,27 @@ void launch_prefill(const Prefill<Bits>& pf, const std::string& layer) {
   const int grid = prefill_grid(pf.m, pf.n);
   const int threads = grid == 1 ? kSmallThreads : kThreads;
   check_launch_fits("cublas_guard prefill_kernel", dim3(grid), dim3(threads), 0, layer);
-  prefill_kernel<Bits><<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(pf);
+  prefill_kernel<Bits><<<grid, threads, 0, current_cuda_stream()>>>(pf);
   check_launch("cublas_guard prefill_kernel", layer);
 }
 
 }  // namespace
 
-void scan_cuda_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target_ptr,
+void scan_cuda_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target_ptr,
                     const std::string& layer) {
   scan_impl(t, out_slot, target_ptr, layer, nullptr, nullptr);
 }
 
-void scan_cuda_into_prefilling(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                               const std::string& layer, at::Tensor& out, const at::Tensor& bias) {
-  const at::Tensor dense_bias = bias.stride(0) == 1 ? bias : bias.contiguous();
+void scan_cuda_into_prefilling(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, Tensor& out, const Tensor& bias) {
+  const Tensor dense_bias = bias.stride(0) == 1 ? bias : as_contiguous(bias);
   scan_impl(t, out_slot, target, layer, &out, &dense_bias);
 }
 
-void prefill_bias_cuda(at::Tensor& out, const at::Tensor& bias, const std::string& layer) {
+void prefill_bias_cuda(Tensor& out, const Tensor& bias, const std::string& layer) {
   if (out.numel() == 0) return;
-  const c10::cuda::CUDAGuard device_guard(out.device());
-  const at::Tensor dense_bias = bias.stride(0) == 1 ? bias : bias.contiguous();
+  const CudaDeviceGuard device_guard(device_index(out));
+  const Tensor dense_bias = bias.stride(0) == 1 ? bias : as_contiguous(bias);
   clear_stale_launch_error(layer);
   switch (out.element_size()) {
     case 2: launch_prefill(make_prefill<unsigned short>(&out, &dense_bias), layer); break;

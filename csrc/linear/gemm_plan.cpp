@@ -6,9 +6,6 @@
 
 #include "linear/linear_op.h"
 
-#include <ATen/ops/from_blob.h>
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <atomic>
 #include <limits>
@@ -94,7 +91,7 @@ void plan_gemm_call(GemmCall& call, bool has_64bit_api, const std::string& layer
   }
 }
 
-ColumnMajorView as_column_major(const at::Tensor& matrix, bool fit_limit) {
+ColumnMajorView as_column_major(const Tensor& matrix, bool fit_limit) {
   ColumnMajorView view;
   const int64_t rows = matrix.size(0), cols = matrix.size(1);
   const int64_t row_stride = matrix.stride(0), col_stride = matrix.stride(1);
@@ -122,12 +119,12 @@ ColumnMajorView as_column_major(const at::Tensor& matrix, bool fit_limit) {
     // Zero strides (expand), overlapping or doubly strided views: one copy, in
     // the layout whose leading dimension is the smaller dim, so that a huge
     // batch dimension never becomes a leading dimension (32-bit limit).
-    view.storage = matrix.t().contiguous().t();
+    view.storage = transposed_view(as_contiguous(transposed_view(matrix)));
     view.transposed = false;
     view.ld = std::max<int64_t>(1, rows);
     view.copied = true;
   } else {
-    view.storage = matrix.contiguous();
+    view.storage = as_contiguous(matrix);
     view.transposed = true;
     view.ld = std::max<int64_t>(1, cols);
     view.copied = true;
@@ -174,16 +171,16 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit) {
 //
 // `bias` (forward, BiasHandling::kBiasInGemm): Q elements the GEMM adds to every
 // output row; each piece with k0 = 0 gets its m range of them.
-void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& left, const at::Tensor& right,
-                 double beta, const char* purpose, const std::array<const char*, 3>& roles,
-                 const std::string& layer, const void* bias) {
+void matmul_into(const LinearBackend& be, Tensor& out, const Tensor& left, const Tensor& right, double beta,
+                 const char* purpose, const std::array<const char*, 3>& roles, const std::string& layer,
+                 const void* bias) {
   const int64_t P = left.size(0), R = left.size(1), Q = right.size(1);
   if (P == 0 || Q == 0) return;
   if (R == 0) {  // an empty sum: nothing for cuBLAS to do
     if (bias != nullptr) {
-      out.copy_(at::from_blob(const_cast<void*>(bias), {Q}, out.options()).expand_as(out));
+      copy_into(out, from_blob(bias, {Q}, {1}, out.scalar_type(), out.device()));  // broadcast over the rows
     } else if (beta == 0.0) {
-      out.zero_();
+      zero(out);
     }
     return;
   }
@@ -231,11 +228,11 @@ void matmul_into(const LinearBackend& be, at::Tensor& out, const at::Tensor& lef
         piece.n = std::min(steps.n, whole.n - n0);
         piece.k = std::min(steps.k, whole.k - k0);
         piece.a = advance(whole.a,
-                          whole.trans_a ? k0 + m0 * whole.lda    // op(A): rows m0..,
+                          whole.trans_a ? k0 + m0 * whole.lda  // op(A): rows m0..,
                                         : m0 + k0 * whole.lda,
                           es);  //   columns k0..
         piece.b = advance(whole.b,
-                          whole.trans_b ? n0 + k0 * whole.ldb    // op(B): rows k0..,
+                          whole.trans_b ? n0 + k0 * whole.ldb  // op(B): rows k0..,
                                         : k0 + n0 * whole.ldb,
                           es);  //   columns n0..
         piece.c = advance(whole.c, m0 + n0 * whole.ldc, es);

@@ -3,11 +3,9 @@
 // against before it is sent. Device-independent: the CPU backend runs the same
 // plan through torch's BLAS, so every rule here is tested without a GPU.
 //
-// Only ATen's Tensor class is included: every translation unit and nvcc
-// compile this header (through linear/linear_op.h).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "core/tensor_api.h"
 
 #include <array>
 #include <cstdint>
@@ -36,7 +34,7 @@ int64_t set_gemm_size_limit(int64_t limit, bool allow_64bit_api);
 // cublasDgemm).
 // ---------------------------------------------------------------------------
 struct GemmCall {
-  at::ScalarType dtype = at::kFloat;
+  ScalarType dtype = kFloat;
   bool trans_a = false;
   bool trans_b = false;
   int64_t m = 0, n = 0, k = 0;
@@ -74,7 +72,7 @@ struct GemmNames {
 // stride; one whose rows are contiguous is its transpose. Anything else is
 // copied once (the caller says so in the docs).
 struct ColumnMajorView {
-  at::Tensor storage;  // keeps a copy alive when one was needed
+  Tensor storage;  // keeps a copy alive when one was needed
   const void* data = nullptr;
   bool transposed = false;  // true: cuBLAS must use op T to read the row-major matrix
   int64_t ld = 1;
@@ -82,7 +80,7 @@ struct ColumnMajorView {
 };
 // With `fit_limit` (no 64-bit API to fall back on), a layout whose leading
 // dimension is beyond the 32-bit limit is copied into the other one if that fits.
-ColumnMajorView as_column_major(const at::Tensor& matrix2d, bool fit_limit);
+ColumnMajorView as_column_major(const Tensor& matrix2d, bool fit_limit);
 
 // Before a (sub-)GEMM is sent: checks cuBLAS's INVALID_VALUE rules (m/n/k >= 0,
 // ld >= max(1, rows), raising a report that names the broken rule) and the
@@ -102,9 +100,8 @@ GemmSteps gemm_steps(const GemmCall& whole, int64_t limit);
 // split into pieces within the limit and each piece planned and run by the
 // backend. `roles` names left, right and out for error reports; `bias`
 // (BiasHandling::kBiasInGemm) is Q elements the GEMM adds to every output row.
-void matmul_into(const LinearBackend& backend, at::Tensor& out, const at::Tensor& left,
-                 const at::Tensor& right, double beta, const char* purpose,
-                 const std::array<const char*, 3>& roles, const std::string& layer,
-                 const void* bias = nullptr);
+void matmul_into(const LinearBackend& backend, Tensor& out, const Tensor& left, const Tensor& right,
+                 double beta, const char* purpose, const std::array<const char*, 3>& roles,
+                 const std::string& layer, const void* bias = nullptr);
 
 }  // namespace cublas_guard

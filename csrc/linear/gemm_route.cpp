@@ -10,10 +10,12 @@
 #include "linear/linear_op.h"
 #include "scan/strided_index.h"
 
+#include "core/registration.h"
+
+#ifndef CUBLAS_GUARD_STABLE
 #include <ATen/Context.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/version.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -24,20 +26,24 @@
 
 namespace cublas_guard {
 
-static_assert(static_cast<int>(at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) == 0 &&
-                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK) == 1 &&
-                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK) == 2,
-              "gemm_ex_refused_reduction takes at::CuBLASReductionOption's values");
-static_assert(dtype_code::kHalf == static_cast<int>(at::kHalf) &&
-                  dtype_code::kFloat == static_cast<int>(at::kFloat) &&
-                  dtype_code::kDouble == static_cast<int>(at::kDouble) &&
-                  dtype_code::kBFloat16 == static_cast<int>(at::kBFloat16),
-              "gemm_route.h's dtype codes must be at::ScalarType's");
+#ifndef CUBLAS_GUARD_STABLE
+static_assert(static_cast<int>(at::CuBLASReductionOption::AllowReducedPrecisionWithSplitK) ==
+                      reduction_option::kAllowReducedPrecisionWithSplitK &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionAllowSplitK) ==
+                      reduction_option::kDisallowReducedPrecisionAllowSplitK &&
+                  static_cast<int>(at::CuBLASReductionOption::DisallowReducedPrecisionDisallowSplitK) ==
+                      reduction_option::kDisallowReducedPrecisionDisallowSplitK,
+              "gemm_route.h's reduction_option values must be at::CuBLASReductionOption's");
+#endif
+static_assert(dtype_code::kHalf == static_cast<int>(kHalf) &&
+                  dtype_code::kFloat == static_cast<int>(kFloat) &&
+                  dtype_code::kDouble == static_cast<int>(kDouble) &&
+                  dtype_code::kBFloat16 == static_cast<int>(kBFloat16),
+              "gemm_route.h's dtype codes must be ScalarType's");
 
 namespace {
 constexpr int kStatusInvalidValue = 7;   // CUBLAS_STATUS_INVALID_VALUE (cuda/lt_gemm.cu asserts it)
 constexpr int kStatusNotSupported = 15;  // CUBLAS_STATUS_NOT_SUPPORTED (cuda/lt_gemm.cu asserts it)
-constexpr int kReductionDisallowSplitK = 2;
 constexpr const char* kPathVariable = "CUBLAS_GUARD_GEMM_PATH";
 }  // namespace
 
@@ -59,9 +65,9 @@ std::atomic<int>& path_state() {
   static std::atomic<int> state{[] {
     const char* value = std::getenv(kPathVariable);
     GemmPath parsed = GemmPath::kLegacy;
-    TORCH_CHECK_VALUE(parse_gemm_path(value, &parsed), "cublas_guard_ext: ", kPathVariable, "='", value,
-                      "' is not a GEMM path; use ", kPathVariable, "=legacy (the default) or ", kPathVariable,
-                      "=lt");
+    CG_CHECK_VALUE(parse_gemm_path(value, &parsed), "cublas_guard_ext: ", kPathVariable, "='", value,
+                   "' is not a GEMM path; use ", kPathVariable, "=legacy (the default) or ", kPathVariable,
+                   "=lt");
     return static_cast<int>(parsed);
   }()};
   return state;
@@ -109,19 +115,47 @@ LtAlignments lt_alignments(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t bias
 }
 
 const char* gemm_ex_refused_reduction(int dtype, int reduction) {
-  if (reduction != kReductionDisallowSplitK) return nullptr;
+  if (reduction != reduction_option::kDisallowReducedPrecisionDisallowSplitK) return nullptr;
   if (dtype == dtype_code::kBFloat16)
     return "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction";
   if (dtype == dtype_code::kHalf) return "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction";
   return nullptr;  // float32/float64 have no such setting
 }
 
+#ifdef CUBLAS_GUARD_STABLE
+// The stable ABI cannot read torch's settings: Python hands them over
+// (set_reduction_options, called by the package when they change).
+namespace {
+std::atomic<int> reduction_fp16{0}, reduction_bf16{0};  // torch's defaults: reduced precision, split-K
+std::atomic<bool> fp16_accumulation{false};              // torch's default
+}  // namespace
+int torch_reduction_option(int dtype) {
+  return (dtype == dtype_code::kBFloat16 ? reduction_bf16 : reduction_fp16).load(std::memory_order_relaxed);
+}
+void set_reduction_options(int64_t fp16, int64_t bf16) {
+  reduction_fp16.store(static_cast<int>(fp16), std::memory_order_relaxed);
+  reduction_bf16.store(static_cast<int>(bf16), std::memory_order_relaxed);
+}
+bool torch_fp16_accumulation() { return fp16_accumulation.load(std::memory_order_relaxed); }
+void set_fp16_accumulation(bool allow) { fp16_accumulation.store(allow, std::memory_order_relaxed); }
+#else
 int torch_reduction_option(int dtype) {
   const at::CuBLASReductionOption option = dtype == dtype_code::kBFloat16
                                                ? at::globalContext().allowBF16ReductionCuBLAS()
                                                : at::globalContext().allowFP16ReductionCuBLAS();
   return static_cast<int>(option);
 }
+// The locked library reads torch's settings itself.
+void set_reduction_options(int64_t /*fp16*/, int64_t /*bf16*/) {}
+bool torch_fp16_accumulation() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 7)
+  return at::globalContext().allowFP16AccumulationCuBLAS();
+#else
+  return false;
+#endif
+}
+void set_fp16_accumulation(bool /*allow*/) {}
+#endif
 
 void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting, const std::string& layer) {
   const std::string rule = std::string(setting) +
@@ -162,7 +196,8 @@ void raise_launch_limit(const char* kernel, const LaunchShape& shape, const std:
   report.add("cuda_error", "cudaErrorInvalidConfiguration").add("cuda_error_code", kInvalidConfiguration);
   report.add("cuda_error_string", "invalid configuration argument");
   report.add("precheck", true).add("rule", rule);
-  report.add("grid", c10::IntArrayRef(shape.grid, 3)).add("block", c10::IntArrayRef(shape.block, 3));
+  report.add("grid", std::vector<int64_t>(shape.grid, shape.grid + 3))
+      .add("block", std::vector<int64_t>(shape.block, shape.block + 3));
   report.add("shared_memory_bytes", shape.shared_bytes);
   report.raise_runtime_error("layer '" + layer + "': " + kernel + " was not launched: grid (" +
                              std::to_string(shape.grid[0]) + ", " + std::to_string(shape.grid[1]) + ", " +
@@ -175,8 +210,8 @@ namespace {
 
 void require_testing_env(const char* what) {
   const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
-              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
+  CG_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
+           " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
 }
 
 int dtype_from_name(const std::string& name) {
@@ -184,22 +219,22 @@ int dtype_from_name(const std::string& name) {
   if (name == "float64") return dtype_code::kDouble;
   if (name == "float16") return dtype_code::kHalf;
   if (name == "bfloat16") return dtype_code::kBFloat16;
-  TORCH_CHECK_VALUE(false, "cublas_guard_ext: unknown dtype name '", name, "'");
+  throw_value_error("cublas_guard_ext: unknown dtype name '" + name + "'");
 }
 
 // [route name, then, for an Lt start, the verdict of each Lt step given as
 // (status, heuristic step, algorithms found) triples: continue|fall_back|report].
-std::vector<std::string> gemm_route_op(c10::string_view dtype, c10::string_view path, bool has_bias,
-                                       bool use_64bit, bool lt_available, std::vector<int64_t> lt_steps) {
+std::vector<std::string> gemm_route_op(StringArg dtype, StringArg path, bool has_bias, bool use_64bit,
+                                       bool lt_available, std::vector<int64_t> lt_steps) {
   require_testing_env("gemm_route");
   GemmPath parsed = GemmPath::kLegacy;
   const std::string path_text(path);
-  TORCH_CHECK_VALUE(parse_gemm_path(path_text.c_str(), &parsed), "cublas_guard_ext: GEMM path '", path_text,
-                    "' is neither 'legacy' nor 'lt'");
+  CG_CHECK_VALUE(parse_gemm_path(path_text.c_str(), &parsed), "cublas_guard_ext: GEMM path '", path_text,
+                 "' is neither 'legacy' nor 'lt'");
   std::vector<std::string> out{gemm_route_name(
       first_route(dtype_from_name(std::string(dtype)), parsed, has_bias, use_64bit, lt_available))};
-  TORCH_CHECK_VALUE(lt_steps.size() % 3 == 0,
-                    "cublas_guard_ext: lt_steps are (status, heuristic, found) triples");
+  CG_CHECK_VALUE(lt_steps.size() % 3 == 0,
+                 "cublas_guard_ext: lt_steps are (status, heuristic, found) triples");
   for (size_t i = 0; i < lt_steps.size(); i += 3) {
     const LtVerdict v =
         lt_verdict(static_cast<int>(lt_steps[i]), lt_steps[i + 1] != 0, static_cast<int>(lt_steps[i + 2]));
@@ -213,17 +248,17 @@ std::vector<std::string> gemm_route_op(c10::string_view dtype, c10::string_view 
 // The prefill kernels' loop (prefill_columns) on the CPU: c is a float tensor
 // holding a column-major [m x n] matrix with leading dimension ldc (from its
 // offset 0); every element outside the m x n block must stay as it was.
-void prefill_bias_twin_op(at::Tensor c, const at::Tensor& bias, int64_t m, int64_t n, int64_t ldc,
-                          int64_t workers, int64_t lanes) {
+void prefill_bias_twin_op(Tensor c, const Tensor& bias, int64_t m, int64_t n, int64_t ldc, int64_t workers,
+                          int64_t lanes) {
   require_testing_env("prefill_bias_twin");
-  TORCH_CHECK_VALUE(c.is_cpu() && bias.is_cpu() && c.scalar_type() == at::kFloat &&
-                        bias.scalar_type() == at::kFloat && c.is_contiguous() && bias.is_contiguous(),
-                    "cublas_guard_ext: prefill_bias_twin takes contiguous float32 CPU tensors");
-  TORCH_CHECK_VALUE(m >= 0 && n >= 0 && ldc >= std::max<int64_t>(1, m) && workers > 0 && lanes > 0 &&
-                        bias.numel() >= m && (n == 0 || c.numel() >= (n - 1) * ldc + m),
-                    "cublas_guard_ext: prefill_bias_twin: the block does not fit");
-  float* data = c.data_ptr<float>();
-  const float* b = bias.data_ptr<float>();
+  CG_CHECK_VALUE(c.is_cpu() && bias.is_cpu() && c.scalar_type() == kFloat && bias.scalar_type() == kFloat &&
+                     c.is_contiguous() && bias.is_contiguous(),
+                 "cublas_guard_ext: prefill_bias_twin takes contiguous float32 CPU tensors");
+  CG_CHECK_VALUE(m >= 0 && n >= 0 && ldc >= std::max<int64_t>(1, m) && workers > 0 && lanes > 0 &&
+                     bias.numel() >= m && (n == 0 || c.numel() >= (n - 1) * ldc + m),
+                 "cublas_guard_ext: prefill_bias_twin: the block does not fit");
+  float* data = data_as<float>(c);
+  const float* b = data_as<float>(bias);
   for (int64_t w = 0; w < workers; ++w) {
     for (int64_t l = 0; l < lanes; ++l) prefill_columns(data, b, m, n, ldc, w, workers, l, lanes);
   }
@@ -251,8 +286,8 @@ const std::vector<std::string>& lt_plan_key_fields() {
 std::vector<std::string> lt_plan_cache_trace_op(int64_t capacity, std::vector<int64_t> keys) {
   require_testing_env("lt_plan_cache_trace");
   const size_t width = lt_plan_key_fields().size();
-  TORCH_CHECK_VALUE(capacity > 0 && keys.size() % width == 0, "cublas_guard_ext: lt_plan_cache_trace takes ",
-                    width, " ints per key and a capacity > 0");
+  CG_CHECK_VALUE(capacity > 0 && keys.size() % width == 0, "cublas_guard_ext: lt_plan_cache_trace takes ",
+                 width, " ints per key and a capacity > 0");
   LtPlanCache<int64_t> cache(static_cast<size_t>(capacity));
   std::vector<std::string> out;
   for (size_t i = 0; i < keys.size(); i += width) {
@@ -280,22 +315,22 @@ std::vector<std::string> lt_plan_cache_trace_op(int64_t capacity, std::vector<in
       out.emplace_back("miss");
     }
   }
-  TORCH_CHECK(cache.size() <= static_cast<size_t>(capacity),
-              "cublas_guard_ext: the plan cache outgrew its capacity");
+  CG_CHECK(cache.size() <= static_cast<size_t>(capacity),
+           "cublas_guard_ext: the plan cache outgrew its capacity");
   return out;
 }
 
 // What cublasGemmEx does for a half-precision GEMM under torch's reduction
 // option (0, 1, 2: at::CuBLASReductionOption; -1: torch's current setting,
 // as the CUDA path reads it): nothing, or the error the CUDA path raises.
-void gemm_ex_reduction_check_op(c10::string_view dtype, int64_t reduction, c10::string_view layer) {
+void gemm_ex_reduction_check_op(StringArg dtype, int64_t reduction, StringArg layer) {
   require_testing_env("gemm_ex_reduction_check");
   const int code = dtype_from_name(std::string(dtype));
   const int option = reduction < 0 ? torch_reduction_option(code) : static_cast<int>(reduction);
   const char* setting = gemm_ex_refused_reduction(code, option);
   if (setting == nullptr) return;
   GemmCall call;
-  call.dtype = static_cast<at::ScalarType>(code);
+  call.dtype = static_cast<ScalarType>(code);
   call.m = 48;
   call.n = 16;
   call.k = 64;
@@ -311,11 +346,11 @@ void gemm_ex_reduction_check_op(c10::string_view dtype, int64_t reduction, c10::
 
 // plan_gemm_call's INVALID_VALUE rules on a float32 call with these
 // arguments ([m, n, k, lda, ldb, ldc]): raises the precheck's CublasError.
-void gemm_rules_check_op(c10::IntArrayRef args, bool trans_a, bool trans_b, c10::string_view layer) {
+void gemm_rules_check_op(IntList args, bool trans_a, bool trans_b, StringArg layer) {
   require_testing_env("gemm_rules_check");
-  TORCH_CHECK(args.size() == 6, "gemm_rules_check: [m, n, k, lda, ldb, ldc]");
+  CG_CHECK(args.size() == 6, "gemm_rules_check: [m, n, k, lda, ldb, ldc]");
   GemmCall call;
-  call.dtype = at::kFloat;
+  call.dtype = kFloat;
   call.m = args[0];
   call.n = args[1];
   call.k = args[2];
@@ -340,16 +375,16 @@ std::vector<int64_t> strided_offsets_op(std::vector<int64_t> sizes, std::vector<
   const auto ndim = static_cast<int>(sizes.size());
   int64_t product = 1;
   for (const int64_t s : sizes) product *= s;
-  TORCH_CHECK_VALUE(ndim >= 1 && ndim <= kStridedIndexMaxDims && strides.size() == sizes.size() &&
-                        product > 0 && (numel == 0 || numel >= product),
-                    "cublas_guard_ext: strided_offsets takes 1 to ", kStridedIndexMaxDims,
-                    " positive sizes, as many strides, and numel 0 or >= their product");
+  CG_CHECK_VALUE(ndim >= 1 && ndim <= kStridedIndexMaxDims && strides.size() == sizes.size() && product > 0 &&
+                     (numel == 0 || numel >= product),
+                 "cublas_guard_ext: strided_offsets takes 1 to ", kStridedIndexMaxDims,
+                 " positive sizes, as many strides, and numel 0 or >= their product");
   StridedIndex g;
   make_strided_index(g, ndim, sizes.data(), strides.data(), numel == 0 ? product : numel);
   std::vector<int64_t> out;
   out.reserve(indices.size());
   for (const int64_t i : indices) {
-    TORCH_CHECK_VALUE(i >= 0 && i < product, "cublas_guard_ext: strided_offsets: index ", i, " out of range");
+    CG_CHECK_VALUE(i >= 0 && i < product, "cublas_guard_ext: strided_offsets: index ", i, " out of range");
     out.push_back(strided_offset(g, i));
   }
   return out;
@@ -367,11 +402,11 @@ void set_launch_limits_op(int64_t max_grid_x, int64_t max_grid_yz, int64_t max_t
 
 // The check and the error of a launch (launch_limits.h) against the default
 // limits, lowered as set_launch_limits says: what check_launch_fits does on a GPU.
-void launch_limits_check_op(c10::string_view kernel, std::vector<int64_t> grid, std::vector<int64_t> block,
-                            int64_t shared_bytes, c10::string_view layer) {
+void launch_limits_check_op(StringArg kernel, std::vector<int64_t> grid, std::vector<int64_t> block,
+                            int64_t shared_bytes, StringArg layer) {
   require_testing_env("launch_limits_check");
-  TORCH_CHECK_VALUE(grid.size() == 3 && block.size() == 3,
-                    "cublas_guard_ext: launch_limits_check takes grid and block as 3 ints each");
+  CG_CHECK_VALUE(grid.size() == 3 && block.size() == 3,
+                 "cublas_guard_ext: launch_limits_check takes grid and block as 3 ints each");
   LaunchShape shape;
   for (int i = 0; i < 3; ++i) {
     shape.grid[i] = grid[i];
@@ -384,42 +419,71 @@ void launch_limits_check_op(c10::string_view kernel, std::vector<int64_t> grid, 
   }
 }
 
-std::string set_gemm_path_op(c10::string_view path) {
+std::string set_gemm_path_op(StringArg path) {
   require_testing_env("set_gemm_path");
   GemmPath parsed = GemmPath::kLegacy;
   const std::string text(path);
-  TORCH_CHECK_VALUE(parse_gemm_path(text.c_str(), &parsed) && !text.empty(), "cublas_guard_ext: GEMM path '",
-                    text, "' is neither 'legacy' nor 'lt'");
+  CG_CHECK_VALUE(parse_gemm_path(text.c_str(), &parsed) && !text.empty(), "cublas_guard_ext: GEMM path '",
+                 text, "' is neither 'legacy' nor 'lt'");
   const GemmPath previous = gemm_path();
   path_state().store(static_cast<int>(parsed));
   return gemm_path_name(previous);
 }
 
+std::vector<std::string> lt_plan_key_fields_op() { return lt_plan_key_fields(); }
+std::string gemm_path_op() { return gemm_path_name(gemm_path()); }
+void set_reduction_options_op(int64_t fp16, int64_t bf16) { set_reduction_options(fp16, bf16); }
+void set_fp16_accumulation_op(bool allow) { set_fp16_accumulation(allow); }
+
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
+CG_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
   m.def(
       "gemm_route(str dtype, str path, bool has_bias, bool use_64bit, bool lt_available, "
-      "int[] lt_steps) -> str[]",
-      &cublas_guard::gemm_route_op);
-  m.def("prefill_bias_twin(Tensor(a!) c, Tensor bias, int m, int n, int ldc, int workers, int lanes) -> ()",
-        &cublas_guard::prefill_bias_twin_op);
-  m.def("lt_alignments(int a, int b, int c, int bias) -> int[]", &cublas_guard::lt_alignments_op);
-  m.def("lt_plan_key_fields() -> str[]", [] { return cublas_guard::lt_plan_key_fields(); });
-  m.def("lt_plan_cache_trace(int capacity, int[] keys) -> str[]", &cublas_guard::lt_plan_cache_trace_op);
-  m.def("gemm_ex_reduction_check(str dtype, int reduction, str layer) -> ()",
-        &cublas_guard::gemm_ex_reduction_check_op);
-  m.def("gemm_rules_check(int[] args, bool trans_a, bool trans_b, str layer) -> ()",
-        &cublas_guard::gemm_rules_check_op);
-  m.def("strided_offsets(int[] sizes, int[] strides, int numel, int[] indices) -> int[]",
-        &cublas_guard::strided_offsets_op);
-  m.def("set_launch_limits(int max_grid_x, int max_grid_yz, int max_threads, int max_shared) -> ()",
-        &cublas_guard::set_launch_limits_op);
-  m.def("launch_limits_check(str kernel, int[] grid, int[] block, int shared_bytes, str layer) -> ()",
-        &cublas_guard::launch_limits_check_op);
-  m.def("gemm_path() -> str",
-        [] { return std::string(cublas_guard::gemm_path_name(cublas_guard::gemm_path())); });
+      "int[] lt_steps) -> str[]");
+  m.def("prefill_bias_twin(Tensor(a!) c, Tensor bias, int m, int n, int ldc, int workers, int lanes) -> ()");
+  m.def("lt_alignments(int a, int b, int c, int bias) -> int[]");
+  m.def("lt_plan_key_fields() -> str[]");
+  m.def("lt_plan_cache_trace(int capacity, int[] keys) -> str[]");
+  m.def("gemm_ex_reduction_check(str dtype, int reduction, str layer) -> ()");
+  m.def("gemm_rules_check(int[] args, bool trans_a, bool trans_b, str layer) -> ()");
+  m.def("strided_offsets(int[] sizes, int[] strides, int numel, int[] indices) -> int[]");
+  m.def("set_launch_limits(int max_grid_x, int max_grid_yz, int max_threads, int max_shared) -> ()");
+  m.def("launch_limits_check(str kernel, int[] grid, int[] block, int shared_bytes, str layer) -> ()");
+  m.def("gemm_path() -> str");
   // Switches the process's path (CUBLAS_GUARD_GEMM_PATH's value) for a test; returns the previous one.
-  m.def("set_gemm_path(str path) -> str", &cublas_guard::set_gemm_path_op);
+  m.def("set_gemm_path(str path) -> str");
+}
+
+CG_LIBRARY_IMPL(cublas_guard_testing, CompositeExplicitAutograd, m) {
+  using namespace cublas_guard;
+  CG_IMPL(m, "gemm_route", &gemm_route_op);
+  CG_IMPL(m, "prefill_bias_twin", &prefill_bias_twin_op);
+  CG_IMPL(m, "lt_alignments", &lt_alignments_op);
+  CG_IMPL(m, "lt_plan_key_fields", &lt_plan_key_fields_op);
+  CG_IMPL(m, "lt_plan_cache_trace", &lt_plan_cache_trace_op);
+  CG_IMPL(m, "gemm_ex_reduction_check", &gemm_ex_reduction_check_op);
+  CG_IMPL(m, "gemm_rules_check", &gemm_rules_check_op);
+  CG_IMPL(m, "strided_offsets", &strided_offsets_op);
+  CG_IMPL(m, "set_launch_limits", &set_launch_limits_op);
+  CG_IMPL(m, "launch_limits_check", &launch_limits_check_op);
+  CG_IMPL(m, "gemm_path", &gemm_path_op);
+  CG_IMPL(m, "set_gemm_path", &set_gemm_path_op);
+}
+
+// torch's cuBLAS settings, which the stable core cannot read: the package
+// passes them (no-ops in the locked library). set_reduction_options takes
+// torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction as
+// at::CuBLASReductionOption values; set_fp16_accumulation takes
+// torch.backends.cuda.matmul.allow_fp16_accumulation. (allow_tf32 needs no
+// hand-over: torch sets its cuBLAS handle's math mode from it whenever the
+// core asks for the handle.)
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("set_reduction_options(int fp16, int bf16) -> ()");
+  m.def("set_fp16_accumulation(bool allow) -> ()");
+}
+CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
+  CG_IMPL(m, "set_reduction_options", &cublas_guard::set_reduction_options_op);
+  CG_IMPL(m, "set_fp16_accumulation", &cublas_guard::set_fp16_accumulation_op);
 }

@@ -170,6 +170,21 @@ const char* gemm_ex_refused_reduction(int dtype, int reduction);
 // torch's current reduction option (at::CuBLASReductionOption's value) for a
 // half-precision dtype: allow_{bf16,fp16}_reduced_precision_reduction.
 int torch_reduction_option(int dtype);
+// The stable core cannot read torch's settings: the package passes them (a no-op in the locked library).
+void set_reduction_options(int64_t fp16, int64_t bf16);
+// at::CuBLASReductionOption's values (gemm_route.cpp asserts them in the locked library).
+namespace reduction_option {
+constexpr int kAllowReducedPrecisionWithSplitK = 0;
+constexpr int kDisallowReducedPrecisionAllowSplitK = 1;
+constexpr int kDisallowReducedPrecisionDisallowSplitK = 2;
+}  // namespace reduction_option
+
+// torch.backends.cuda.matmul.allow_fp16_accumulation (torch 2.7+; false
+// before): float16 GEMMs then accumulate in float16 on sm_70+, as torch's own
+// (CUBLAS_COMPUTE_16F). Handed to the stable core by the package, as the
+// reduction options (set_fp16_accumulation: a no-op in the locked library).
+bool torch_fp16_accumulation();
+void set_fp16_accumulation(bool allow);
 
 struct GemmCall;  // linear/gemm_plan.h
 // Raises the CublasError (CUBLAS_STATUS_NOT_SUPPORTED, refused before the
@@ -177,7 +192,7 @@ struct GemmCall;  // linear/gemm_plan.h
 [[noreturn]] void raise_gemm_ex_reduction_refused(const GemmCall& call, const char* setting,
                                                   const std::string& layer);
 
-// dtype codes (at::ScalarType's values, without its header).
+// dtype codes (ScalarType's values, without its header).
 namespace dtype_code {
 constexpr int kHalf = 5;
 constexpr int kFloat = 6;

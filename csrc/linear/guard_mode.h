@@ -3,7 +3,7 @@
 // tests/package/test_codes.py checks that the values here agree with it.
 #pragma once
 
-#include <c10/util/Exception.h>
+#include "core/tensor_api.h"
 
 #include <cstdint>
 
@@ -16,8 +16,8 @@ inline GuardMode parse_mode(int64_t mode) {
   constexpr auto off = static_cast<int64_t>(GuardMode::kOff);
   constexpr auto sync = static_cast<int64_t>(GuardMode::kSync);
   constexpr auto async = static_cast<int64_t>(GuardMode::kAsync);
-  TORCH_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ", off,
-                    " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
+  CG_CHECK_VALUE(mode == off || mode == sync || mode == async, "cublas_guard_ext: mode must be ", off,
+                 " (off), ", sync, " (sync) or ", async, " (async), got ", mode);
   return static_cast<GuardMode>(mode);
 }
 

@@ -8,9 +8,6 @@
 #include "report/async_registry.h"
 #include "report/call_scope.h"
 
-#include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <array>
 #include <vector>
@@ -21,24 +18,23 @@ namespace {
 
 // [..., cols] -> [rows, cols], a view whenever the strides allow. The row count
 // is explicit: reshape({-1, 0}) is ambiguous for empty tensors.
-at::Tensor flatten_rows(const at::Tensor& t, int64_t cols) {
+Tensor flatten_rows(const Tensor& t, int64_t cols) {
   if (t.dim() == 2 && t.size(1) == cols) return t;  // already [rows, cols]: no reshape dispatch
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
-  return t.reshape({rows, cols});
+  return reshaped(t, {rows, cols});
 }
 
-std::vector<int64_t> with_last(c10::IntArrayRef sizes, int64_t last) {
-  std::vector<int64_t> out(sizes.begin(), sizes.end());
+std::vector<int64_t> with_last(const Tensor& t, int64_t last) {
+  std::vector<int64_t> out = sizes_of(t);
   out.back() = last;
   return out;
 }
 
 }  // namespace
 
-at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at::Tensor& weight,
-                          const c10::optional<at::Tensor>& bias, const std::string& layer,
-                          int64_t mode_value) {
+Tensor linear_forward(const LinearBackend& be, const Tensor& x, const Tensor& weight,
+                      const std::optional<Tensor>& bias, const std::string& layer, int64_t mode_value) {
   const GuardedCallScope scope("forward", "input", &x, "weight", &weight, "bias",
                                bias.has_value() ? &*bias : nullptr);
   const GuardMode mode = parse_mode(mode_value);
@@ -47,10 +43,11 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
   const bool has_bias = bias.has_value() && bias->defined();
   if (mode == GuardMode::kSync) be.check_pending_error(layer);
   const int64_t in_features = weight.size(1), out_features = weight.size(0);
-  const at::Tensor x2d = flatten_rows(x, in_features);
+  const Tensor x2d = flatten_rows(x, in_features);
   const int64_t bytes = x2d.size(0) * out_features * weight.element_size();
-  at::Tensor out = reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes,
-                                 [&] { return at::empty({x2d.size(0), out_features}, weight.options()); });
+  Tensor out = reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
+    return empty({x2d.size(0), out_features}, weight.scalar_type(), weight);
+  });
   // How the bias enters (BiasHandling): a broadcast copy and beta = 1 (torch's
   // addmm fallback), the GEMM's epilogue (beta = 0), or the backend's prefill
   // (beta = 1), fused into the input's scan when one runs: at most one launch
@@ -73,7 +70,7 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
   double beta = 0.0;
   const void* gemm_bias = nullptr;
   if (handling == BiasHandling::kBiasByCopy && has_bias && out.numel() > 0) {
-    out.copy_(bias->expand_as(out));
+    copy_into(out, *bias);  // broadcast over the rows
     beta = 1.0;
   } else if (handling == BiasHandling::kBiasByBackend) {
     if (!prefill_in_scan) be.prefill_bias(out, *bias, layer);
@@ -82,53 +79,54 @@ at::Tensor linear_forward(const LinearBackend& be, const at::Tensor& x, const at
     gemm_bias = bias->data_ptr();
   }
   reporting_oom(be, weight.device(), layer, "the forward GEMM's output", bytes, [&] {
-    matmul_into(be, out, x2d, weight.t(), beta, "forward", {"input", "weight^T", "output"}, layer, gemm_bias);
+    matmul_into(be, out, x2d, transposed_view(weight), beta, "forward", {"input", "weight^T", "output"},
+                layer, gemm_bias);
     return 0;
   });
   if (x.dim() == 2) return out;  // already the output's shape
-  return out.view(with_last(x.sizes(), out_features));
+  return reshaped(out, with_last(x, out_features));
 }
 
-at::Tensor linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output, const at::Tensor& weight,
-                             const std::string& layer) {
+Tensor linear_grad_input(const LinearBackend& be, const Tensor& grad_output, const Tensor& weight,
+                         const std::string& layer) {
   const GuardedCallScope scope("grad_input", "grad_output", &grad_output, "weight", &weight);
   check_grad_args(grad_output, weight, weight.size(0), "weight", layer);
-  const at::Tensor g2d = flatten_rows(grad_output, weight.size(0));
+  const Tensor g2d = flatten_rows(grad_output, weight.size(0));
   const int64_t bytes = g2d.size(0) * weight.size(1) * weight.element_size();
   return reporting_oom(be, weight.device(), layer, "the input gradient", bytes, [&] {
-    at::Tensor grad_input = at::empty({g2d.size(0), weight.size(1)}, weight.options());
+    Tensor grad_input = empty({g2d.size(0), weight.size(1)}, weight.scalar_type(), weight);
     matmul_into(be, grad_input, g2d, weight, 0.0, "grad_input", {"grad_output", "weight", "grad_input"},
                 layer);
-    return grad_input.view(with_last(grad_output.sizes(), weight.size(1)));
+    return reshaped(grad_input, with_last(grad_output, weight.size(1)));
   });
 }
 
-at::Tensor linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output, const at::Tensor& x,
-                              const std::string& layer) {
+Tensor linear_grad_weight(const LinearBackend& be, const Tensor& grad_output, const Tensor& x,
+                          const std::string& layer) {
   const GuardedCallScope scope("grad_weight", "grad_output", &grad_output, "input", &x);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '", layer,
-                    "': grad_output ", grad_output.sizes(), " and input ", x.sizes(),
-                    " must have the same number of dims");
+  CG_CHECK_VALUE(x.dim() >= 1 && grad_output.dim() == x.dim(), "cublas_guard_ext: layer '", layer,
+                 "': grad_output ", sizes_str(grad_output), " and input ", sizes_str(x),
+                 " must have the same number of dims");
   const int64_t out_features = grad_output.size(-1), in_features = x.size(-1);
   check_grad_args(grad_output, x, out_features, "input", layer);
-  const at::Tensor g2d = flatten_rows(grad_output, out_features);
-  const at::Tensor x2d = flatten_rows(x, in_features);
-  TORCH_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer, "': grad_output ",
-                    grad_output.sizes(), " and input ", x.sizes(), " disagree on the batch size");
+  const Tensor g2d = flatten_rows(grad_output, out_features);
+  const Tensor x2d = flatten_rows(x, in_features);
+  CG_CHECK_VALUE(g2d.size(0) == x2d.size(0), "cublas_guard_ext: layer '", layer, "': grad_output ",
+                 sizes_str(grad_output), " and input ", sizes_str(x), " disagree on the batch size");
   const int64_t bytes = out_features * in_features * x.element_size();
   return reporting_oom(be, x.device(), layer, "the weight gradient", bytes, [&] {
-    at::Tensor grad_weight = at::empty({out_features, in_features}, x.options());
-    matmul_into(be, grad_weight, g2d.t(), x2d, 0.0, "grad_weight", {"grad_output^T", "input", "grad_weight"},
-                layer);
+    Tensor grad_weight = empty({out_features, in_features}, x.scalar_type(), x);
+    matmul_into(be, grad_weight, transposed_view(g2d), x2d, 0.0, "grad_weight",
+                {"grad_output^T", "input", "grad_weight"}, layer);
     return grad_weight;
   });
 }
 
-void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::string& layer, int64_t role,
+void guard_tensor(const LinearBackend& be, const Tensor& t, const std::string& layer, int64_t role,
                   int64_t mode_value) {
   const GuardMode mode = parse_mode(mode_value);
-  TORCH_CHECK_VALUE(role >= kRoleInput && role <= kRoleGradOutput, "cublas_guard_ext: unknown tensor role ",
-                    role);
+  CG_CHECK_VALUE(role >= kRoleInput && role <= kRoleGradOutput, "cublas_guard_ext: unknown tensor role ",
+                 role);
   if (mode == GuardMode::kOff) return;
   raise_if_async_recorded(/*synchronize=*/false);
   if (!is_guarded_dtype(t.scalar_type())) raise_dtype_error(t, tensor_role_name(role), layer);
@@ -136,16 +134,15 @@ void guard_tensor(const LinearBackend& be, const at::Tensor& t, const std::strin
   guard_values(be, mode, layer, {{&t, static_cast<TensorRole>(role)}}, capture_state(be, mode, t.device()));
 }
 
-void check_features(const LinearBackend& be, const at::Tensor& x, int64_t in_features,
-                    const std::string& layer) {
+void check_features(const LinearBackend& be, const Tensor& x, int64_t in_features, const std::string& layer) {
   check_input(x, in_features, layer);
   be.check_pending_error(layer);
   guard_values(be, GuardMode::kSync, layer, {{&x, kRoleInput}});
 }
 
-at::Tensor scan(const LinearBackend& be, const at::Tensor& x) {
+Tensor scan(const LinearBackend& be, const Tensor& x) {
   check_scannable(x);
-  at::Tensor out = at::empty({kScanFields}, x.options().dtype(at::kLong));
+  Tensor out = empty({kScanFields}, kLong, x);
   be.scan_into(x, out, nullptr, "scan");
   return out;
 }

@@ -12,7 +12,7 @@
 // calls an at:: function includes its per-op header (<ATen/ops/empty.h>).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "core/tensor_api.h"
 
 #include "linear/gemm_plan.h"
 #include "linear/guard_mode.h"
@@ -56,15 +56,18 @@ class ErrorReport {
   ErrorReport& add(const char* key, bool value);
   ErrorReport& add(const char* key, const std::string& value);
   ErrorReport& add(const char* key, const char* value) { return add(key, std::string(value)); }
-  ErrorReport& add(const char* key, c10::IntArrayRef values);
+  ErrorReport& add(const char* key, const std::vector<int64_t>& values);
+#ifndef CUBLAS_GUARD_STABLE
+  ErrorReport& add(const char* key, c10::IntArrayRef values) { return add(key, values.vec()); }
   // Sizes of a tensor being traced with symbolic shapes (torch.compile, torch.export)
   // are SymInts; a report states their concrete value (guarding on it: it raises anyway).
   ErrorReport& add(const char* key, const c10::SymInt& value);
   ErrorReport& add(const char* key, c10::SymIntArrayRef values);
+#endif
   // A tensor handed to the Python error constructor with the payload, never
   // serialized into it (the failure capsule's GEMM buffers: report/call_scope.h).
-  ErrorReport& attach(const char* name, const at::Tensor& tensor);
-  const std::vector<std::pair<std::string, at::Tensor>>& attached() const { return attached_; }
+  ErrorReport& attach(const char* name, const Tensor& tensor);
+  const std::vector<std::pair<std::string, Tensor>>& attached() const { return attached_; }
 
   std::string json() const;
   std::string message(const std::string& summary) const;
@@ -77,7 +80,7 @@ class ErrorReport {
  private:
   std::string kind_;
   std::vector<std::pair<std::string, std::string>> fields_;  // value already JSON-encoded
-  std::vector<std::pair<std::string, at::Tensor>> attached_;
+  std::vector<std::pair<std::string, Tensor>> attached_;
 };
 
 // When Python is running: throws the typed Python exception for `message`
@@ -95,48 +98,48 @@ struct MemoryFacts {
 void add_memory_fields(ErrorReport& report, const MemoryFacts& memory);
 
 // Fields every report about a tensor carries: its shape, strides, dtype, device.
-void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t);
+void describe_tensor(ErrorReport& report, const char* prefix, const Tensor& t);
 
 // ---------------------------------------------------------------------------
 // Argument checks: the one place each rule lives. Python never re-checks.
 // ---------------------------------------------------------------------------
 // The floating dtypes nn.Linear takes, and so the guard: float32, bfloat16,
 // float16, float64.
-bool is_guarded_dtype(at::ScalarType dtype);
+bool is_guarded_dtype(ScalarType dtype);
 
 // The public scan's rule: a tensor of a guarded dtype (TypeError otherwise).
-void check_scannable(const at::Tensor& t);
+void check_scannable(const Tensor& t);
 
 // TypeError report: `t` (playing `role`) is not of a guarded dtype.
-[[noreturn]] void raise_dtype_error(const at::Tensor& t, const char* role, const std::string& layer);
+[[noreturn]] void raise_dtype_error(const Tensor& t, const char* role, const std::string& layer);
 // TypeError report: `t` (playing `role`) and `anchor` (playing `anchor_role`)
 // are of different floating dtypes (nn.Linear refuses them too).
-[[noreturn]] void raise_dtype_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+[[noreturn]] void raise_dtype_mismatch(const Tensor& t, const char* role, const Tensor& anchor,
                                        const char* anchor_role, const std::string& layer);
 
 // ValueError report: `t` (playing `role`) has a shape other than `expected` (a
 // parameter's or a gradient's, not the input's last dim: check_input).
-[[noreturn]] void raise_shape(const at::Tensor& t, const char* role, const std::string& expected,
+[[noreturn]] void raise_shape(const Tensor& t, const char* role, const std::string& expected,
                               const std::string& layer);
 // RuntimeError report: `t` (playing `role`) is not on the device of `anchor`
 // (the layer's `anchor_name`).
-[[noreturn]] void raise_device_mismatch(const at::Tensor& t, const char* role, const at::Tensor& anchor,
+[[noreturn]] void raise_device_mismatch(const Tensor& t, const char* role, const Tensor& anchor,
                                         const char* anchor_name, const std::string& layer);
 
 // The input alone (what check_features needs): a guarded dtype, at least 1-D, last dim
 // == in_features, sizes within the GEMM limits.
 // Sizes are compared as SymInts, so a traced batch dim stays symbolic.
-void check_input(const at::Tensor& x, const c10::SymInt& in_features, const std::string& layer);
+void check_input(const Tensor& x, const SymSize& in_features, const std::string& layer);
 // The whole linear call: the input checks plus weight/bias dtype, shape and
 // device agreement.
-void check_linear_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+void check_linear_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
                        const std::string& layer);
 // Backward operands (grad_output against weight or input).
-void check_grad_args(const at::Tensor& grad_output, const at::Tensor& other, const c10::SymInt& expected_last,
+void check_grad_args(const Tensor& grad_output, const Tensor& other, const SymSize& expected_last,
                      const char* other_name, const std::string& layer);
 
 // Raises NonFiniteInputError's report when `counts` (host int64[4]) is not clean.
-void raise_if_non_finite(const at::Tensor& scanned, const int64_t* counts, const char* tensor_role,
+void raise_if_non_finite(const Tensor& scanned, const int64_t* counts, const char* tensor_role,
                          const std::string& layer);
 
 // What a CublasError report says about a GEMM beyond its GemmCall
@@ -146,9 +149,9 @@ struct GemmContext {
   std::string math_mode;     // e.g. "CUBLAS_DEFAULT_MATH", "CUBLAS_TF32_TENSOR_OP_MATH"
   std::string device;        // e.g. "cuda:0 (NVIDIA H200, sm_90)"
   std::string status_name;   // from cublasGetStatusName when available
-  const at::Tensor* operand_a = nullptr;  // the torch tensors behind A, B, C
-  const at::Tensor* operand_b = nullptr;
-  const at::Tensor* operand_c = nullptr;
+  const Tensor* operand_a = nullptr;  // the torch tensors behind A, B, C
+  const Tensor* operand_b = nullptr;
+  const Tensor* operand_c = nullptr;
   const char* roles[3] = {"", "", ""};    // what A, B, C are to the user ("weight^T", ...)
   MemoryFacts memory;  // at the time of a failure (CUDA)
   // Set by a backend whose failing call was not call.routine (a cuBLASLt step):
@@ -191,35 +194,34 @@ struct LinearBackend {
   // device; may be undefined when only the record matters). With a target, a
   // scan that finds non-finite values also fills the async record. Never
   // synchronizes.
-  void (*scan_into)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                    const std::string& layer);
+  void (*scan_into)(const Tensor& t, Tensor out_slot, const AsyncTarget* target, const std::string& layer);
   // Copy scan results to the host (a stream synchronization on CUDA); an error
   // surfacing here comes from an earlier kernel and is reported as such.
-  at::Tensor (*fetch)(const at::Tensor& device_results, const std::string& layer);
+  Tensor (*fetch)(const Tensor& device_results, const std::string& layer);
   // Run one GEMM; returns the cublasStatus_t as int (0 = success). Fills ctx
   // (math mode, device) first, then consults the kGemmStatus fault hook.
   int (*gemm)(const GemmCall& call, GemmContext& ctx);
   // Sync mode, before any launch: report an error an earlier kernel left behind.
   void (*check_pending_error)(const std::string& layer);
   // The async record and claim word for `device` (allocated once, then reused).
-  void (*async_slot)(c10::Device device, AsyncRecord** record, int** claim);
+  void (*async_slot)(Device device, AsyncRecord** record, int** claim);
   // Adds free/total device memory and torch's allocated/reserved bytes to a report.
-  void (*memory_info)(ErrorReport& report, c10::Device device);
+  void (*memory_info)(ErrorReport& report, Device device);
   // Whether gemm() can take calls beyond the 32-bit limit (use_64bit).
   bool has_64bit_api;
   // What gemm() runs for a dtype (names for reports; never nullptr).
-  GemmNames (*gemm_names)(at::ScalarType dtype);
+  GemmNames (*gemm_names)(ScalarType dtype);
   // Async mode: whether the current stream of `device` is being captured into a
   // CUDA graph; if so, *counter is a fresh device counter for this call's
   // replays (nullptr when none is left). Null on devices without graphs.
-  bool (*capture_replay_counter)(c10::Device device, int64_t** counter) = nullptr;
+  bool (*capture_replay_counter)(Device device, int64_t** counter) = nullptr;
   // How the forward's bias reaches the output for `dtype` (nullptr: kBiasByCopy).
-  BiasHandling (*bias_handling)(at::ScalarType dtype) = nullptr;
+  BiasHandling (*bias_handling)(ScalarType dtype) = nullptr;
   // kBiasByBackend: write `bias` into every row of `out` (one launch of ours),
   // or, with a scan to run, in the same launch as the scan of `t`.
-  void (*prefill_bias)(at::Tensor& out, const at::Tensor& bias, const std::string& layer) = nullptr;
-  void (*scan_into_prefilling)(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                               const std::string& layer, at::Tensor& out, const at::Tensor& bias) = nullptr;
+  void (*prefill_bias)(Tensor& out, const Tensor& bias, const std::string& layer) = nullptr;
+  void (*scan_into_prefilling)(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
+                               const std::string& layer, Tensor& out, const Tensor& bias) = nullptr;
 };
 
 // Build facts of this library, as JSON (the doctor's source). The CUDA
@@ -227,26 +229,25 @@ struct LinearBackend {
 std::string build_info_json();
 void set_cuda_build_info(std::string (*provider)());
 
-at::Tensor linear_forward(const LinearBackend& backend, const at::Tensor& x, const at::Tensor& weight,
-                          const c10::optional<at::Tensor>& bias, const std::string& layer, int64_t mode);
+Tensor linear_forward(const LinearBackend& backend, const Tensor& x, const Tensor& weight,
+                      const std::optional<Tensor>& bias, const std::string& layer, int64_t mode);
 // The value scan of any tensor of a guarded dtype under a mode (sync raises now, async
 // records, off does nothing); `role` is a TensorRole for the report.
-void guard_tensor(const LinearBackend& backend, const at::Tensor& t, const std::string& layer, int64_t role,
+void guard_tensor(const LinearBackend& backend, const Tensor& t, const std::string& layer, int64_t role,
                   int64_t mode);
-at::Tensor linear_grad_input(const LinearBackend& backend, const at::Tensor& grad_output,
-                             const at::Tensor& weight, const std::string& layer);
-at::Tensor linear_grad_weight(const LinearBackend& backend, const at::Tensor& grad_output,
-                              const at::Tensor& x, const std::string& layer);
-void check_features(const LinearBackend& backend, const at::Tensor& x, int64_t in_features,
+Tensor linear_grad_input(const LinearBackend& backend, const Tensor& grad_output, const Tensor& weight,
+                         const std::string& layer);
+Tensor linear_grad_weight(const LinearBackend& backend, const Tensor& grad_output, const Tensor& x,
+                          const std::string& layer);
+void check_features(const LinearBackend& backend, const Tensor& x, int64_t in_features,
                     const std::string& layer);
-at::Tensor scan(const LinearBackend& backend, const at::Tensor& x);
+Tensor scan(const LinearBackend& backend, const Tensor& x);
 
 // The CPU backend (linear/linear_cpu.cpp): torch's CPU BLAS behind the same plan.
 const LinearBackend& cpu_backend();
 
 // The CPU scan (also the reference the CUDA scan is tested against).
-void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
-                   const std::string& layer);
+void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target, const std::string& layer);
 
 // Strided iteration support shared by the CPU and CUDA scans: dims merged where
 // their strides allow, so that most views become one or two dims.
@@ -258,6 +259,6 @@ struct ScanGeometry {
   bool contiguous = true;          // one dim of stride 1 (or empty/scalar)
 };
 // Returns false when the tensor needs more than kMaxScanDims dims even after merging.
-bool scan_geometry(const at::Tensor& t, ScanGeometry& geometry);
+bool scan_geometry(const Tensor& t, ScanGeometry& geometry);
 
 }  // namespace cublas_guard

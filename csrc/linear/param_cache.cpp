@@ -1,5 +1,6 @@
 // The clean-parameter cache of linear_common.cpp (param_cache.h), with the
 // package's optimizer-step hook and the tests' view of it.
+#ifndef CUBLAS_GUARD_STABLE
 #include "linear/param_cache.h"
 
 #include <c10/core/TensorImpl.h>
@@ -175,3 +176,4 @@ TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
 TORCH_LIBRARY_FRAGMENT(cublas_guard_testing, m) {
   m.def("clean_cache_stats() -> int[]", [] { return cublas_guard::clean_parameters().stats(); });
 }
+#endif  // !CUBLAS_GUARD_STABLE

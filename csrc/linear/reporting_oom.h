@@ -6,22 +6,23 @@
 
 #include "linear/linear_op.h"
 
-#include <c10/util/Exception.h>
-
+#include <exception>
 #include <string>
 
 namespace cublas_guard {
 
 template <typename Fn>
-auto reporting_oom(const LinearBackend& be, c10::Device device, const std::string& layer, const char* stage,
+auto reporting_oom(const LinearBackend& be, Device device, const std::string& layer, const char* stage,
                    int64_t bytes, Fn&& fn) -> decltype(fn()) {
   try {
     return fn();
-  } catch (const c10::OutOfMemoryError& e) {
+  } catch (const std::exception& e) {
+    // torch's allocator ran out (c10::OutOfMemoryError in the locked build; in
+    // the stable core only the message says so): anything else goes on as it was.
+    std::string detail;
+    if (!out_of_memory_detail(e, detail)) throw;
     ErrorReport report("out_of_memory");
     report.add("layer", layer).add("stage", stage).add("bytes_requested", bytes);
-    std::string detail = e.what_without_backtrace();
-    detail = detail.substr(0, detail.find('\n'));
     report.add("detail", detail);
     if (be.memory_info != nullptr) be.memory_info(report, device);
     report.raise_out_of_memory("layer '" + layer + "': out of memory during " + stage);

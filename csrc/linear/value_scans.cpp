@@ -8,8 +8,6 @@
 #include "linear/param_cache.h"
 #include "report/async_registry.h"
 
-#include <ATen/ops/empty.h>
-
 #include <algorithm>
 #include <utility>
 
@@ -17,7 +15,7 @@ namespace cublas_guard {
 
 namespace {
 
-void fill_target(AsyncTarget& target, const at::Tensor& t, TensorRole role, int64_t layer_id, int64_t call_id,
+void fill_target(AsyncTarget& target, const Tensor& t, TensorRole role, int64_t layer_id, int64_t call_id,
                  AsyncRecord* record, int* claim) {
   target.record = record;
   target.claim = claim;
@@ -37,7 +35,7 @@ bool first_role_is_backward(const std::vector<ScanJob>& jobs) {
 
 }  // namespace
 
-CaptureState capture_state(const LinearBackend& be, GuardMode mode, c10::Device device) {
+CaptureState capture_state(const LinearBackend& be, GuardMode mode, Device device) {
   CaptureState state;
   if (mode == GuardMode::kAsync && be.capture_replay_counter != nullptr) {
     state.captured = be.capture_replay_counter(device, &state.replays);
@@ -45,28 +43,28 @@ CaptureState capture_state(const LinearBackend& be, GuardMode mode, c10::Device 
   return state;
 }
 
-bool must_scan_parameter(const CaptureState& capture, const at::Tensor& t) {
+bool must_scan_parameter(const CaptureState& capture, const Tensor& t) {
   return capture.captured || !parameter_known_clean(t);
 }
 
 void guard_values(const LinearBackend& be, GuardMode mode, const std::string& layer,
-                  const std::vector<ScanJob>& jobs, const CaptureState& capture, at::Tensor* prefill_out,
-                  const at::Tensor* prefill_bias) {
+                  const std::vector<ScanJob>& jobs, const CaptureState& capture, Tensor* prefill_out,
+                  const Tensor* prefill_bias) {
   if (jobs.empty()) return;
-  auto scan_job = [&](int64_t i, at::Tensor slot, const AsyncTarget* target) {
+  auto scan_job = [&](int64_t i, Tensor slot, const AsyncTarget* target) {
     if (i == 0 && prefill_out != nullptr) {
       be.scan_into_prefilling(*jobs[0].tensor, std::move(slot), target, layer, *prefill_out, *prefill_bias);
     } else {
       be.scan_into(*jobs[i].tensor, std::move(slot), target, layer);
     }
   };
-  const at::Tensor& first = *jobs.front().tensor;
+  const Tensor& first = *jobs.front().tensor;
   const auto n = static_cast<int64_t>(jobs.size());
   if (mode == GuardMode::kSync) {
-    at::Tensor results = at::empty({n, kScanFields}, first.options().dtype(at::kLong));
-    for (int64_t i = 0; i < n; ++i) scan_job(i, results[i], nullptr);
-    at::Tensor host = be.fetch(results, layer);
-    const int64_t* counts = host.data_ptr<int64_t>();
+    Tensor results = empty({n, kScanFields}, kLong, first);
+    for (int64_t i = 0; i < n; ++i) scan_job(i, row(results, i), nullptr);
+    Tensor host = be.fetch(results, layer);
+    const int64_t* counts = data_as<int64_t>(host);
     for (int64_t i = 0; i < n; ++i) {
       raise_if_non_finite(*jobs[i].tensor, counts + i * kScanFields, tensor_role_name(jobs[i].role), layer);
     }
@@ -82,7 +80,7 @@ void guard_values(const LinearBackend& be, GuardMode mode, const std::string& la
       target.counts_replay = capture.captured && i == 0;
       target.replays = capture.replays;
       // No result tensor: nothing reads it; the record is the async report.
-      scan_job(i, at::Tensor(), &target);
+      scan_job(i, Tensor(), &target);
     }
   }
   if (capture.captured) return;  // recorded, not run: nothing is known clean

@@ -11,7 +11,7 @@ namespace cublas_guard {
 
 // A tensor to scan and the role it plays in the error message.
 struct ScanJob {
-  const at::Tensor* tensor;
+  const Tensor* tensor;
   TensorRole role;
 };
 
@@ -30,11 +30,11 @@ struct CaptureState {
 
 // Whether `device`'s current stream is being captured (async mode only), and
 // the replay counter of this call if so.
-CaptureState capture_state(const LinearBackend& backend, GuardMode mode, c10::Device device);
+CaptureState capture_state(const LinearBackend& backend, GuardMode mode, Device device);
 
 // Whether a parameter (weight, bias) is scanned in this call: always in a
 // capture, else only when the cache does not know it clean.
-bool must_scan_parameter(const CaptureState& capture, const at::Tensor& t);
+bool must_scan_parameter(const CaptureState& capture, const Tensor& t);
 
 // Scans the jobs. Sync: one host synchronization for all of them, then raise
 // for the first bad one. Async: enqueue scans that fill the record if needed.
@@ -44,6 +44,6 @@ bool must_scan_parameter(const CaptureState& capture, const at::Tensor& t);
 // `prefill_bias` into every row of it, in the same launch.
 void guard_values(const LinearBackend& backend, GuardMode mode, const std::string& layer,
                   const std::vector<ScanJob>& jobs, const CaptureState& capture = {},
-                  at::Tensor* prefill_out = nullptr, const at::Tensor* prefill_bias = nullptr);
+                  Tensor* prefill_out = nullptr, const Tensor* prefill_bias = nullptr);
 
 }  // namespace cublas_guard

@@ -22,24 +22,24 @@ namespace {
   if (expert >= 0) report.add("expert", expert);
   // At most the first 64 ends: enough to see the pattern, a bounded payload.
   const auto shown = static_cast<int64_t>(std::min<size_t>(ends.size(), 64));
-  report.add("offsets", c10::IntArrayRef(ends.data(), shown));
+  report.add("offsets", std::vector<int64_t>(ends.begin(), ends.begin() + shown));
   report.raise_value_error("layer '" + names.label() + "': " + summary);
 }
 
 // Offsets of a dtype that cannot hold group ends.
-void check_offsets_dtype(const at::Tensor& offs, const GroupedNames& names) {
-  if (offs.scalar_type() == at::kInt || offs.scalar_type() == at::kLong) return;
+void check_offsets_dtype(const Tensor& offs, const GroupedNames& names) {
+  if (offs.scalar_type() == kInt || offs.scalar_type() == kLong) return;
   const std::string layer = names.label();
   ErrorReport report("group_offsets");
   report.add("layer", layer).add("experts_module", names.module).add("parameter", names.parameter);
-  report.add("reason", "dtype").add("dtype", std::string(c10::toString(offs.scalar_type())));
-  report.raise_value_error("layer '" + layer + "': offsets dtype is " + c10::toString(offs.scalar_type()) +
+  report.add("reason", "dtype").add("dtype", dtype_name(offs.scalar_type()));
+  report.raise_value_error("layer '" + layer + "': offsets dtype is " + dtype_name(offs.scalar_type()) +
                            ", expected int32 (or int64) group ends");
 }
 
 template <typename T>
-void read_ends(const at::Tensor& host, std::vector<int64_t>& out) {
-  const T* data = host.const_data_ptr<T>();
+void read_ends(const Tensor& host, std::vector<int64_t>& out) {
+  const T* data = data_as<T>(host);
   const int64_t stride = host.stride(0);
   for (int64_t i = 0; i < host.size(0); ++i) out[i] = static_cast<int64_t>(data[i * stride]);
 }
@@ -52,17 +52,17 @@ std::string GroupedNames::expert_label(int64_t expert) const {
   return label() + "[" + std::to_string(expert) + "]";
 }
 
-ExpertShape expert_shape(const at::Tensor& weight, bool transposed) {
+ExpertShape expert_shape(const Tensor& weight, bool transposed) {
   return {weight.size(0), weight.size(transposed ? 2 : 1), weight.size(transposed ? 1 : 2)};
 }
 
-at::Tensor expert_weight(const at::Tensor& weight, int64_t expert, bool transposed) {
-  at::Tensor w = weight.select(0, expert);
-  return transposed ? w.t() : w;
+Tensor expert_weight(const Tensor& weight, int64_t expert, bool transposed) {
+  Tensor w = row(weight, expert);
+  return transposed ? transposed_view(w) : w;
 }
 
-void check_grouped_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        const at::Tensor& offs, bool transposed, const GroupedNames& names) {
+void check_grouped_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                        const Tensor& offs, bool transposed, const GroupedNames& names) {
   const std::string layer = names.label();
   if (!is_guarded_dtype(weight.scalar_type())) raise_dtype_error(weight, "weight", layer);
   if (weight.dim() != 3) {
@@ -73,48 +73,48 @@ void check_grouped_args(const at::Tensor& x, const at::Tensor& weight, const c10
   if (is_guarded_dtype(x.scalar_type()) && x.scalar_type() != weight.scalar_type()) {
     raise_dtype_mismatch(x, "input", weight, "weight", layer);
   }
-  const c10::SymInt& in_features = weight.sym_size(transposed ? 1 : 2);
+  const SymSize in_features = sym_size_at(weight, transposed ? 1 : 2);
   check_input(x, in_features, layer);
   if (x.dim() != 2)
-    raise_shape(x, "input", "[tokens, " + c10::str(in_features) + "] (sorted by expert)", layer);
-  if (x.device() != weight.device()) raise_device_mismatch(x, "input", weight, "weight", layer);
+    raise_shape(x, "input", "[tokens, " + sym_str(in_features) + "] (sorted by expert)", layer);
+  if (!same_device(x, weight)) raise_device_mismatch(x, "input", weight, "weight", layer);
   check_offsets_dtype(offs, names);
-  if (offs.dim() != 1 || offs.sym_size(0) != weight.sym_size(0)) {
+  if (offs.dim() != 1 || sym_size_at(offs, 0) != sym_size_at(weight, 0)) {
     raise_shape(offs, "offsets",
-                "[" + c10::str(weight.sym_size(0)) + "] (one group end per expert of the weight)", layer);
+                "[" + sym_str(sym_size_at(weight, 0)) + "] (one group end per expert of the weight)", layer);
   }
-  if (offs.device() != x.device()) raise_device_mismatch(offs, "offsets", weight, "weight", layer);
+  if (!same_device(offs, x)) raise_device_mismatch(offs, "offsets", weight, "weight", layer);
   if (bias.has_value() && bias->defined()) {
-    const at::Tensor& b = *bias;
+    const Tensor& b = *bias;
     if (!is_guarded_dtype(b.scalar_type())) raise_dtype_error(b, "bias", layer);
     if (b.scalar_type() != weight.scalar_type()) raise_dtype_mismatch(b, "bias", weight, "weight", layer);
-    const c10::SymInt& out_features = weight.sym_size(transposed ? 2 : 1);
-    if (b.dim() != 2 || b.sym_size(0) != weight.sym_size(0) || b.sym_size(1) != out_features) {
-      raise_shape(b, "bias", "[" + c10::str(weight.sym_size(0)) + ", " + c10::str(out_features) + "]", layer);
+    const SymSize out_features = sym_size_at(weight, transposed ? 2 : 1);
+    if (b.dim() != 2 || sym_size_at(b, 0) != sym_size_at(weight, 0) || sym_size_at(b, 1) != out_features) {
+      raise_shape(b, "bias", "[" + sym_str(sym_size_at(weight, 0)) + ", " + sym_str(out_features) + "]",
+                  layer);
     }
-    if (b.device() != weight.device()) raise_device_mismatch(b, "bias", weight, "weight", layer);
+    if (!same_device(b, weight)) raise_device_mismatch(b, "bias", weight, "weight", layer);
   }
 }
 
-void check_grouped_grad_args(const at::Tensor& grad_output, const at::Tensor& other, const char* other_name,
-                             const c10::SymInt& expected_width, const at::Tensor& offs,
-                             const GroupedNames& names) {
+void check_grouped_grad_args(const Tensor& grad_output, const Tensor& other, const char* other_name,
+                             const SymSize& expected_width, const Tensor& offs, const GroupedNames& names) {
   const std::string layer = names.label();
   check_grad_args(grad_output, other, expected_width, other_name, layer);
   if (grad_output.dim() != 2) raise_shape(grad_output, "grad_output", "[tokens, features]", layer);
   check_offsets_dtype(offs, names);
   if (offs.dim() != 1) raise_shape(offs, "offsets", "[experts]", layer);
-  if (offs.device() != grad_output.device()) {
+  if (!same_device(offs, grad_output)) {
     raise_device_mismatch(offs, "offsets", grad_output, "grad_output", layer);
   }
 }
 
-std::vector<int64_t> group_ends(const at::Tensor& offs, int64_t rows, const GroupedNames& names) {
+std::vector<int64_t> group_ends(const Tensor& offs, int64_t rows, const GroupedNames& names) {
   // One copy to the host (a synchronization on a device): the per-expert GEMMs
   // need the sizes there anyway (grouped_common.cpp).
-  const at::Tensor host = offs.device().is_cpu() ? offs : offs.to(at::kCPU);
+  const Tensor host = to_cpu(offs);
   std::vector<int64_t> ends(static_cast<size_t>(host.size(0)));
-  if (host.scalar_type() == at::kInt) {
+  if (host.scalar_type() == kInt) {
     read_ends<int32_t>(host, ends);
   } else {
     read_ends<int64_t>(host, ends);

@@ -28,8 +28,6 @@
 #include "report/call_scope.h"
 #include "report/report_place.h"
 
-#include <ATen/ops/empty.h>
-
 #include <algorithm>
 #include <array>
 #include <vector>
@@ -49,13 +47,13 @@ int64_t expert_of_row(const std::vector<int64_t>& ends, int64_t row) {
 // A scan of the call: the routed rows of the input (their row gives the
 // expert), or a per-expert parameter (its first dim is the expert).
 struct GroupedScanJob {
-  at::Tensor tensor;
+  Tensor tensor;
   TensorRole role;
 };
 
 // The expert of the first bad element `first` (a flat index into job.tensor).
 int64_t expert_of(const GroupedScanJob& job, int64_t first, const std::vector<int64_t>& ends) {
-  const at::Tensor& t = job.tensor;
+  const Tensor& t = job.tensor;
   if (job.role == kRoleInput || job.role == kRoleGradOutput) {
     return expert_of_row(ends, first / std::max<int64_t>(1, t.size(1)));
   }
@@ -75,10 +73,10 @@ void scan_grouped(const LinearBackend& be, GuardMode mode, const GroupedNames& n
     return;
   }
   const auto n = static_cast<int64_t>(jobs.size());
-  at::Tensor results = at::empty({n, kScanFields}, jobs.front().tensor.options().dtype(at::kLong));
-  for (int64_t i = 0; i < n; ++i) be.scan_into(jobs[i].tensor, results[i], nullptr, label);
-  const at::Tensor host = be.fetch(results, label);
-  const int64_t* counts = host.const_data_ptr<int64_t>();
+  Tensor results = empty({n, kScanFields}, kLong, jobs.front().tensor);
+  for (int64_t i = 0; i < n; ++i) be.scan_into(jobs[i].tensor, row(results, i), nullptr, label);
+  const Tensor host = be.fetch(results, label);
+  const int64_t* counts = data_as<int64_t>(host);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t first = counts[i * kScanFields + kFirstBadIndex];
     if (first < 0) continue;
@@ -94,17 +92,20 @@ void scan_grouped(const LinearBackend& be, GuardMode mode, const GroupedNames& n
 }
 
 // `t`'s rows from `routed` on, zeroed (rows no group covers).
-void zero_tail(at::Tensor& t, int64_t routed) {
-  if (routed < t.size(0)) t.narrow(0, routed, t.size(0) - routed).zero_();
+void zero_tail(Tensor& t, int64_t routed) {
+  if (routed < t.size(0)) {
+    Tensor tail = first_rows(t, routed, t.size(0) - routed);
+    zero(tail);
+  }
 }
 
 int64_t routed_rows(const std::vector<int64_t>& ends) { return ends.empty() ? 0 : ends.back(); }
 
 }  // namespace
 
-at::Tensor grouped_linear_forward(const LinearBackend& be, const at::Tensor& x, const at::Tensor& weight,
-                                  const c10::optional<at::Tensor>& bias, const at::Tensor& offs,
-                                  const GroupedNames& names, int64_t mode_value, bool transposed) {
+Tensor grouped_linear_forward(const LinearBackend& be, const Tensor& x, const Tensor& weight,
+                              const std::optional<Tensor>& bias, const Tensor& offs,
+                              const GroupedNames& names, int64_t mode_value, bool transposed) {
   const bool has_bias = bias.has_value() && bias->defined();
   const GuardedCallScope scope("forward", "input", &x, "weight", &weight, "bias",
                                has_bias ? &*bias : nullptr);
@@ -117,13 +118,13 @@ at::Tensor grouped_linear_forward(const LinearBackend& be, const at::Tensor& x, 
   const int64_t routed = routed_rows(ends);
   const ExpertShape shape = expert_shape(weight, transposed);
   const int64_t bytes = rows * shape.out_features * weight.element_size();
-  at::Tensor out = reporting_oom(be, weight.device(), names.label(), "the grouped forward's output", bytes,
-                                 [&] { return at::empty({rows, shape.out_features}, weight.options()); });
+  Tensor out = reporting_oom(be, weight.device(), names.label(), "the grouped forward's output", bytes,
+                             [&] { return empty({rows, shape.out_features}, weight.scalar_type(), weight); });
   zero_tail(out, routed);
   if (mode != GuardMode::kOff) {
     const CaptureState capture = capture_state(be, mode, x.device());
     std::vector<GroupedScanJob> jobs;
-    if (routed > 0) jobs.push_back({x.narrow(0, 0, routed), kRoleInput});
+    if (routed > 0) jobs.push_back({first_rows(x, 0, routed), kRoleInput});
     if (must_scan_parameter(capture, weight)) jobs.push_back({weight, kRoleWeight});
     if (has_bias && must_scan_parameter(capture, *bias)) jobs.push_back({*bias, kRoleBias});
     scan_grouped(be, mode, names, jobs, ends);
@@ -131,28 +132,28 @@ at::Tensor grouped_linear_forward(const LinearBackend& be, const at::Tensor& x, 
   for (int64_t e = 0; e < shape.experts; ++e) {
     const int64_t begin = group_begin(ends, e), count = ends[e] - begin;
     if (count == 0) continue;
-    const at::Tensor x_e = x.narrow(0, begin, count);
-    const at::Tensor w_e = expert_weight(weight, e, transposed);
-    const at::Tensor b_e = has_bias ? bias->select(0, e) : at::Tensor();
-    at::Tensor out_e = out.narrow(0, begin, count);
+    const Tensor x_e = first_rows(x, begin, count);
+    const Tensor w_e = expert_weight(weight, e, transposed);
+    const Tensor b_e = has_bias ? row(*bias, e) : Tensor();
+    Tensor out_e = first_rows(out, begin, count);
     const ReportPlace place{&names.module, &names.parameter, e, begin, ends[e]};
     const ReportPlaceScope where(&place);
     const GuardedCallScope expert_call("forward", "input", &x_e, "weight", &w_e, "bias",
                                        has_bias ? &b_e : nullptr);
     const std::string label = names.expert_label(e);
     reporting_oom(be, weight.device(), label, "the grouped forward's GEMM", bytes, [&] {
-      matmul_into(be, out_e, x_e, w_e.t(), 0.0, "forward", {"input", "weight^T", "output"}, label);
+      matmul_into(be, out_e, x_e, transposed_view(w_e), 0.0, "forward", {"input", "weight^T", "output"},
+                  label);
       return 0;
     });
     // The bias after the product, as transformers' experts add it (the same sums, bit for bit).
-    if (has_bias) out_e.add_(b_e);
+    if (has_bias) add_into(out_e, b_e);
   }
   return out;
 }
 
-at::Tensor grouped_linear_grad_input(const LinearBackend& be, const at::Tensor& grad_output,
-                                     const at::Tensor& weight, const at::Tensor& offs,
-                                     const GroupedNames& names, bool transposed) {
+Tensor grouped_linear_grad_input(const LinearBackend& be, const Tensor& grad_output, const Tensor& weight,
+                                 const Tensor& offs, const GroupedNames& names, bool transposed) {
   const GuardedCallScope scope("grad_input", "grad_output", &grad_output, "weight", &weight);
   if (weight.dim() != 3) raise_shape(weight, "weight", "[experts, ., .]", names.label());
   const ExpertShape shape = expert_shape(weight, transposed);
@@ -164,16 +165,16 @@ at::Tensor grouped_linear_grad_input(const LinearBackend& be, const at::Tensor& 
   const int64_t rows = grad_output.size(0);
   const std::vector<int64_t> ends = group_ends(offs, rows, names);
   const int64_t bytes = rows * shape.in_features * weight.element_size();
-  at::Tensor grad_input =
+  Tensor grad_input =
       reporting_oom(be, weight.device(), names.label(), "the grouped input gradient", bytes,
-                    [&] { return at::empty({rows, shape.in_features}, weight.options()); });
+                    [&] { return empty({rows, shape.in_features}, weight.scalar_type(), weight); });
   zero_tail(grad_input, routed_rows(ends));
   for (int64_t e = 0; e < shape.experts; ++e) {
     const int64_t begin = group_begin(ends, e), count = ends[e] - begin;
     if (count == 0) continue;
-    const at::Tensor g_e = grad_output.narrow(0, begin, count);
-    const at::Tensor w_e = expert_weight(weight, e, transposed);
-    at::Tensor gi_e = grad_input.narrow(0, begin, count);
+    const Tensor g_e = first_rows(grad_output, begin, count);
+    const Tensor w_e = expert_weight(weight, e, transposed);
+    Tensor gi_e = first_rows(grad_input, begin, count);
     const ReportPlace place{&names.module, &names.parameter, e, begin, ends[e]};
     const ReportPlaceScope where(&place);
     const GuardedCallScope expert_call("grad_input", "grad_output", &g_e, "weight", &w_e);
@@ -183,11 +184,10 @@ at::Tensor grouped_linear_grad_input(const LinearBackend& be, const at::Tensor& 
   return grad_input;
 }
 
-at::Tensor grouped_linear_grad_weight(const LinearBackend& be, const at::Tensor& grad_output,
-                                      const at::Tensor& x, const at::Tensor& offs, const GroupedNames& names,
-                                      bool transposed) {
+Tensor grouped_linear_grad_weight(const LinearBackend& be, const Tensor& grad_output, const Tensor& x,
+                                  const Tensor& offs, const GroupedNames& names, bool transposed) {
   const GuardedCallScope scope("grad_weight", "grad_output", &grad_output, "input", &x);
-  check_grouped_grad_args(grad_output, x, "input", grad_output.sym_size(-1), offs, names);
+  check_grouped_grad_args(grad_output, x, "input", sym_size_at(grad_output, -1), offs, names);
   if (x.dim() != 2 || x.size(0) != grad_output.size(0)) {
     raise_shape(x, "input", "[" + std::to_string(grad_output.size(0)) + ", in_features] (grad_output's rows)",
                 names.label());
@@ -195,30 +195,30 @@ at::Tensor grouped_linear_grad_weight(const LinearBackend& be, const at::Tensor&
   const int64_t experts = offs.size(0), out_features = grad_output.size(1), in_features = x.size(1);
   const std::vector<int64_t> ends = group_ends(offs, x.size(0), names);
   const int64_t bytes = experts * out_features * in_features * x.element_size();
-  at::Tensor grad_weight =
+  Tensor grad_weight =
       reporting_oom(be, x.device(), names.label(), "the grouped weight gradient", bytes, [&] {
-        return transposed ? at::empty({experts, in_features, out_features}, x.options())
-                          : at::empty({experts, out_features, in_features}, x.options());
+        return transposed ? empty({experts, in_features, out_features}, x.scalar_type(), x)
+                          : empty({experts, out_features, in_features}, x.scalar_type(), x);
       });
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t begin = group_begin(ends, e), count = ends[e] - begin;
-    at::Tensor gw_e = grad_weight.select(0, e);
+    Tensor gw_e = row(grad_weight, e);
     if (count == 0) {  // no row went to this expert: its gradient is zero, not uninitialized
-      gw_e.zero_();
+      zero(gw_e);
       continue;
     }
-    const at::Tensor g_e = grad_output.narrow(0, begin, count);
-    const at::Tensor x_e = x.narrow(0, begin, count);
+    const Tensor g_e = first_rows(grad_output, begin, count);
+    const Tensor x_e = first_rows(x, begin, count);
     const ReportPlace place{&names.module, &names.parameter, e, begin, ends[e]};
     const ReportPlaceScope where(&place);
     const GuardedCallScope expert_call("grad_weight", "grad_output", &g_e, "input", &x_e);
     const std::string label = names.expert_label(e);
     if (transposed) {  // stored [in, out]: x_e^T g_e
-      matmul_into(be, gw_e, x_e.t(), g_e, 0.0, "grad_weight", {"input^T", "grad_output", "grad_weight"},
-                  label);
+      matmul_into(be, gw_e, transposed_view(x_e), g_e, 0.0, "grad_weight",
+                  {"input^T", "grad_output", "grad_weight"}, label);
     } else {
-      matmul_into(be, gw_e, g_e.t(), x_e, 0.0, "grad_weight", {"grad_output^T", "input", "grad_weight"},
-                  label);
+      matmul_into(be, gw_e, transposed_view(g_e), x_e, 0.0, "grad_weight",
+                  {"grad_output^T", "input", "grad_weight"}, label);
     }
   }
   return grad_weight;

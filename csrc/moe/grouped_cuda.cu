@@ -9,58 +9,55 @@
 #include "cuda/cuda_backend.h"
 #include "moe/grouped_op.h"
 
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include "core/registration.h"
 
 #include <string>
 
 namespace cublas_guard {
 namespace {
 
-GroupedNames names_of(c10::string_view layer, c10::string_view parameter) {
+GroupedNames names_of(StringArg layer, StringArg parameter) {
   return {std::string(layer), std::string(parameter)};
 }
 
 // The weight's device when it is a CUDA device; else the other operand's (the checks then
 // report the mismatch).
-c10::Device guard_device(const at::Tensor& preferred, const at::Tensor& other) {
-  return preferred.is_cuda() ? preferred.device() : other.device();
+int grouped_guard_device(const Tensor& preferred, const Tensor& other) {
+  return device_index(preferred.is_cuda() ? preferred : other);
 }
 
 template <typename Fn>
-at::Tensor attributing(const std::string& layer, Fn&& fn) {
+Tensor attributing(const std::string& layer, Fn&& fn) {
   try {
     return fn();
-  } catch (const c10::Error& e) {
+  } catch (const TorchError& e) {
     raise_if_earlier_cuda_error(e, layer);
     throw;
   }
 }
 
-at::Tensor grouped_linear_op(const at::Tensor& x, const at::Tensor& weight,
-                             const c10::optional<at::Tensor>& bias, const at::Tensor& offs,
-                             c10::string_view layer, c10::string_view parameter, int64_t mode,
-                             bool transposed) {
-  const c10::cuda::CUDAGuard guard(guard_device(weight, x));
+Tensor grouped_linear_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                         const Tensor& offs, StringArg layer, StringArg parameter, int64_t mode,
+                         bool transposed) {
+  const CudaDeviceGuard guard(grouped_guard_device(weight, x));
   const GroupedNames names = names_of(layer, parameter);
   return attributing(names.label(), [&] {
     return grouped_linear_forward(cuda_backend(), x, weight, bias, offs, names, mode, transposed);
   });
 }
 
-at::Tensor grouped_grad_input_op(const at::Tensor& grad_output, const at::Tensor& weight,
-                                 const at::Tensor& offs, c10::string_view layer, c10::string_view parameter,
-                                 bool transposed) {
-  const c10::cuda::CUDAGuard guard(guard_device(weight, grad_output));
+Tensor grouped_grad_input_op(const Tensor& grad_output, const Tensor& weight, const Tensor& offs,
+                             StringArg layer, StringArg parameter, bool transposed) {
+  const CudaDeviceGuard guard(grouped_guard_device(weight, grad_output));
   const GroupedNames names = names_of(layer, parameter);
   return attributing(names.label(), [&] {
     return grouped_linear_grad_input(cuda_backend(), grad_output, weight, offs, names, transposed);
   });
 }
 
-at::Tensor grouped_grad_weight_op(const at::Tensor& grad_output, const at::Tensor& x, const at::Tensor& offs,
-                                  c10::string_view layer, c10::string_view parameter, bool transposed) {
-  const c10::cuda::CUDAGuard guard(guard_device(x, grad_output));
+Tensor grouped_grad_weight_op(const Tensor& grad_output, const Tensor& x, const Tensor& offs, StringArg layer,
+                              StringArg parameter, bool transposed) {
+  const CudaDeviceGuard guard(grouped_guard_device(x, grad_output));
   const GroupedNames names = names_of(layer, parameter);
   return attributing(names.label(), [&] {
     return grouped_linear_grad_weight(cuda_backend(), grad_output, x, offs, names, transposed);
@@ -70,9 +67,9 @@ at::Tensor grouped_grad_weight_op(const at::Tensor& grad_output, const at::Tenso
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_IMPL(cublas_guard, CUDA, m) {
+CG_LIBRARY_IMPL(cublas_guard, CUDA, m) {
   using namespace cublas_guard;
-  m.impl("grouped_linear", &grouped_linear_op);
-  m.impl("grouped_linear_grad_input", &grouped_grad_input_op);
-  m.impl("grouped_linear_grad_weight", &grouped_grad_weight_op);
+  CG_IMPL(m, "grouped_linear", &grouped_linear_op);
+  CG_IMPL(m, "grouped_linear_grad_input", &grouped_grad_input_op);
+  CG_IMPL(m, "grouped_linear_grad_weight", &grouped_grad_weight_op);
 }

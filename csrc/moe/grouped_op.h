@@ -41,38 +41,36 @@ struct GroupedNames {
 // ---------------------------------------------------------------------------
 // x [tokens, in], weight 3-D (see above), bias [experts, out], offs 1-D int32/int64
 // with one end per expert, all of one device, x/weight/bias of one guarded dtype.
-void check_grouped_args(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        const at::Tensor& offs, bool transposed, const GroupedNames& names);
+void check_grouped_args(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                        const Tensor& offs, bool transposed, const GroupedNames& names);
 // Backward: grad_output [tokens, width] against `other` (the weight, or the input
 // [tokens, in]) and offs.
-void check_grouped_grad_args(const at::Tensor& grad_output, const at::Tensor& other, const char* other_name,
-                             const c10::SymInt& expected_width, const at::Tensor& offs,
-                             const GroupedNames& names);
+void check_grouped_grad_args(const Tensor& grad_output, const Tensor& other, const char* other_name,
+                             const SymSize& expected_width, const Tensor& offs, const GroupedNames& names);
 // The group ends on the host (a copy, so a synchronization, when offs is on a
 // device), after the value rules: non-decreasing, >= 0, the last <= rows.
-std::vector<int64_t> group_ends(const at::Tensor& offs, int64_t rows, const GroupedNames& names);
+std::vector<int64_t> group_ends(const Tensor& offs, int64_t rows, const GroupedNames& names);
 
 // The number of experts and the weight's [out_features, in_features] whatever its layout.
 struct ExpertShape {
   int64_t experts, out_features, in_features;
 };
-ExpertShape expert_shape(const at::Tensor& weight, bool transposed);
+ExpertShape expert_shape(const Tensor& weight, bool transposed);
 // Expert e's weight as [out_features, in_features] (a view).
-at::Tensor expert_weight(const at::Tensor& weight, int64_t expert, bool transposed);
+Tensor expert_weight(const Tensor& weight, int64_t expert, bool transposed);
 
 // ---------------------------------------------------------------------------
 // The entry points (grouped_common.cpp), device-independent.
 // ---------------------------------------------------------------------------
-at::Tensor grouped_linear_forward(const LinearBackend& backend, const at::Tensor& x, const at::Tensor& weight,
-                                  const c10::optional<at::Tensor>& bias, const at::Tensor& offs,
-                                  const GroupedNames& names, int64_t mode, bool transposed);
+Tensor grouped_linear_forward(const LinearBackend& backend, const Tensor& x, const Tensor& weight,
+                              const std::optional<Tensor>& bias, const Tensor& offs,
+                              const GroupedNames& names, int64_t mode, bool transposed);
 // grad_x rows of expert e = grad_output rows of e times weight[e] ([out, in]).
-at::Tensor grouped_linear_grad_input(const LinearBackend& backend, const at::Tensor& grad_output,
-                                     const at::Tensor& weight, const at::Tensor& offs,
-                                     const GroupedNames& names, bool transposed);
+Tensor grouped_linear_grad_input(const LinearBackend& backend, const Tensor& grad_output,
+                                 const Tensor& weight, const Tensor& offs, const GroupedNames& names,
+                                 bool transposed);
 // grad_weight[e] = grad_output rows of e ^T times x rows of e, in the weight's layout.
-at::Tensor grouped_linear_grad_weight(const LinearBackend& backend, const at::Tensor& grad_output,
-                                      const at::Tensor& x, const at::Tensor& offs, const GroupedNames& names,
-                                      bool transposed);
+Tensor grouped_linear_grad_weight(const LinearBackend& backend, const Tensor& grad_output, const Tensor& x,
+                                  const Tensor& offs, const GroupedNames& names, bool transposed);
 
 }  // namespace cublas_guard

@@ -9,7 +9,7 @@
 #include "linear/linear_op.h"
 #include "linear/param_cache.h"
 
-#include <torch/library.h>
+#include "core/registration.h"
 
 #include <algorithm>
 #include <array>
@@ -63,7 +63,7 @@ LayerRegistry& layers() {
 }
 
 struct RegisteredRecord {
-  c10::Device device;
+  Device device;
   AsyncRecord* record;
   int* claim;
   RecordHooks hooks;
@@ -98,7 +98,7 @@ bool any_record_flagged() {
   return false;
 }
 
-[[noreturn]] void raise_recorded(const AsyncRecord& rec, const c10::Device& device) {
+[[noreturn]] void raise_recorded(const AsyncRecord& rec, const Device& device) {
   const std::string layer = layers().name(rec.layer_id);
   ErrorReport report("non_finite");
   report.add("layer", layer).add("role", tensor_role_name(rec.role));
@@ -118,7 +118,7 @@ bool any_record_flagged() {
     report.add("shape", shape);
   }
   report.add("ndim", rec.ndim).add("numel", rec.numel);
-  report.add("deferred", true).add("call", rec.call_id).add("device", device.str());
+  report.add("deferred", true).add("call", rec.call_id).add("device", device_name(device));
   report.add("pass", rec.role == kRoleGradOutput ? "backward" : "forward");
   if (rec.replay != 0) report.add("replay", rec.replay);  // a CUDA graph replay of that call
   const std::string replay =
@@ -145,7 +145,7 @@ std::pair<int64_t, int64_t> next_layer_call(const std::string& layer, bool backw
   return layers().next_call(layer, backward);
 }
 
-void register_async_record(c10::Device device, AsyncRecord* record, int* claim, RecordHooks hooks) {
+void register_async_record(Device device, AsyncRecord* record, int* claim, RecordHooks hooks) {
   std::lock_guard<std::mutex> lock(records_mutex());
   records().push_back(RegisteredRecord{device, record, claim, hooks});
   const size_t n = fast_record_count.load(std::memory_order_relaxed);
@@ -182,12 +182,18 @@ void raise_if_async_recorded(bool synchronize) {
   }
 }
 
+namespace {
+void reset_layer_calls_op(StringArg layer) { layers().reset(std::string(layer)); }
+}  // namespace
+
 }  // namespace cublas_guard
 
 // The package's private entry points (cublas_guard_ext.nn): the per-name call
 // counters (the optimizer-step hook is linear/param_cache.cpp's).
-TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
   // SafeLinear calls it when an instance takes a name (async reports count calls per name).
-  m.def("reset_layer_calls(str layer) -> ()",
-        [](c10::string_view layer) { cublas_guard::layers().reset(std::string(layer)); });
+  m.def("reset_layer_calls(str layer) -> ()");
+}
+CG_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
+  CG_IMPL(m, "reset_layer_calls", &cublas_guard::reset_layer_calls_op);
 }

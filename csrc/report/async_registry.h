@@ -4,7 +4,7 @@
 
 #include "report/async_record.h"
 
-#include <c10/core/Device.h>
+#include "core/tensor_api.h"
 
 #include <cstdint>
 #include <string>
@@ -15,9 +15,9 @@ namespace cublas_guard {
 // How the explicit check waits for a device before reading its record.
 // The host frees the claim itself (async_record.h): no device hook resets it.
 struct RecordHooks {
-  void (*synchronize)(c10::Device device);
+  void (*synchronize)(Device device);
 };
-void register_async_record(c10::Device device, AsyncRecord* record, int* claim, RecordHooks hooks);
+void register_async_record(Device device, AsyncRecord* record, int* claim, RecordHooks hooks);
 // Raises the first recorded finding of any device, if one is there; with
 // `synchronize`, after waiting for each device (the explicit check), else
 // without waiting (the check every guarded call makes first).

@@ -13,9 +13,8 @@ std::atomic<int64_t> call_counter{0};
 
 const GuardedCall* current_guarded_call() { return tls_call; }
 
-GuardedCallScope::GuardedCallScope(const char* phase, const char* name0, const at::Tensor* t0,
-                                   const char* name1, const at::Tensor* t1, const char* name2,
-                                   const at::Tensor* t2) {
+GuardedCallScope::GuardedCallScope(const char* phase, const char* name0, const Tensor* t0, const char* name1,
+                                   const Tensor* t1, const char* name2, const Tensor* t2) {
   call_.phase = phase;
   call_.number = call_counter.fetch_add(1, std::memory_order_relaxed) + 1;
   call_.names[0] = name0;

@@ -17,7 +17,7 @@
 // the hot path.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "core/tensor_api.h"
 
 #include <cstdint>
 
@@ -27,7 +27,7 @@ struct GuardedCall {
   const char* phase = "";  // forward | grad_input | grad_weight
   int64_t number = 0;      // 1-based, process-wide
   const char* names[3] = {nullptr, nullptr, nullptr};
-  const at::Tensor* tensors[3] = {nullptr, nullptr, nullptr};
+  const Tensor* tensors[3] = {nullptr, nullptr, nullptr};
   const GuardedCall* outer = nullptr;
 };
 
@@ -38,8 +38,8 @@ class GuardedCallScope {
  public:
   // Up to three operands (name, tensor; a null tensor pointer or an undefined
   // tensor is left out). The tensors must outlive the scope.
-  GuardedCallScope(const char* phase, const char* name0, const at::Tensor* t0, const char* name1,
-                   const at::Tensor* t1, const char* name2 = nullptr, const at::Tensor* t2 = nullptr);
+  GuardedCallScope(const char* phase, const char* name0, const Tensor* t0, const char* name1,
+                   const Tensor* t1, const char* name2 = nullptr, const Tensor* t2 = nullptr);
   ~GuardedCallScope();
   GuardedCallScope(const GuardedCallScope&) = delete;
   GuardedCallScope& operator=(const GuardedCallScope&) = delete;

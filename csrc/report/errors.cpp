@@ -3,8 +3,6 @@
 #include "linear/linear_op.h"
 #include "report/report_place.h"
 
-#include <c10/util/Exception.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -82,7 +80,7 @@ ErrorReport& ErrorReport::add(const char* key, const std::string& value) {
   return *this;
 }
 
-ErrorReport& ErrorReport::add(const char* key, c10::IntArrayRef values) {
+ErrorReport& ErrorReport::add(const char* key, const std::vector<int64_t>& values) {
   std::string list = "[";
   for (size_t i = 0; i < values.size(); ++i) {
     if (i) list += ", ";
@@ -93,6 +91,7 @@ ErrorReport& ErrorReport::add(const char* key, c10::IntArrayRef values) {
   return *this;
 }
 
+#ifndef CUBLAS_GUARD_STABLE
 ErrorReport& ErrorReport::add(const char* key, const c10::SymInt& value) {
   return add(key, value.guard_int(__FILE__, __LINE__));
 }
@@ -101,10 +100,11 @@ ErrorReport& ErrorReport::add(const char* key, c10::SymIntArrayRef values) {
   std::vector<int64_t> concrete;
   concrete.reserve(values.size());
   for (const c10::SymInt& v : values) concrete.push_back(v.guard_int(__FILE__, __LINE__));
-  return add(key, c10::IntArrayRef(concrete));
+  return add(key, concrete);
 }
+#endif
 
-ErrorReport& ErrorReport::attach(const char* name, const at::Tensor& tensor) {
+ErrorReport& ErrorReport::attach(const char* name, const Tensor& tensor) {
   attached_.emplace_back(name, tensor);
   return *this;
 }
@@ -121,7 +121,7 @@ std::string ErrorReport::json() const {
     if (place->parameter != nullptr) where.add("parameter", *place->parameter);
     if (place->expert >= 0) {
       where.add("expert", place->expert);
-      where.add("expert_rows", c10::IntArrayRef({place->first_row, place->end_row}));
+      where.add("expert_rows", std::vector<int64_t>{place->first_row, place->end_row});
     }
     for (const auto& field : where.fields_) {
       const bool present = std::any_of(fields_.begin(), fields_.end(),
@@ -137,26 +137,6 @@ std::string ErrorReport::message(const std::string& summary) const {
   return "cublas_guard_ext: " + summary + "\n" + kPayloadMarker + json();
 }
 
-void ErrorReport::raise_value_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary), this);
-  C10_THROW_ERROR(ValueError, message(summary));
-}
-
-void ErrorReport::raise_type_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary), this);
-  C10_THROW_ERROR(TypeError, message(summary));
-}
-
-void ErrorReport::raise_runtime_error(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary), this);
-  C10_THROW_ERROR(Error, message(summary));
-}
-
-void ErrorReport::raise_out_of_memory(const std::string& summary) const {
-  throw_python_error_if_possible(message(summary), this);
-  C10_THROW_ERROR(OutOfMemoryError, message(summary));
-}
-
 void add_memory_fields(ErrorReport& report, const MemoryFacts& m) {
   const std::pair<const char*, int64_t> fields[] = {{"free_bytes", m.free_bytes},
                                                     {"total_bytes", m.total_bytes},
@@ -168,12 +148,17 @@ void add_memory_fields(ErrorReport& report, const MemoryFacts& m) {
   }
 }
 
-void describe_tensor(ErrorReport& report, const char* prefix, const at::Tensor& t) {
+void describe_tensor(ErrorReport& report, const char* prefix, const Tensor& t) {
   const std::string p(prefix);
+#ifdef CUBLAS_GUARD_STABLE
+  report.add((p + "_shape").c_str(), sizes_of(t));
+  report.add((p + "_strides").c_str(), strides_of(t));
+#else
   report.add((p + "_shape").c_str(), t.sym_sizes());
   report.add((p + "_strides").c_str(), t.sym_strides());
-  report.add((p + "_dtype").c_str(), std::string(c10::toString(t.scalar_type())));
-  report.add((p + "_device").c_str(), t.device().str());
+#endif
+  report.add((p + "_dtype").c_str(), dtype_name(t.scalar_type()));
+  report.add((p + "_device").c_str(), device_str(t));
 }
 
 }  // namespace cublas_guard

@@ -9,7 +9,7 @@
 // same arguments on the same bytes (cublas_guard_ext.capsule_replay).
 #include "linear/linear_op.h"
 
-#include <ATen/ops/from_blob.h>
+#include <string>
 
 #include <cstdint>
 #include <string>
@@ -22,10 +22,8 @@ int64_t span(int64_t inner, int64_t outer, int64_t ld) {
   return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
 }
 
-at::Tensor buffer_view(const void* data, int64_t elements, const at::Tensor* like, at::ScalarType dtype) {
-  at::TensorOptions options = at::TensorOptions().dtype(dtype);
-  if (like != nullptr) options = options.device(like->device());
-  return at::from_blob(const_cast<void*>(data), {elements}, options);
+Tensor buffer_view(const void* data, int64_t elements, const Tensor* like, ScalarType dtype) {
+  return from_blob(data, {elements}, {1}, dtype, like != nullptr ? like->device() : cpu_device());
 }
 
 // The call's shape arguments, as cuBLAS got them.
@@ -64,7 +62,7 @@ void add_gemm_arguments(ErrorReport& report, const GemmCall& call) {
   add_memory_fields(report, ctx.memory);
   if (!ctx.math_mode.empty()) report.add("math_mode", ctx.math_mode);
   if (!ctx.device.empty()) report.add("device", ctx.device);
-  const std::pair<const char*, const at::Tensor*> operands[] = {
+  const std::pair<const char*, const Tensor*> operands[] = {
       {"a", ctx.operand_a}, {"b", ctx.operand_b}, {"c", ctx.operand_c}};
   for (int i = 0; i < 3; ++i) {
     const auto& op = operands[i];

@@ -2,9 +2,6 @@
 // the CUDA runtime, any build, no GPU needed).
 #include "report/pending_errors.h"
 
-#include <c10/util/Exception.h>
-#include <torch/library.h>
-
 #include <string>
 #include <vector>
 

@@ -4,7 +4,7 @@
 // against the buffers before a pointer is formed.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include "core/tensor_api.h"
 
 #include <string>
 
@@ -21,8 +21,8 @@ struct ReplayCall {
 // buffers of one guarded dtype on one device, that the sizes are valid and that
 // every operand's span fits its buffer (the rules of plan_gemm_call, without the
 // 32-bit limit), so no pointer is formed from a capsule's bad arguments.
-ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
-                               bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                               int64_t ldc, double alpha, double beta);
+ReplayCall checked_replay_call(const Tensor& a, const Tensor& b, const Tensor& c, bool transa, bool transb,
+                               int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                               double alpha, double beta);
 
 }  // namespace cublas_guard

@@ -8,9 +8,7 @@
 #include "linear/linear_op.h"
 #include "report/replay.h"
 
-#include <ATen/ops/from_blob.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include "core/registration.h"
 
 #include <algorithm>
 
@@ -22,47 +20,46 @@ int64_t span(int64_t inner, int64_t outer, int64_t ld) {
   return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
 }
 
-void check_operand(const char* name, const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld) {
-  TORCH_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ", ld,
-                    " < max(1, ", rows, ")");
-  TORCH_CHECK_VALUE(ld <= (int64_t{1} << 40) && rows <= (int64_t{1} << 40) && cols <= (int64_t{1} << 40),
-                    "cublas_guard_ext: replay: operand ", name, " sizes out of range");
+void check_operand(const char* name, const Tensor& t, int64_t rows, int64_t cols, int64_t ld) {
+  CG_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ", ld,
+                 " < max(1, ", rows, ")");
+  CG_CHECK_VALUE(ld <= (int64_t{1} << 40) && rows <= (int64_t{1} << 40) && cols <= (int64_t{1} << 40),
+                 "cublas_guard_ext: replay: operand ", name, " sizes out of range");
   const int64_t needed = span(rows, cols, ld);
-  TORCH_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ", needed,
-                    " elements but its buffer holds ", t.numel());
+  CG_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ", needed,
+                 " elements but its buffer holds ", t.numel());
 }
 
-at::Tensor column_major(const at::Tensor& buffer, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(buffer.data_ptr(), {rows, cols}, {1, ld}, buffer.options());
+Tensor column_major(const Tensor& buffer, int64_t rows, int64_t cols, int64_t ld) {
+  return from_blob(buffer.data_ptr(), {rows, cols}, {1, ld}, buffer.scalar_type(), buffer.device());
 }
 
-int64_t replay_gemm_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
-                        bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                        double alpha, double beta, c10::string_view routine, c10::string_view /*math_mode*/,
-                        bool /*workspace*/) {
+int64_t replay_gemm_cpu(const Tensor& a, const Tensor& b, const Tensor& c, bool transa, bool transb,
+                        int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, double alpha,
+                        double beta, StringArg routine, StringArg /*math_mode*/, bool /*workspace*/) {
   (void)checked_replay_call(a, b, c, transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
-  TORCH_CHECK_VALUE(routine == "torch CPU addmm",
-                    "cublas_guard_ext: replay: the CPU runs only "
-                    "'torch CPU addmm', not '",
-                    std::string(routine), "'");
+  CG_CHECK_VALUE(routine == "torch CPU addmm",
+                 "cublas_guard_ext: replay: the CPU runs only "
+                 "'torch CPU addmm', not '",
+                 std::string(routine), "'");
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
   if (m == 0 || n == 0) return 0;
-  at::Tensor out = column_major(c, m, n, ldc);
-  if (k == 0) {
-    out.mul_(beta);
+  Tensor out = column_major(c, m, n, ldc);
+  if (k == 0) {  // an empty sum: C = beta * C, as cuBLAS (beta = 0 ignores C)
+    addmm_cpu(out, empty_cpu({m, 0}, c.scalar_type()), empty_cpu({0, n}, c.scalar_type()), beta, alpha);
     return 0;
   }
-  const at::Tensor op_a = transa ? column_major(a, k, m, lda).t() : column_major(a, m, k, lda);
-  const at::Tensor op_b = transb ? column_major(b, n, k, ldb).t() : column_major(b, k, n, ldb);
-  out.addmm_(op_a, op_b, beta, alpha);
+  const Tensor op_a = transa ? transposed_view(column_major(a, k, m, lda)) : column_major(a, m, k, lda);
+  const Tensor op_b = transb ? transposed_view(column_major(b, n, k, ldb)) : column_major(b, k, n, ldb);
+  addmm_cpu(out, op_a, op_b, beta, alpha);
   return 0;
 }
 
 }  // namespace
 
-ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
-                               bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-                               int64_t ldc, double alpha, double beta) {
+ReplayCall checked_replay_call(const Tensor& a, const Tensor& b, const Tensor& c, bool transa, bool transb,
+                               int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                               double alpha, double beta) {
   ReplayCall call;
   call.trans_a = transa;
   call.trans_b = transb;
@@ -74,16 +71,15 @@ ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const a
   call.ldc = ldc;
   call.alpha = alpha;
   call.beta = beta;
-  for (const at::Tensor* t : {&a, &b, &c}) {
-    TORCH_CHECK_VALUE(t->dim() == 1 && t->stride(0) == 1,
-                      "cublas_guard_ext: replay: operands must be flat dense buffers");
-    TORCH_CHECK_VALUE(t->scalar_type() == c.scalar_type() && t->device() == c.device(),
-                      "cublas_guard_ext: replay: operands must share one dtype and device");
+  for (const Tensor* t : {&a, &b, &c}) {
+    CG_CHECK_VALUE(t->dim() == 1 && t->stride(0) == 1,
+                   "cublas_guard_ext: replay: operands must be flat dense buffers");
+    CG_CHECK_VALUE(t->scalar_type() == c.scalar_type() && same_device(*t, c),
+                   "cublas_guard_ext: replay: operands must share one dtype and device");
   }
-  TORCH_CHECK_VALUE(is_guarded_dtype(c.scalar_type()), "cublas_guard_ext: replay: dtype ", c.scalar_type(),
-                    " is not one the guard runs");
-  TORCH_CHECK_VALUE(call.m >= 0 && call.n >= 0 && call.k >= 0,
-                    "cublas_guard_ext: replay: m, n, k must be >= 0");
+  CG_CHECK_VALUE(is_guarded_dtype(c.scalar_type()), "cublas_guard_ext: replay: dtype ", c.scalar_type(),
+                 " is not one the guard runs");
+  CG_CHECK_VALUE(call.m >= 0 && call.n >= 0 && call.k >= 0, "cublas_guard_ext: replay: m, n, k must be >= 0");
   if (call.trans_a) {
     check_operand("a", a, call.k, call.m, call.lda);
   } else {
@@ -100,7 +96,7 @@ ReplayCall checked_replay_call(const at::Tensor& a, const at::Tensor& b, const a
 
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+CG_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
   // The status the routine returned (0 = success); raises for bad arguments.
   m.def(
       "replay_gemm(Tensor a, Tensor b, Tensor(c!) c, bool transa, bool transb, int m, int n, "
@@ -108,4 +104,4 @@ TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
       "bool workspace) -> int");
 }
 
-TORCH_LIBRARY_IMPL(cublas_guard_internal, CPU, m) { m.impl("replay_gemm", &cublas_guard::replay_gemm_cpu); }
+CG_LIBRARY_IMPL(cublas_guard_internal, CPU, m) { CG_IMPL(m, "replay_gemm", &cublas_guard::replay_gemm_cpu); }

@@ -12,15 +12,13 @@
 // CUDA_LAUNCH_BLOCKING=1 by the replay) is raised with its name, so the
 // replay can tell a broken context from a status. The "gemm" fault site is
 // consulted first, as the guard's own GEMM does.
+#include "core/cuda_api.h"
+#include "core/registration.h"
 #include "linear/linear_op.h"
 #include "report/replay.h"
 
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
-#include <torch/library.h>
 
 #include <string>
 
@@ -41,11 +39,11 @@ cublasMath_t parse_math_mode(const std::string& name) {
   return static_cast<cublasMath_t>(mode);
 }
 
-cudaDataType_t data_type(at::ScalarType dtype) {
+cudaDataType_t data_type(ScalarType dtype) {
   switch (dtype) {
-    case at::kDouble: return CUDA_R_64F;
-    case at::kHalf: return CUDA_R_16F;
-    case at::kBFloat16: return CUDA_R_16BF;
+    case kDouble: return CUDA_R_64F;
+    case kHalf: return CUDA_R_16F;
+    case kBFloat16: return CUDA_R_16BF;
     default: return CUDA_R_32F;
   }
 }
@@ -65,10 +63,10 @@ struct ReplayHandle {
   }
 };
 
-cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Tensor& b, const at::Tensor& c,
-                      bool tf32, bool workspace) {
+cublasStatus_t run_lt(const ReplayCall& call, const Tensor& a, const Tensor& b, const Tensor& c, bool tf32,
+                      bool workspace) {
   const cudaDataType_t type = data_type(c.scalar_type());
-  const bool dbl = c.scalar_type() == at::kDouble;
+  const bool dbl = c.scalar_type() == kDouble;
   const cublasComputeType_t compute =
       dbl ? CUBLAS_COMPUTE_64F
           : (tf32 && type == CUDA_R_32F ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F);
@@ -98,9 +96,9 @@ cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Ten
   if (status == CUBLAS_STATUS_SUCCESS) {
     status = cublasLtMatrixLayoutCreate(&lc, type, call.m, call.n, call.ldc);
   }
-  at::Tensor space;
+  Tensor space;
   constexpr size_t kLtWorkspace = size_t{32} << 20;  // what torch gives cuBLASLt by default
-  if (workspace) space = at::empty({static_cast<int64_t>(kLtWorkspace)}, c.options().dtype(at::kByte));
+  if (workspace) space = empty({static_cast<int64_t>(kLtWorkspace)}, kByte, c);
   if (status == CUBLAS_STATUS_SUCCESS) {
     const float alpha_f = static_cast<float>(call.alpha), beta_f = static_cast<float>(call.beta);
     const double alpha_d = call.alpha, beta_d = call.beta;
@@ -109,7 +107,7 @@ cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Ten
     // algo = nullptr: cuBLASLt runs its own heuristic query, as a plain call would.
     status = cublasLtMatmul(lt, desc, alpha, a.data_ptr(), la, b.data_ptr(), lb, beta, c.data_ptr(), lc,
                             c.data_ptr(), lc, nullptr, workspace ? space.data_ptr() : nullptr,
-                            workspace ? kLtWorkspace : 0, at::cuda::getCurrentCUDAStream());
+                            workspace ? kLtWorkspace : 0, current_cuda_stream());
   }
   if (lc != nullptr) cublasLtMatrixLayoutDestroy(lc);
   if (lb != nullptr) cublasLtMatrixLayoutDestroy(lb);
@@ -120,21 +118,20 @@ cublasStatus_t run_lt(const ReplayCall& call, const at::Tensor& a, const at::Ten
 }
 
 cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const ReplayCall& call,
-                           const at::Tensor& a, const at::Tensor& b, const at::Tensor& c) {
+                           const Tensor& a, const Tensor& b, const Tensor& c) {
   const cublasOperation_t op_a = call.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = call.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const at::ScalarType dtype = c.scalar_type();
+  const ScalarType dtype = c.scalar_type();
   const cudaDataType_t type = data_type(dtype);
   const bool wide = routine.size() > 3 && routine.compare(routine.size() - 3, 3, "_64") == 0;
   const std::string base = wide ? routine.substr(0, routine.size() - 3) : routine;
   const int64_t limit = 2147483647;
-  TORCH_CHECK_VALUE(wide || (call.m <= limit && call.n <= limit && call.k <= limit && call.lda <= limit &&
-                             call.ldb <= limit && call.ldc <= limit),
-                    "cublas_guard_ext: replay: ", routine,
-                    " takes 32-bit arguments; this call "
-                    "needs the _64 API");
+  CG_CHECK_VALUE(wide || (call.m <= limit && call.n <= limit && call.k <= limit && call.lda <= limit &&
+                          call.ldb <= limit && call.ldc <= limit),
+                 "cublas_guard_ext: replay: ", routine,
+                 " takes 32-bit arguments; this call needs the _64 API");
 #if CUBLAS_VER_MAJOR < 12
-  TORCH_CHECK_VALUE(!wide, "cublas_guard_ext: replay: this cuBLAS has no _64 API");
+  CG_CHECK_VALUE(!wide, "cublas_guard_ext: replay: this cuBLAS has no _64 API");
 #endif
   const int m = static_cast<int>(call.m), n = static_cast<int>(call.n), k = static_cast<int>(call.k);
   const int lda = static_cast<int>(call.lda), ldb = static_cast<int>(call.ldb);
@@ -142,7 +139,7 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
   const float alpha_f = static_cast<float>(call.alpha), beta_f = static_cast<float>(call.beta);
   const double alpha_d = call.alpha, beta_d = call.beta;
   if (base == "cublasSgemm") {
-    TORCH_CHECK_VALUE(dtype == at::kFloat, "cublas_guard_ext: replay: cublasSgemm is float32 only");
+    CG_CHECK_VALUE(dtype == kFloat, "cublas_guard_ext: replay: cublasSgemm is float32 only");
     const auto* pa = static_cast<const float*>(a.data_ptr());
     const auto* pb = static_cast<const float*>(b.data_ptr());
     auto* pc = static_cast<float*>(c.data_ptr());
@@ -155,7 +152,7 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     return cublasSgemm(h, op_a, op_b, m, n, k, &alpha_f, pa, lda, pb, ldb, &beta_f, pc, ldc);
   }
   if (base == "cublasDgemm") {
-    TORCH_CHECK_VALUE(dtype == at::kDouble, "cublas_guard_ext: replay: cublasDgemm is float64 only");
+    CG_CHECK_VALUE(dtype == kDouble, "cublas_guard_ext: replay: cublasDgemm is float64 only");
     const auto* pa = static_cast<const double*>(a.data_ptr());
     const auto* pb = static_cast<const double*>(b.data_ptr());
     auto* pc = static_cast<double*>(c.data_ptr());
@@ -168,7 +165,7 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     return cublasDgemm(h, op_a, op_b, m, n, k, &alpha_d, pa, lda, pb, ldb, &beta_d, pc, ldc);
   }
   if (base == "cublasSgemmEx") {
-    TORCH_CHECK_VALUE(dtype != at::kDouble, "cublas_guard_ext: replay: cublasSgemmEx has no float64");
+    CG_CHECK_VALUE(dtype != kDouble, "cublas_guard_ext: replay: cublasSgemmEx has no float64");
 #if CUBLAS_VER_MAJOR >= 12
     if (wide) {
       return cublasSgemmEx_64(h, op_a, op_b, call.m, call.n, call.k, &alpha_f, a.data_ptr(), type, call.lda,
@@ -178,8 +175,8 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
     return cublasSgemmEx(h, op_a, op_b, m, n, k, &alpha_f, a.data_ptr(), type, lda, b.data_ptr(), type, ldb,
                          &beta_f, c.data_ptr(), type, ldc);
   }
-  TORCH_CHECK_VALUE(base == "cublasGemmEx", "cublas_guard_ext: replay: unknown routine '", routine, "'");
-  const bool dbl = dtype == at::kDouble;
+  CG_CHECK_VALUE(base == "cublasGemmEx", "cublas_guard_ext: replay: unknown routine '", routine, "'");
+  const bool dbl = dtype == kDouble;
   const cublasComputeType_t compute = dbl ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
   const void* alpha = dbl ? static_cast<const void*>(&alpha_d) : static_cast<const void*>(&alpha_f);
   const void* beta = dbl ? static_cast<const void*>(&beta_d) : static_cast<const void*>(&beta_f);
@@ -194,12 +191,11 @@ cublasStatus_t run_routine(cublasHandle_t h, const std::string& routine, const R
                       c.data_ptr(), type, ldc, compute, CUBLAS_GEMM_DEFAULT_TENSOR_OP);
 }
 
-int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool transa,
-                         bool transb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-                         double alpha, double beta, c10::string_view routine_view, c10::string_view math_view,
-                         bool workspace) {
+int64_t replay_gemm_cuda(const Tensor& a, const Tensor& b, const Tensor& c, bool transa, bool transb,
+                         int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, double alpha,
+                         double beta, StringArg routine_view, StringArg math_view, bool workspace) {
   const ReplayCall call = checked_replay_call(a, b, c, transa, transb, m, n, k, lda, ldb, ldc, alpha, beta);
-  const c10::cuda::CUDAGuard guard(c.device());
+  const CudaDeviceGuard guard(device_index(c));
   const std::string routine(routine_view), math(math_view);
   if (const int injected = take_injected_fault(FaultSite::kGemmStatus)) return injected;
   const cublasMath_t math_mode = parse_math_mode(math);
@@ -209,13 +205,13 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
   } else {
     ReplayHandle handle;
     if (workspace) {
-      handle.handle = at::cuda::getCurrentCUDABlasHandle();  // bound to the current stream
+      handle.handle = torch_cublas_handle();  // bound to the current stream
       status = cublasGetMathMode(handle.handle, &handle.saved_math);
     } else {
       status = cublasCreate(&handle.handle);
       handle.owned = status == CUBLAS_STATUS_SUCCESS;
       if (status == CUBLAS_STATUS_SUCCESS) {
-        status = cublasSetStream(handle.handle, at::cuda::getCurrentCUDAStream());
+        status = cublasSetStream(handle.handle, current_cuda_stream());
       }
       if (status == CUBLAS_STATUS_SUCCESS) status = cublasSetWorkspace(handle.handle, nullptr, 0);
     }
@@ -228,8 +224,8 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    TORCH_CHECK(false, "cublas_guard_ext: replay: CUDA error after the call: ", cudaGetErrorName(err), " (",
-                static_cast<int>(err), "): ", cudaGetErrorString(err));
+    CG_CHECK(false, "cublas_guard_ext: replay: CUDA error after the call: ", cudaGetErrorName(err), " (",
+             static_cast<int>(err), "): ", cudaGetErrorString(err));
   }
   return static_cast<int64_t>(status);
 }
@@ -237,4 +233,6 @@ int64_t replay_gemm_cuda(const at::Tensor& a, const at::Tensor& b, const at::Ten
 }  // namespace
 }  // namespace cublas_guard
 
-TORCH_LIBRARY_IMPL(cublas_guard_internal, CUDA, m) { m.impl("replay_gemm", &cublas_guard::replay_gemm_cuda); }
+CG_LIBRARY_IMPL(cublas_guard_internal, CUDA, m) {
+  CG_IMPL(m, "replay_gemm", &cublas_guard::replay_gemm_cuda);
+}

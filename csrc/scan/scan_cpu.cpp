@@ -10,9 +10,11 @@
 // x86-64, i.e. SSE2); see benchmarks/investigations/NOTES.md for why and what it gains.
 #include "linear/linear_op.h"
 
+#ifdef CUBLAS_GUARD_STABLE
+#include <torch/csrc/stable/ops.h>
+#else
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -223,24 +225,38 @@ void scan_strided(const typename F::Bits* data, const ScanGeometry& g, int64_t b
   }
 }
 
-// One pass over the whole tensor, on all cores.
+// One pass over the whole tensor, on all cores (torch's intra-op pool:
+// at::parallel_reduce, or the stable ABI's parallel_for over fixed chunks
+// whose partials are merged after, which is the same reduction).
 template <typename F>
 Partial scan_all(const void* raw, const ScanGeometry& g, int64_t n) {
   const auto* data = static_cast<const typename F::Bits*>(raw);
-  return at::parallel_reduce(
-      0, n, kGrain, Partial{},
-      [&](int64_t begin, int64_t end, Partial acc) {
-        if (g.contiguous) {
-          scan_run<F>(data + begin, end - begin, begin, acc);
-        } else {
-          scan_strided<F>(data, g, begin, end, acc);
-        }
-        return acc;
-      },
-      [](Partial a, const Partial& b) {
-        a.merge(b);
-        return a;
-      });
+  auto scan_range = [&](int64_t begin, int64_t end, Partial acc) {
+    if (g.contiguous) {
+      scan_run<F>(data + begin, end - begin, begin, acc);
+    } else {
+      scan_strided<F>(data, g, begin, end, acc);
+    }
+    return acc;
+  };
+#ifdef CUBLAS_GUARD_STABLE
+  if (n <= kGrain) return scan_range(0, n, Partial{});
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<Partial> partials(static_cast<size_t>(chunks));
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      partials[c] = scan_range(c * kGrain, std::min(n, (c + 1) * kGrain), Partial{});
+    }
+  });
+  Partial total;
+  for (const Partial& p : partials) total.merge(p);
+  return total;
+#else
+  return at::parallel_reduce(0, n, kGrain, Partial{}, scan_range, [](Partial a, const Partial& b) {
+    a.merge(b);
+    return a;
+  });
+#endif
 }
 
 void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
@@ -268,29 +284,29 @@ void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
 
 }  // namespace
 
-void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* target,
+void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
                    const std::string& /*layer*/) {
-  TORCH_INTERNAL_ASSERT(is_guarded_dtype(t.scalar_type()));  // callers check (check_scannable)
+  CG_CHECK(is_guarded_dtype(t.scalar_type()), "cublas_guard_ext: internal: scan of an unguarded dtype");
   Partial total;
   const int64_t n = t.numel();
   if (n > 0) {
     ScanGeometry g;
-    at::Tensor owner = t;
+    Tensor owner = t;
     if (!scan_geometry(t, g)) {
       // More than kMaxScanDims non-mergeable dims: scan a contiguous copy (documented).
-      owner = t.contiguous();
+      owner = as_contiguous(t);
       scan_geometry(owner, g);
     }
     const void* data = owner.data_ptr();
     switch (t.scalar_type()) {
-      case at::kBFloat16: total = scan_all<Format<BFloat16Bits>>(data, g, n); break;
-      case at::kHalf: total = scan_all<Format<Float16Bits>>(data, g, n); break;
-      case at::kDouble: total = scan_all<Format<Float64Bits>>(data, g, n); break;
+      case kBFloat16: total = scan_all<Format<BFloat16Bits>>(data, g, n); break;
+      case kHalf: total = scan_all<Format<Float16Bits>>(data, g, n); break;
+      case kDouble: total = scan_all<Format<Float64Bits>>(data, g, n); break;
       default: total = scan_all<Format<Float32Bits>>(data, g, n); break;
     }
   }
   if (out_slot.defined()) {
-    int64_t* out = out_slot.data_ptr<int64_t>();
+    int64_t* out = data_as<int64_t>(out_slot);
     out[kNanCount] = total.nan;
     out[kPosInfCount] = total.posinf;
     out[kNegInfCount] = total.neginf;
@@ -302,7 +318,7 @@ void scan_cpu_into(const at::Tensor& t, at::Tensor out_slot, const AsyncTarget* 
 // The scan's layout of a tensor (dims merged where their strides allow),
 // computed on the host for the CPU scan above and the CUDA scan (cuda/scan.cu)
 // alike.
-bool scan_geometry(const at::Tensor& t, ScanGeometry& g) {
+bool scan_geometry(const Tensor& t, ScanGeometry& g) {
   // Merge dims from the innermost outwards, dropping size-1 dims, in logical order.
   int64_t sizes[64];
   int64_t strides[64];

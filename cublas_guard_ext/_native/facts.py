@@ -48,7 +48,7 @@ def native_build_info() -> dict[str, Any]:
 
     info = loader.info()
     facts = _safe(lambda: json.loads(torch.ops.cublas_guard.build_info()), {}) or {}
-    facts.update(kind=info.kind, path=info.path, detail=info.detail)
+    facts.update(kind=info.kind, path=info.path, detail=info.detail, library=info.library)
     return facts
 
 
@@ -190,13 +190,22 @@ def require_cuda_kernels() -> None:
     from . import toolkit
 
     info = native_build_info()
+    if (
+        info.get("library") == "core" and info.get("kind") == "prebuilt"
+    ):  # the wheel's core, its CUDA part not for this torch
+        fix = (
+            f"install the cublas_guard_ext wheel built for CUDA {str(torch.version.cuda).split('.')[0]}, "
+            "or build from a source checkout (pip install --no-build-isolation -e .)"
+        )
+    else:
+        fix = toolkit.missing_kernels_note(
+            torch.version.cuda, "it was built where no CUDA toolkit (nvcc) was found, or CPU-only on purpose"
+        )
     raise ExtensionBuildError(
         missing="CUDA kernels",
         detail=f"the loaded extension ({info.get('kind')}: {info.get('path')}) was built without CUDA "
         f"({info.get('detail')}); torch {torch.__version__} runs CUDA {torch.version.cuda}",
-        fix=toolkit.missing_kernels_note(
-            torch.version.cuda, "it was built where no CUDA toolkit (nvcc) was found, or CPU-only on purpose"
-        ),
+        fix=fix,
     )
 
 

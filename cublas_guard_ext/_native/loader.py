@@ -1,4 +1,13 @@
-"""Loading the native ops: a prebuilt ``_C`` if installed, else a JIT build.
+"""Loading the native ops: the version-locked ``_C`` where it was built for this torch, else
+the stable core ``_core`` (one prebuilt binary for every torch from its floor on), else a
+JIT build. ``CUBLAS_GUARD_EXT_NATIVE`` = ``auto`` (default) | ``locked`` | ``core`` forces one.
+
+The version-locked library (the fast eager entry, C++ autograd and autocast, watch) is
+used wherever it loads: a prebuilt ``_C`` (an editable install, or the wheel on the torch and
+CPython it was built with), or a JIT build already in the cache for this torch (made by
+``python -m cublas_guard_ext build``). Elsewhere the stable core runs the same op sources
+(csrc/core/tensor_api.h) and ``stable_core.py`` registers in Python what the stable ABI cannot
+(autograd, autocast, fake kernels); watch then says how to build the locked library.
 
 The JIT build compiles the same sources with the same flags as ``setup.py``
 (see ``build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
@@ -16,6 +25,7 @@ three functions that raise it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -28,6 +38,7 @@ from pathlib import Path
 import torch
 
 from . import build as _build
+from . import core_build as _core_build
 
 _lock = threading.Lock()
 
@@ -40,6 +51,11 @@ class NativeInfo:
     path: str
     has_cuda_kernels: bool
     detail: str
+    # "locked": the ATen library for this torch (everything); "core": the stable core alone.
+    library: str = "locked"
+
+
+NATIVE_CHOICES = ("auto", "locked", "core")
 
 
 _info: NativeInfo | None = None
@@ -53,21 +69,73 @@ def _has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
 
 
-def _try_prebuilt() -> NativeInfo | None:
+def _built_for_this_torch(module_path: Path) -> bool:
+    """Whether the prebuilt _C next to ``module_path`` was built for the running torch (the
+    wheel records it in _C.torch, written by setup.py); a tree without the record (an editable
+    install) is taken to be."""
+    record = module_path.with_name("_C.torch")
+    return not record.exists() or record.read_text().strip() == torch.__version__
+
+
+def _try_prebuilt(warn: bool = True) -> NativeInfo | None:
+    spec = importlib.util.find_spec("cublas_guard_ext._C")
+    if spec is None or spec.origin is None:
+        return None
+    if not _built_for_this_torch(Path(spec.origin)):
+        return None  # the wheel's _C is another torch's: the core serves this one
     try:
         module = importlib.import_module("cublas_guard_ext._C")
-    except ModuleNotFoundError:
-        return None
     except ImportError as exc:  # present but unloadable: usually built against another torch
-        warnings.warn(
-            f"cublas_guard_ext: the installed _C failed to load ({exc}); it was probably built "
-            f"against another torch than {torch.__version__}. Falling back to a JIT build; "
-            "reinstall with `pip install --no-build-isolation -e .` to fix it for good.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(
+                f"cublas_guard_ext: the installed _C failed to load ({exc}); it was probably built "
+                f"against another torch than {torch.__version__}. Using the stable core (or a "
+                "JIT build); reinstall with `pip install --no-build-isolation -e .` to fix it for good.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return None
     return NativeInfo("prebuilt", str(module.__file__), _has_cuda_kernels(), "installed _C")
+
+
+def _try_core() -> NativeInfo | None:
+    """The stable core, if installed and this torch is at or above its floor: ``_core_cuda``
+    (the CPU core and the CUDA kernels in one library) where torch has CUDA of the major it
+    was built for, else ``_core`` (never loading libcudart beside a CPU-only torch)."""
+    if importlib.util.find_spec("cublas_guard_ext._core") is None:
+        return None
+    reason = _core_build.torch_floor_error(torch.__version__)
+    if reason is not None:
+        from ..errors import ExtensionBuildError  # late: see the module docstring
+
+        floor = "{}.{}".format(*_core_build.FLOOR)
+        raise ExtensionBuildError(missing=f"torch >= {floor}", detail=reason, fix=reason.rsplit(". ", 1)[-1])
+    name, note = _core_module_for_this_torch()
+    module = importlib.import_module(f"cublas_guard_ext.{name}")
+    detail = "stable core" + (f" ({note})" if note else "")
+    return NativeInfo("prebuilt", str(module.__file__), _has_cuda_kernels(), detail, library="core")
+
+
+def _core_module_for_this_torch() -> tuple[str, str | None]:
+    """``_core_cuda`` or ``_core``, and a note when torch has CUDA but gets no CUDA kernels."""
+    if not torch.version.cuda:
+        return "_core", None
+    if importlib.util.find_spec("cublas_guard_ext._core_cuda") is None:
+        return "_core", "no CUDA kernels in this install: a CPU-only wheel"
+    built_for, major = _core_cuda_major(), torch.version.cuda.split(".")[0]
+    if built_for is not None and built_for != major:
+        return "_core", (
+            f"CUDA kernels left out: this wheel's are for CUDA {built_for}, this torch uses CUDA "
+            f"{torch.version.cuda}; install the wheel built for CUDA {major}"
+        )
+    return "_core_cuda", None
+
+
+def _core_cuda_major() -> str | None:
+    """The CUDA major the wheel's CUDA core was built for (recorded by setup.py), if known."""
+    spec = importlib.util.find_spec("cublas_guard_ext._core_cuda")
+    record = Path(spec.origin).with_name("_core_cuda.cuda") if spec and spec.origin else None
+    return record.read_text().strip() if record is not None and record.exists() else None
 
 
 def _preflight(plan: _build.BuildPlan) -> None:
@@ -147,7 +215,7 @@ def _jit_build() -> NativeInfo:
         return _jit_build_plan(_build.plan(with_cuda=False))
 
 
-def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
+def _jit_build_plan(plan: _build.BuildPlan, label: str = "no installed _C") -> NativeInfo:
     from torch.utils import cpp_extension
 
     from ..errors import ExtensionBuildError  # late: see the module docstring
@@ -158,7 +226,7 @@ def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
     name = _build.jit_name(plan)
     build_directory = jit_build_directory(plan)
     verbose = os.environ.get("CUBLAS_GUARD_EXT_VERBOSE_BUILD") == "1"
-    title = f"no installed _C, JIT build ({flavour}, {plan.reason}), cached"
+    title = f"{label}, JIT build ({flavour}, {plan.reason}), cached"
     try:
         with _build.torch_build_hooks(title=title):
             path = cpp_extension.load(
@@ -187,17 +255,62 @@ def _jit_build_plan(plan: _build.BuildPlan) -> NativeInfo:
     return NativeInfo("jit", str(path), _has_cuda_kernels(), f"{flavour} ({plan.reason})")
 
 
+def _jit_build_core() -> NativeInfo:
+    """The stable core compiled here (a source checkout's development and test path; users
+    get it prebuilt): the same flags as setup.py's, plus the limited API torch's setup adds."""
+    plan = _core_build.cpu_plan()
+    plan.cxx_flags.append(f"-DPy_LIMITED_API={_core_build.LIMITED_API}")
+    info = _jit_build_plan(plan, label="stable core")
+    return NativeInfo("jit", info.path, _has_cuda_kernels(), "stable core (JIT)", library="core")
+
+
+def _cached_locked_build() -> NativeInfo | None:
+    """A JIT build of the locked library for this torch that is already in the cache (made
+    by `python -m cublas_guard_ext build`), loaded without compiling, or None."""
+    plan = _build.plan()
+    path = Path(jit_build_directory(plan)) / f"{_build.jit_name(plan)}.so"
+    if not path.exists() or not _sources_present(plan):
+        return None
+    return _jit_build_plan(plan)  # up to date: ninja has nothing to do, so this only loads
+
+
+def _sources_present(plan: _build.BuildPlan) -> bool:
+    return all(Path(s).exists() for s in plan.sources)
+
+
+def native_choice() -> str:
+    """CUBLAS_GUARD_EXT_NATIVE's value, checked."""
+    choice = os.environ.get("CUBLAS_GUARD_EXT_NATIVE", "auto") or "auto"
+    if choice not in NATIVE_CHOICES:
+        from ..errors import ExtensionBuildError  # late: see the module docstring
+
+        raise ExtensionBuildError(
+            missing="a valid CUBLAS_GUARD_EXT_NATIVE",
+            detail=f"CUBLAS_GUARD_EXT_NATIVE={choice!r}",
+            fix="set it to "
+            + ", ".join(NATIVE_CHOICES)
+            + " (auto: the locked library where it loads, else the core)",
+        )
+    return choice
+
+
 def load() -> NativeInfo:
     """Make ``torch.ops.cublas_guard`` available; idempotent and thread-safe."""
     global _info
     with _lock:
         if _info is not None:
             return _info
+        choice = native_choice()
+        prebuilt_allowed = os.environ.get("CUBLAS_GUARD_EXT_FORCE_JIT") != "1"
         info = None
-        if os.environ.get("CUBLAS_GUARD_EXT_FORCE_JIT") != "1":
-            info = _try_prebuilt()
+        if prebuilt_allowed and choice != "core":
+            info = _try_prebuilt(warn=choice == "locked")
+        if info is None and prebuilt_allowed and choice == "auto":
+            info = _cached_locked_build()
+        if info is None and prebuilt_allowed and choice != "locked":
+            info = _try_core()
         if info is None:
-            info = _jit_build()
+            info = _jit_build_core() if choice == "core" else _jit_build()
         if not _ops_registered():
             from ..errors import ExtensionBuildError  # late: see the module docstring
 
@@ -206,8 +319,19 @@ def load() -> NativeInfo:
                 detail=f"{info.path} loaded but torch.ops.cublas_guard.linear is not registered",
                 fix="delete the build cache (TORCH_EXTENSIONS_DIR) and reinstall",
             )
+        if info.library == "core":
+            from . import stable_core, stable_core_grouped
+
+            stable_core.register()
+            stable_core_grouped.register(stable_core.library())
         _info = info
         return info
+
+
+def build_locked() -> NativeInfo:
+    """Compile the version-locked library for this torch into the JIT cache (the `build`
+    command); the next process loads it (CUBLAS_GUARD_EXT_NATIVE=auto) instead of the core."""
+    return _jit_build()
 
 
 def info() -> NativeInfo:

@@ -1,33 +1,47 @@
 """What is compiled: the extension's sources, relative to csrc/ (build.py re-exports them;
-setup.py and the JIT build share them)."""
+setup.py and the JIT build share them).
+
+The core's sources (``CORE_*``) are compiled into both native libraries: the stable core
+``_core`` (LibTorch's stable ABI, one binary for every torch from its floor on) and the
+version-locked ``_C`` (ATen, for one torch), which adds ``LOCKED_*`` (csrc/core/tensor_api.h
+says why). ``CPU_SOURCES``/``CUDA_SOURCES`` are the locked library's whole list.
+"""
 
 # By concern (csrc/README.md). Every base name is unique: torch's JIT builder names each
 # object file after its source's base name alone.
-CPU_SOURCES = (
+CORE_CPU_SOURCES = (
     "ops.cpp",
-    "python_module.cpp",
     "testing.cpp",
+    "core/tensor_api_aten.cpp",
+    "core/tensor_api_stable.cpp",
     "linear/checks.cpp",
     "linear/linear_common.cpp",
     "linear/value_scans.cpp",
     "linear/gemm_plan.cpp",
     "linear/param_cache.cpp",
+    "linear/param_cache_stable.cpp",
     "linear/linear_cpu.cpp",
-    "linear/autograd.cpp",
-    "linear/autocast.cpp",
     "linear/gemm_route.cpp",
     "moe/grouped_checks.cpp",
     "moe/grouped_common.cpp",
     "moe/grouped_cpu.cpp",
-    "moe/grouped_autograd.cpp",
     "report/errors.cpp",
+    "report/raise_aten.cpp",
+    "report/raise_stable.cpp",
     "report/async_registry.cpp",
-    "report/python_errors.cpp",
     "report/pending_errors.cpp",
     "report/call_scope.cpp",
     "report/gemm_report.cpp",
     "report/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
+)
+LOCKED_CPU_SOURCES = (
+    "ops_meta.cpp",
+    "moe/grouped_autograd.cpp",
+    "python_module.cpp",
+    "linear/autograd.cpp",
+    "linear/autocast.cpp",
+    "report/python_errors.cpp",
     "watch/watch_ops.cpp",
     "watch/watch_session.cpp",
     "watch/watch_verify.cpp",
@@ -37,13 +51,21 @@ CPU_SOURCES = (
     "watch/watch_device.cpp",
     "watch/watch_device_report.cpp",
     "watch/watch_device_cpu.cpp",
+    "watch/watch_testing.cpp",
 )
-CUDA_SOURCES = (
+CORE_CUDA_SOURCES = (
+    "core/cuda_api_aten.cpp",
+    "core/cuda_api_stable.cpp",
+    "core/core_cuda_module.cpp",
     "cuda/scan.cu",
     "cuda/linear.cu",
+    "cuda/cublas_gemm.cu",
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
     "report/replay_cuda.cu",
     "moe/grouped_cuda.cu",
-    "cuda/watch_scan.cu",
 )
+LOCKED_CUDA_SOURCES = ("cuda/watch_scan.cu",)
+
+CPU_SOURCES = CORE_CPU_SOURCES + LOCKED_CPU_SOURCES
+CUDA_SOURCES = CORE_CUDA_SOURCES + LOCKED_CUDA_SOURCES

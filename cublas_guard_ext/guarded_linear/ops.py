@@ -32,15 +32,24 @@ from . import _transforms  # noqa: E402  (needs the ops loaded)
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
 # a CUDA device before its first-use diagnostics, a default mode it cannot
 # read); callers then take that path. A JIT build (no Python module) has none.
+# Under the stable core the entry is Python's, with the same rules (_native/stable_core.py).
 _native_module = sys.modules.get("cublas_guard_ext._C") if _info.kind == "prebuilt" else None
-_fast_linear = getattr(_native_module, "_fast_linear", None)
-_cuda_first_use_done = getattr(_native_module, "_cuda_first_use_done", None)
+if _info.library == "core":
+    from .._native import stable_core as _native_module  # noqa: F811
+_fast_linear = getattr(_native_module, "fast_linear" if _info.library == "core" else "_fast_linear", None)
+_cuda_first_use_done = getattr(
+    _native_module, "cuda_first_use_done" if _info.library == "core" else "_cuda_first_use_done", None
+)
 _is_compiling = torch.compiler.is_compiling
 _transforms_active = _transforms.active
 _blocks = modes._blocks
 _MODE_CODES = modes.MODE_CODES
-# The fast entry's code for "the default mode": it reads CUBLAS_GUARD_MODE itself.
+# The fast entry's code for "the default mode": the C++ entry reads CUBLAS_GUARD_MODE itself;
+# the core's Python one is given the mode's code.
 _ENV_DEFAULT = _codes.MODE_ENV_DEFAULT
+_env_default_code = (
+    (lambda: _MODE_CODES[modes._env_default()]) if _info.library == "core" else (lambda: _ENV_DEFAULT)
+)
 
 
 def fast_linear(
@@ -58,7 +67,7 @@ def fast_linear(
         return None
     if mode is None:
         blocks = _blocks.get()
-        code = _MODE_CODES[blocks[-1][1]] if blocks else _ENV_DEFAULT
+        code = _MODE_CODES[blocks[-1][1]] if blocks else _env_default_code()
     elif type(mode) is str and mode in _MODE_CODES:
         code = _MODE_CODES[mode]
     else:
@@ -323,3 +332,12 @@ def _(token: torch.Tensor) -> None:
 
 
 torch.fx.node.has_side_effect(_ops.check_in_graph.default)
+
+
+# The stable core (no version-locked library for this torch): its errors cross the stable
+# ABI as RuntimeError with the payload line. The ops' Autograd kernels raise them typed
+# (_native/stable_core.py); check() calls an op without tensors, which has none.
+if _info.library == "core":
+    from .._native import stable_core as _stable_core
+
+    check = _stable_core.typed_errors(check)

@@ -46,7 +46,17 @@ def checks(env: dict[str, Any] | None = None, probe: bool = True) -> list[Check]
     out: list[Check] = []
 
     built = str(ext.get("built_with_torch", "unknown"))
-    if built == "unknown":
+    if ext.get("library") == "core":
+        floor = ext.get("stable_abi_floor", "?")
+        out.append(
+            Check(
+                "extension build",
+                OK,
+                f"the stable core (every torch >= {floor}; {ext.get('detail')}), {ext.get('path')}; "
+                f"watch needs the version-locked library: python -m cublas_guard_ext build",
+            )
+        )
+    elif built == "unknown":
         out.append(Check("extension build", WARN, "the extension does not say which torch built it"))
     elif built.split("+")[0] != torch.__version__.split("+")[0]:
         out.append(

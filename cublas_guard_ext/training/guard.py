@@ -31,12 +31,11 @@ batch had never been drawn.
 Distributed (DDP, FSDP2; any initialised process group of more than one rank): each step
 all-reduces the flag (MAX) so every rank decides alike. On a bad step every rank replays
 locally (DDP under ``no_sync()``; FSDP2 with the parameters gathered first and gradient
-reduction off), the ranks exchange what their replays found (one ``all_gather_object``,
-only on a bad step), and every rank raises or skips with the same error, naming the rank
-where the replay found the producer.
+reduction off), the ranks exchange what their replays found (one ``all_gather_object``, only
+on a bad step), and every rank raises or skips with the same error, naming the producer's rank.
 
-The policy is here; the pieces without one (the RNG and buffer copies, the fused check,
-unwrapping DDP / compile, FSDP2's replay set-up) are in ``state.py``.
+The policy is here; the pieces without one (RNG and buffer copies, the fused check, DDP /
+compile unwrapping, FSDP2's replay set-up, the replay's watch) are in ``state.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ import torch
 
 from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
 from ..errors.steps import NonFiniteStepError, TrainingDivergedError
-from ..watching.session import watch
 from .silent_corruption import SilentCorruptionChecks
 from .state import (
     _bad_flag,
@@ -66,6 +64,8 @@ from .state import (
     _param_absmax,
     _refusal_fields,
     _refusal_layer,
+    _replay_note,
+    _replay_watch,
     _RngState,
     _StepHistory,
     _unwrap,
@@ -498,14 +498,14 @@ class TrainingGuard:
                 warnings.filterwarnings(
                     "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
                 )
-                with watch(self.inner, mode="sync", allow=self.allow, report=report):
+                with _replay_watch(self.inner, self.allow, report):
                     replay_loss = closure()
                 flag = _bad_flag(
                     replay_loss, self._replay_grads(), self.scaler is None
                 )  # (outside the watch)
             out["reproduced"] = bool(flag is not None and flag.item())
             if out["reproduced"]:
-                out["note"] = "the replay under watch is non-finite again, but watch named no producer"
+                out["note"] = _replay_note()
         except NON_FINITE_REFUSALS as finding:
             out.update(finding=str(finding), reproduced=True, exception=finding)
             f = getattr(finding, "fields", {})

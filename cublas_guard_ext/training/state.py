@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from ..watching.session import AVAILABLE as _WATCH_AVAILABLE
+from ..watching.session import watch
+
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module that holds the parameters under DDP / torch.compile wrappers."""
@@ -295,3 +298,21 @@ def _fsdp_local(modules: list[Any]) -> Iterator[None]:
                     fp.unsharded_param.grad = None
         for m in modules:
             m.reshard()
+
+
+def _replay_watch(model: torch.nn.Module, allow: Any, report: str) -> Any:
+    """The replay's watch block; under the stable core alone (watch needs the version-locked
+    library) the replay runs unwatched and its note says so."""
+    if not _WATCH_AVAILABLE:
+        return contextlib.nullcontext()
+    return watch(model, mode="sync", allow=allow, report=report)
+
+
+def _replay_note() -> str:
+    """Why a replay that is non-finite again names no producer."""
+    if _WATCH_AVAILABLE:
+        return "the replay under watch is non-finite again, but watch named no producer"
+    return (
+        "the replay is non-finite again; it ran without watch, which needs the version-locked "
+        "library (`python -m cublas_guard_ext build`), so no op is named"
+    )

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-# session.py loads the library and installs the native module before it imports this one.
-_native = sys.modules["cublas_guard_ext._C"]
+# session.py loads the library and installs the native module (or its stand-in under the
+# stable core) before it imports this one.
+_native = sys.modules[__package__ + ".session"]._native
 
 _patch_lock = threading.Lock()
 _patch_users = 0

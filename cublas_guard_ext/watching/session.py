@@ -25,10 +25,16 @@ from ..errors.parse import _typed_from_native_message
 from ..guarded_linear import modes
 from ..guarded_linear import ops as _ops
 
-_loader.load()
-if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
-    torch.ops.cublas_guard_internal.python_module_install.default()
-_native = sys.modules["cublas_guard_ext._C"]
+# Under the stable core alone (no version-locked library for this torch) watch says how to build it.
+AVAILABLE = _loader.load().library != "core"
+if not AVAILABLE:
+    from .._native.stable_core import LockedOnly
+
+    _native = LockedOnly("cublas_guard_ext.watch")
+else:
+    if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
+        torch.ops.cublas_guard_internal.python_module_install.default()
+    _native = sys.modules["cublas_guard_ext._C"]
 from . import global_patches as _watch_patches  # noqa: E402  (needs the native module above)
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]

@@ -108,8 +108,8 @@ def test_rewrite_adds_descriptions_and_the_pch_edge(tmp_path: Path) -> None:
 
 
 def test_files_that_do_not_need_the_pch_do_not_wait_for_it(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(_build, "NO_PCH_SOURCES", frozenset({"a.cpp"}))
-    monkeypatch.setattr(_build, "SLOW_SOURCES", {"a.cpp": 50.0})
+    monkeypatch.setattr(_build._ninja, "NO_PCH_SOURCES", frozenset({"a.cpp"}))
+    monkeypatch.setattr(_build._ninja, "SLOW_SOURCES", {"a.cpp": 50.0})
     build = write_project(tmp_path, "c++")
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     lines = (build / "build.ninja").read_text().splitlines()
@@ -140,7 +140,7 @@ def test_rewrite_without_pch_only_describes(tmp_path: Path) -> None:
 
 
 def test_rewrite_starts_the_slowest_compile_first(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(_build, "SLOW_SOURCES", {"b.cpp": 30.0})
+    monkeypatch.setattr(_build._ninja, "SLOW_SOURCES", {"b.cpp": 30.0})
     build = write_project(tmp_path, "c++")
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     edges = [line for line in (build / "build.ninja").read_text().splitlines() if ": compile " in line]
@@ -200,7 +200,7 @@ def test_a_failed_step_raises_with_the_compiler_output(tmp_path: Path) -> None:
 def test_the_precompiled_header_is_used(tmp_path: Path, monkeypatch) -> None:
     # A real compile with a small PCH: -H lists "! <file>.gch" when GCC uses a PCH,
     # and -Werror turns -Winvalid-pch (a rejected PCH) into a failure.
-    monkeypatch.setattr(_build, "PCH_INCLUDES", ("vector", "string"))
+    monkeypatch.setattr(_build._ninja, "PCH_INCLUDES", ("vector", "string"))
     build = write_project(
         tmp_path,
         "c++",
@@ -209,7 +209,7 @@ def test_the_precompiled_header_is_used(tmp_path: Path, monkeypatch) -> None:
         ldflags="-shared",
         a_body='int a() { std::vector<std::string> v{"x"}; return (int)v.size(); }\n',
     )
-    monkeypatch.setattr(_build, "NO_PCH_SOURCES", frozenset({"b.cpp"}))
+    monkeypatch.setattr(_build._ninja, "NO_PCH_SOURCES", frozenset({"b.cpp"}))
     _build.rewrite_ninja_file(str(build / "build.ninja"), pch=True)
     stream = io.StringIO()
     _build.run_ninja(str(build), "Error", stream=stream, verbose=True)

@@ -137,17 +137,22 @@ def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
 @pytest.fixture
 def native_messages(monkeypatch):
     """Records the message of each error the native side raises (python_errors.cpp calls
-    cublas_guard_ext._native_callbacks.typed_error with it)."""
+    cublas_guard_ext._native_callbacks.typed_error with it; under the stable core alone,
+    _native/stable_core.py hands the RuntimeError's message to errors.parse)."""
     from cublas_guard_ext import _native_callbacks
+    from cublas_guard_ext.errors import parse
 
     seen: list[str] = []
-    real = _native_callbacks.typed_error
 
-    def spy(message, native=None):
-        seen.append(message)
-        return real(message, native)
+    def spying(real):
+        def spy(message, native=None):
+            seen.append(message)
+            return real(message, native)
 
-    monkeypatch.setattr(_native_callbacks, "typed_error", spy)
+        return spy
+
+    monkeypatch.setattr(_native_callbacks, "typed_error", spying(_native_callbacks.typed_error))
+    monkeypatch.setattr(parse, "_typed_from_native_message", spying(parse._typed_from_native_message))
     return seen
 
 

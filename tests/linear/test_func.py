@@ -232,6 +232,7 @@ def test_vmap_refuses_a_wrong_feature_dim() -> None:
         vmap(safe)(torch.randn(5, 7))
 
 
+@pytest.mark.locked
 def test_eager_path_is_untouched_outside_transforms() -> None:
     """Outside transforms the op records its C++ node, not the Python Function."""
     safe, _ = _pair()

@@ -217,6 +217,7 @@ def test_a_call_breaking_cublas_s_rules_is_refused_naming_the_rule(args, trans_a
     )
 
 
+@pytest.mark.locked
 def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
     """-1: the option as gemm_cuda reads it from torch (torch_reduction_option)."""
     matmul = torch.backends.cuda.matmul
@@ -230,6 +231,22 @@ def test_torch_s_own_setting_is_what_the_cuda_path_reads() -> None:
             T.gemm_ex_reduction_check("bfloat16", -1, "half")
     finally:
         matmul.allow_bf16_reduced_precision_reduction = old
+
+
+def test_torch_s_cublas_settings_have_their_hand_over_ops() -> None:
+    """The stable core cannot read torch's cuBLAS settings: the package hands them over through
+    these internal ops (no-ops in the version-locked library, which reads torch itself). Called
+    here with torch's own values, so that neither library changes what it does."""
+    internal = torch.ops.cublas_guard_internal
+    assert str(internal.set_reduction_options.default._schema) == (
+        "cublas_guard_internal::set_reduction_options(int fp16, int bf16) -> ()"
+    )
+    assert str(internal.set_fp16_accumulation.default._schema) == (
+        "cublas_guard_internal::set_fp16_accumulation(bool allow) -> ()"
+    )
+    internal.set_fp16_accumulation(
+        bool(getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False))
+    )
 
 
 def test_a_bad_path_name_is_refused() -> None:

@@ -24,6 +24,7 @@ def captured_forward(layer: cg.SafeLinear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.cublas_guard_testing.linear_as_captured(x, layer.weight, layer.bias, layer.guard_name)
 
 
+@pytest.mark.locked
 def test_a_captured_call_scans_a_weight_the_cache_knows_clean() -> None:
     layer = cg.SafeLinear(8, 4, mode="async", name="captured_w")
     x = torch.randn(3, 8)

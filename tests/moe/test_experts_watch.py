@@ -22,6 +22,9 @@ from helpers import moe_models as mm
 _LIB = torch.library.Library("cublas_guard_moe_test", "FRAGMENT")
 _LIB.define("grouped_mm_recycled(Tensor x, Tensor w, Tensor offs, int poison=-1) -> Tensor")
 
+# watch is the version-locked library's.
+pytestmark = pytest.mark.locked
+
 
 def _recycled(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, poison: int = -1) -> torch.Tensor:
     out = F.grouped_mm(x, w, offs=offs)

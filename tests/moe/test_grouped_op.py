@@ -109,6 +109,7 @@ def test_autocast_casts_like_f_linear() -> None:
     assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
+@pytest.mark.locked  # the parameter cache is the locked library's
 def test_the_weights_are_scanned_again_only_when_they_change() -> None:
     """The clean-parameter cache: a write through .data (no version bump) is not seen; an
     in-place write under no_grad (a version bump, as an optimizer step makes) is."""

@@ -43,6 +43,7 @@ def test_the_lazy_dynamo_markers_are_what_assume_constant_result_sets():
         assert {k: getattr(fn, k, None) for k in added} == added, fn
 
 
+@pytest.mark.locked
 def test_a_compiled_optimizer_step_still_tells_the_parameter_cache():
     model = cg.replace_linear(nn.Sequential(nn.Linear(4, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

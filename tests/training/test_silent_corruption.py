@@ -359,6 +359,7 @@ def test_refused_with_deferred_or_a_scaler_and_bound_to_one_guard():
         cg.TrainingGuard(model, opt, silent_corruption=checks)
 
 
+@pytest.mark.locked
 def test_a_nan_step_keeps_trainingguards_own_verdict():
     model, opt = make()
     guard = cg.TrainingGuard(model, opt, silent_corruption=cg.SilentCorruptionChecks(check_every=2))

@@ -171,6 +171,7 @@ def bad_step(mode: str, fault_at: int = 3, steps: int = 5, seed: int = 0, **guar
     return info.value, before, state(model, optimizer), model, optimizer, guard, bn_before
 
 
+@pytest.mark.locked
 def test_forward_producer_at_step_k_is_named_and_nothing_is_lost():
     err, before, after, model, optimizer, guard, _ = bad_step("log")
     assert isinstance(err, ValueError) and isinstance(err, cg.GuardError)
@@ -199,6 +200,7 @@ def test_bad_step_restores_batchnorm_statistics_that_its_forward_changed():
     assert model.bn.num_batches_tracked.item() == 2
 
 
+@pytest.mark.locked
 def test_inf_in_a_custom_function_backward_is_named_by_op_and_phase():
     # a custom Function's node carries no module (its forward runs without autograd): the
     # op and the phase are named, the module is not
@@ -208,6 +210,7 @@ def test_inf_in_a_custom_function_backward_is_named_by_op_and_phase():
     assert_bitwise(before, after)
 
 
+@pytest.mark.locked
 def test_backward_only_inf_is_named_in_backward():
     err, before, after, *_ = bad_step("backward")
     assert err.module == "act" and err.phase == "backward"
@@ -226,6 +229,7 @@ def test_one_shot_nan_is_transient():
     assert_bitwise(before, after)
 
 
+@pytest.mark.locked
 def test_nan_from_a_random_draw_is_persistent_because_the_rng_is_restored():
     model, optimizer = setup(seed=1)
     guard = cg.TrainingGuard(model, optimizer)
@@ -266,6 +270,7 @@ def test_rng_states_python_numpy_and_torch_are_restored():
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), n))
 
 
+@pytest.mark.locked
 def test_non_finite_parameter_is_named_at_entry():
     model, optimizer = setup()
     guard = cg.TrainingGuard(model, optimizer)
@@ -346,6 +351,7 @@ def test_deferred_healthy_steps_read_nothing_on_the_host_during_the_step(monkeyp
     assert reads == ["item"]
 
 
+@pytest.mark.locked
 def test_deferred_bad_step_is_reported_at_the_next_step_with_nothing_lost():
     model, optimizer = setup(fused=True)
     guard = cg.TrainingGuard(model, optimizer, deferred=True)
@@ -392,6 +398,7 @@ def test_deferred_skip_equals_a_run_without_that_batch_and_check_reads_the_last_
 # -- GradScaler, accumulation, torch.compile ----------------------------------------------
 
 
+@pytest.mark.locked
 def test_a_step_the_scaler_skips_for_inf_is_not_a_finding():
     model, optimizer = setup()
     scaler = torch.amp.GradScaler("cpu", init_scale=3e38)
@@ -473,6 +480,7 @@ def test_gradient_accumulation_one_guard_step_per_optimizer_step():
     assert_bitwise(state(m1, o1), state(m2, o2))
 
 
+@pytest.mark.locked
 def test_gradient_accumulation_names_the_producer_in_a_micro_batch():
     model, optimizer = setup()
     guard = cg.TrainingGuard(model, optimizer)

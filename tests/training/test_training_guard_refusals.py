@@ -197,6 +197,7 @@ def diverging_run(max_consecutive_skips=3, steps: int = 30):
     return model, optimizer, guard, data
 
 
+@pytest.mark.locked
 def test_sgd_lr_1e3_raises_training_diverged_after_three_skipped_steps_with_the_history():
     model, optimizer, guard, data = diverging_run()
     with warnings.catch_warnings(record=True) as caught:

@@ -132,6 +132,8 @@ void raise_if_non_finite(const Tensor& scanned, const int64_t* counts, const cha
   report.add("first_bad_value", value);
   report.add("shape", sizes_of(scanned));
   report.add("numel", scanned.numel());
+  // +/-Inf alone in float16 is most likely an overflow: the message needs the dtype to say so.
+  report.add("dtype", dtype_name(scanned.scalar_type()));
   report.raise_value_error("layer '" + layer + "': " + role + " has " + std::to_string(counts[kNanCount]) +
                            " NaN, " + std::to_string(counts[kPosInfCount]) + " +Inf, " +
                            std::to_string(counts[kNegInfCount]) + " -Inf; first at flat index " +

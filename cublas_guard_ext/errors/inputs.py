@@ -15,6 +15,7 @@ from .format import (
     _shape,
     _value_name,
 )
+from .overflow import narrow_format, next_steps, refusal_lines
 from .status import _NAN_STORY
 
 
@@ -190,10 +191,22 @@ class NonFiniteInputError(GuardError, ValueError):
             replay = f.get("replay", 0)
             if replay:  # the call was captured in a CUDA graph; this is one of its replays
                 where += f" (CUDA graph replay {replay})" if replay > 0 else " (a CUDA graph replay)"
-        return (
+        text = (
             f"{where}: {f.get('role', 'input')} has {f.get('nan_count')} NaN, "
             f"{f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
         )
+        fmt = self._overflowed()
+        if fmt is not None:
+            upstream = "in the backward pass" if f.get("role") == "grad_output" else "before this layer"
+            text += f": most likely a {fmt[0]} overflow {upstream} (Inf alone, no NaN)"
+        return text
+
+    def _overflowed(self) -> tuple[str, float] | None:
+        """(dtype, its largest value) when the refused input or gradient holds +/-Inf alone in a
+        half-precision or fp8 tensor (errors/overflow.py)."""
+        if self.fields.get("role", "input") not in ("input", "grad_output"):
+            return None
+        return narrow_format(self.fields)
 
     def _details(self) -> list[str]:
         f = self.fields
@@ -213,10 +226,17 @@ class NonFiniteInputError(GuardError, ValueError):
                 f"recorded asynchronously on {f.get('device')} at that call and reported now: "
                 "outputs computed since then are not to be trusted"
             )
+        if self._overflowed() is not None:
+            lines += refusal_lines(f)
         lines.append(_NAN_STORY)
         return lines
 
     def _next_steps(self) -> list[str]:
+        if self._overflowed() is not None:
+            return [
+                "name the op that overflowed: run the step under cublas_guard_ext.watch(model); it "
+                "reports the op, its module and its operands' magnitudes"
+            ] + next_steps(self.fields, "the layer or op that overflowed")
         if self.fields.get("role") in ("weight", "bias"):
             return [
                 "the parameters diverged: lower the learning rate, clip gradients "

@@ -120,6 +120,31 @@ def attach_capsule(err: GuardError, native: dict[str, Any] | None = None) -> Gua
     return err
 
 
+# What the layers above add to a native error when it is built, in order: each hook takes the
+# error and the native context and returns a replacement (new fields, the same class) or None.
+# guarded_linear/error_hooks.py adds the layer's current name and the facts of an overflow;
+# the errors package cannot import it (it sits above), so it registers itself here.
+NativeErrorHook = Callable[[GuardError, "dict[str, Any] | None"], "GuardError | None"]
+_HOOKS: list[NativeErrorHook] = []
+
+
+def add_native_error_hook(hook: NativeErrorHook) -> None:
+    """Run ``hook`` on every error the native library raises, when it is built (error path only)."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
+
+
+def _with_hooks(err: GuardError, native: dict[str, Any] | None) -> GuardError:
+    for hook in _HOOKS:
+        try:
+            better = hook(err, native)
+        except Exception:  # the error path must not fail: the error stays as it was
+            better = None
+        if better is not None:
+            err = better
+    return err
+
+
 def _typed_from_native_message(message: str, native: dict[str, Any] | None = None) -> GuardError | None:
     """Called by the native library (python_errors.cpp) to build the exception it raises.
 
@@ -129,4 +154,4 @@ def _typed_from_native_message(message: str, native: dict[str, Any] | None = Non
     payload = parse_payload(message)
     if payload is None:
         return None
-    return attach_capsule(from_payload(payload), native)
+    return attach_capsule(_with_hooks(from_payload(payload), native), native)

@@ -220,6 +220,16 @@ PYTHON_FIELDS: dict[str, str] = {
     "param_absmax": "float",
     "param_absmax_name": "str",
     "param_dtype": "str",
+    # the overflow story (errors/overflow.py): watch's finding at the op ...
+    "overflow": "bool",  # +/-Inf alone from finite inputs in float16/bfloat16/fp8: an overflow
+    "dtype_max": "float",  # the dtype's largest value
+    "overflow_bound": "float",  # a GEMM's K * max|a| * max|b| + max|bias|
+    # ... and a guarded layer's refusal of an input with +/-Inf alone (guarded_linear/error_hooks.py)
+    "finite_absmax": "float",  # the refused tensor's largest finite magnitude
+    "previous_layer": "str",  # the guarded layer that ran before it on this thread
+    "previous_in_features": "int",
+    "previous_weight_absmax": "float",
+    "previous_bias_absmax": "float",
     # ExpertsImplementationError (errors/experts.py): the experts module's class, and notes
     "module_type": "str",
     "notes": "list",

@@ -11,6 +11,7 @@ from typing import Any
 
 from .base import GuardError
 from .magnitudes import counts_line, format_number, range_note
+from .overflow import narrow_format, next_steps
 
 
 def _fmt_loss(value: Any) -> str:
@@ -50,7 +51,9 @@ class NonFiniteStepError(GuardError, ValueError):
     ``__cause__``; None otherwise), ``refusal`` (that error's class name, role and counts, as a
     dict; None otherwise), ``history`` (the last steps: dicts with ``step``, ``loss``,
     ``grad_norm``, ``skipped``, ``refused_by``; oldest first), ``deferred`` (True when a
-    ``TrainingGuard(deferred=True)`` read the step's check after the step; absent otherwise).
+    ``TrainingGuard(deferred=True)`` read the step's check after the step; absent otherwise),
+    ``overflow`` and ``dtype`` (when the replay's finding was an overflow of that dtype,
+    errors/overflow.py: the next steps are then the overflow's; absent otherwise).
     """
 
     kind = "non_finite_step"
@@ -127,7 +130,13 @@ class NonFiniteStepError(GuardError, ValueError):
                 "rerun from here: a transient step that returns often points at the hardware "
                 "(run `python -m cublas_guard_ext doctor`) or a race"
             ]
-        if f.get("refused_by") and (f.get("refusal") or {}).get("role", "input") == "input":
+        refusal = f.get("refusal") or {}
+        if f.get("overflow") or (f.get("refused_by") and narrow_format(refusal) is not None):
+            # a float16 (bfloat16, fp8) overflow: a wider dtype, autocast, loss scaling, the LR
+            where = f"module '{f['module']}'" if f.get("module") else "the layer or op that overflowed"
+            facts = {**refusal, "dtype": f.get("dtype") or refusal.get("dtype"), "phase": f.get("phase")}
+            return next_steps(facts, where)
+        if f.get("refused_by") and refusal.get("role", "input") == "input":
             return [
                 "look at the batch of this step: a guarded layer refused it (it reproduces); "
                 "on_nan='skip' drops such steps and goes on"

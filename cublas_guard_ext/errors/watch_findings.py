@@ -23,6 +23,7 @@ from .format import (
 )
 from .inputs import NonFiniteInputError
 from .magnitudes import counts_line, magnitude_line
+from .overflow import finding_lines, finding_overflow, narrow_format, next_steps
 
 
 class _WatchFinding:
@@ -36,6 +37,7 @@ class _WatchFinding:
         "neginf_count", "zero_count", "first_bad_index", "first_bad_coords", "first_bad_value", "shape",
         "dtype", "device", "input_names", "input_shapes", "input_dtypes", "input_strides",
         "input_absmax", "reached", "birth_stack", "detected_stack", "lost", "mode",
+        "overflow", "dtype_max", "overflow_bound",
     )  # fmt: skip
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
@@ -69,13 +71,18 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
 
     def _prepare(self, fields: dict[str, Any]) -> None:
         _fold_inputs(fields)
+        if "overflow" not in fields:
+            fields.update(finding_overflow(fields) or {})
 
     def _headline(self) -> str:
         f = self.fields
         if f.get("op") is None:  # the birth was lost before watch read it (see `lost`)
             return f"watch: non-finite values reached {f.get('reached')}; the op that made them is not known"
+        overflowed = (
+            f" overflowed {_dtype(f.get('dtype')).replace('torch.', '')}:" if f.get("overflow") else ""
+        )
         return (
-            f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}) produced "
+            f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}){overflowed} produced "
             f"{_counts_text(f)} from finite inputs"
         )
 
@@ -94,6 +101,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         if inputs:
             lines.append(inputs)
         lines += past_groups_details(f) or self._explained()
+        lines += finding_lines(f)
         if f.get("backward_node"):
             lines.append(
                 f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
@@ -108,6 +116,9 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         if self.fields.get("op") is None:
             return ["run the step again with a larger watch(..., capacity=...) to name the op"]
+        if self.fields.get("overflow"):
+            f = self.fields
+            return next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
         steps = past_groups_steps(self.fields)
@@ -135,10 +146,17 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
 
     def _details(self) -> list[str]:
         f = self.fields
-        return [
+        lines = [
             _first_bad_line(f, str(f.get("name"))),
             f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
         ] + self._explained()
+        fmt = narrow_format(f) if f.get("role") == "argument" else None
+        if fmt is not None:
+            lines.append(
+                f"Inf alone, no NaN, in {fmt[0]}: most likely values past {fmt[0]}'s largest, "
+                f"{fmt[1]:g}, cast to it before the model (x.to({_dtype(f.get('dtype'))}) of data that large)"
+            )
+        return lines
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("role") in ("parameter", "buffer"):

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Any, Optional
 
 import torch
@@ -13,9 +12,13 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..errors import GuardError
 from . import modes
+from . import naming as _naming
 from . import ops as _ops_module
+from .ao_quantization import QCONFIG as _QCONFIG
+from .error_hooks import LAST_RAN as _ran
+from .naming import remember as _remember_parents
+from .naming import strip_wrappers
 from .ops import linear as _guarded_linear
 from .ops import validate_dtype_policy
 
@@ -79,6 +82,11 @@ class SafeLinear(nn.Linear):
         if name:
             _reset_calls(name)
 
+    # torch.ao's quantization passes set a qconfig on every module, then swap only exact
+    # nn.Linear types: a guarded layer they set one on earns one warning naming the way out.
+    qconfig = _QCONFIG
+    __jit_unused_properties__ = ["qconfig"]
+
     # Attribute types for torch.jit.script (None-valued attributes stay Optional[str]: values
     # torch.jit reads at run time, kept in typing's spelling rather than str | None).
     __annotations__ = {
@@ -133,26 +141,25 @@ class SafeLinear(nn.Linear):
         # The parameters are read once: a parametrized weight (spectral_norm, weight_norm)
         # is computed at each read, and spectral_norm's power iteration moves its buffers
         # at each one in training, so a second read would make a different layer.
-        weight, bias = self.weight, self.bias
-        try:
-            if self.dtype_policy == "strict":
-                out = _fast_linear(input, weight, bias, self.guard_label, self.mode, self.scan_grad)
-                if out is not None:
-                    return out
-            return _guarded_linear(
-                input,
-                weight,
-                bias,
-                layer=self.guard_label,
-                mode=self.mode,
-                scan_grad=self.scan_grad,
-                dtype_policy=self.dtype_policy,
-            )
-        except GuardError as err:
-            renamed = _with_current_names(err)
-            if renamed is None:
-                raise
-            raise renamed.with_traceback(err.__traceback__) from None
+        # An error names the layer where it sits now (naming.py, when the error is built); a
+        # refused half-precision input names the guarded layer that ran before it (_ran).
+        weight, bias, label = self.weight, self.bias, self.guard_label
+        if self.dtype_policy == "strict":
+            out = _fast_linear(input, weight, bias, label, self.mode, self.scan_grad)
+            if out is not None:
+                _ran.label = label
+                return out
+        out = _guarded_linear(
+            input,
+            weight,
+            bias,
+            layer=label,
+            mode=self.mode,
+            scan_grad=self.scan_grad,
+            dtype_policy=self.dtype_policy,
+        )
+        _ran.label = label
+        return out
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
@@ -305,15 +312,23 @@ def name_layers(model: nn.Module, prefix: str = "") -> nn.Module:
 
     A module registered under several names gets the first. Names set by hand
     (``SafeLinear(name=...)``, ``guard_name = ...``) are kept; names this
-    function gave earlier are updated.
+    function gave earlier are updated. Wrappers are looked through: a compiled,
+    DDP or FSDP model's layers get the names they have in the model inside
+    (``fc1``, not ``_orig_mod.fc1`` or ``module.fc1``). An error renames the layers
+    again when the model changed since (:mod:`cublas_guard_ext.guarded_linear.naming`).
     """
-    for name, module in model.named_modules(prefix=prefix):
+    for name, module in model.named_modules():
         if is_guarded(module) and (
             module.guard_name is None or module.guard_name == module.__dict__.get("_auto_guard_name")
         ):
+            name = ".".join(p for p in (prefix, strip_wrappers(model, name)) if p)
             _set_auto_name(module, name or type(model).__name__)
+    _remember_parents(model, prefix)
     _guard_transformer_layers(model)
     return model
+
+
+_naming.use_name_layers(name_layers)
 
 
 def _set_auto_name(module: nn.Module, name: str) -> None:
@@ -321,74 +336,6 @@ def _set_auto_name(module: nn.Module, name: str) -> None:
         _reset_calls(name)
     module.guard_name = name
     module._auto_guard_name = name
-
-
-def _modules_on_stack() -> list[nn.Module]:
-    """The modules whose methods are running on this thread's stack (``self`` of each frame),
-    outermost first: the model the user called, a LightningModule's training_step, wrappers.
-    Read only when an error is being raised."""
-    frame = sys._getframe(1)
-    found: list[nn.Module] = []
-    while frame is not None:
-        candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
-            found.append(candidate)
-        frame = frame.f_back
-    return found[::-1]
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """The model inside torch.compile / DDP-style wrappers (``_orig_mod``, ``module``)."""
-    seen: set[int] = set()
-    while id(module) not in seen:
-        seen.add(id(module))
-        inner = getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module) and type(module).__name__ == "DistributedDataParallel":
-            inner = getattr(module, "module", None)
-        if not isinstance(inner, nn.Module):
-            break
-        module = inner
-    return module
-
-
-def _with_current_names(err: GuardError) -> GuardError | None:
-    """The error naming its layer by where it sits now, or None when the name is current.
-
-    A name given by replace_linear/name_layers is the module's path when it was given; a
-    model rebuilt since (PEFT's merge_and_unload puts the base layer where its LoRA wrapper
-    was, and returns the inner model) would otherwise be reported under the old path. So
-    when an error is raised, its layer is looked up in the modules running on the stack: if
-    one of them holds it under the name it has, the name is current (a LightningModule
-    holding ``net.0`` while ``net`` runs; a DDP or compile wrapper around the named model);
-    so it is when one holds it under a suffix of that name (a block of the named model
-    called by itself; a prefix given to name_layers). Otherwise the auto-given names of the outermost model (inside its wrappers) are
-    refreshed (name_layers), and the error is rewritten with the layer's new name."""
-    label = err.fields.get("layer")
-    if not label:
-        return None
-    holders: list[tuple[nn.Module, nn.Module, str]] = []  # (model, the layer, its name there)
-    for root in _modules_on_stack():
-        for name, module in root.named_modules():
-            if is_guarded(module) and module.guard_name == label:
-                if label == name:
-                    return None  # current, seen from this model
-                if name:  # (the layer itself, called alone, cannot tell where it sits)
-                    holders.append((root, module, name))
-                break
-    if not holders or any(label.endswith("." + name) for _, _, name in holders):
-        # no holder running; or a block of the named model called by itself, or a model named
-        # with a prefix (name_layers(model, prefix="rank1")), maybe inside a wrapper
-        return None
-    root, layer, _ = holders[0]
-    if layer.__dict__.get("_auto_guard_name") != label:
-        return None  # a name set by hand is kept
-    name_layers(_unwrapped(root))
-    new_label = layer.guard_name
-    if new_label == label:
-        return None
-    renamed = type(err)(**{**err.fields, "layer": new_label})
-    renamed.capsule, renamed.capsule_note = err.capsule, err.capsule_note
-    return renamed
 
 
 class SafeConv1D(nn.Module):
@@ -468,25 +415,23 @@ class _GuardedConv1D:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight.t()  # [out, in], a view: the guarded linear takes strided weights
-        try:
-            if self.dtype_policy == "strict":
-                out = _fast_linear(x, weight, self.bias, self.guard_label, self.mode, self.scan_grad)
-                if out is not None:
-                    return out
-            return _guarded_linear(
-                x,
-                weight,
-                self.bias,
-                layer=self.guard_label,
-                mode=self.mode,
-                scan_grad=self.scan_grad,
-                dtype_policy=self.dtype_policy,
-            )
-        except GuardError as err:
-            renamed = _with_current_names(err)
-            if renamed is None:
-                raise
-            raise renamed.with_traceback(err.__traceback__) from None
+        label = self.guard_label
+        if self.dtype_policy == "strict":
+            out = _fast_linear(x, weight, self.bias, label, self.mode, self.scan_grad)
+            if out is not None:
+                _ran.label = label
+                return out
+        out = _guarded_linear(
+            x,
+            weight,
+            self.bias,
+            layer=label,
+            mode=self.mode,
+            scan_grad=self.scan_grad,
+            dtype_policy=self.dtype_policy,
+        )
+        _ran.label = label
+        return out
 
     def __repr__(self) -> str:
         text = f"SafeConv1D(nf={self.nf}, nx={self.nx}"

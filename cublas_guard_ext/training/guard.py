@@ -479,15 +479,8 @@ class TrainingGuard:
 
     def _replay(self, closure: Callable[[], Any], rng: _RngState) -> dict[str, Any]:
         """Run the closure again from the same RNG and buffers, under watch; what it found."""
-        out: dict[str, Any] = {
-            "finding": None,
-            "op": None,
-            "module": None,
-            "phase": None,
-            "reproduced": False,
-            "exception": None,
-            "note": None,
-        }
+        out: dict[str, Any] = dict.fromkeys(("finding", "op", "module", "phase", "exception", "note"), None)
+        out["reproduced"] = False
         compiled = any(getattr(m, "_orig_mod", None) is not None for m in _wrappers(self.model))
         # watch judges a NaN by what it reaches, raising when it reaches the model's output; under
         # FSDP2 that raise lands after FSDP's post-forward hook and leaves its forward/backward
@@ -518,6 +511,7 @@ class TrainingGuard:
             f = getattr(finding, "fields", {})
             if isinstance(finding, NonFiniteOutputError):
                 out.update(op=f.get("op"), module=f.get("module"), phase=f.get("phase", "forward"))
+                out.update(overflow=f.get("overflow"), dtype=f.get("dtype"))  # (the overflow's next steps)
             elif isinstance(finding, NonFiniteEntryError):
                 out.update(phase="entry", module=f.get("name"))
             else:  # a guarded layer refused a value in the replay as well
@@ -596,5 +590,6 @@ class TrainingGuard:
             refused_by=origin["refused_by"],
             refusal=origin["refusal"],
             history=history,
+            **({"overflow": True, "dtype": origin.get("dtype")} if origin.get("overflow") else {}),
             **({"deferred": True} if deferred else {}),
         )

@@ -230,7 +230,7 @@ def _refusal_layer(refusal: BaseException) -> str | None:
 def _refusal_fields(refusal: BaseException) -> dict[str, Any]:
     """The refusal's fields a step's message uses (plain values: they cross ranks)."""
     f = getattr(refusal, "fields", {})
-    keys = ("role", "nan_count", "posinf_count", "neginf_count", "zero_count", "op", "phase")
+    keys = ("role", "nan_count", "posinf_count", "neginf_count", "zero_count", "op", "phase", "dtype")
     return {"error": type(refusal).__name__, **{k: f[k] for k in keys if f.get(k) is not None}}
 
 

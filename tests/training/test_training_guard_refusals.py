@@ -115,6 +115,7 @@ def test_the_issue_reproducer_skips_the_nan_batch_and_trains_on():
         "nan_count": 1,
         "posinf_count": 0,
         "neginf_count": 0,
+        "dtype": "torch.float32",
     }
 
 
@@ -340,3 +341,33 @@ def test_every_documented_field_exists_on_every_instance():
         getattr(info.value, name)
     for name in step_fields + diverged_fields:
         assert f"``{name}``" in (cg.NonFiniteStepError.__doc__ + cg.TrainingDivergedError.__doc__), name
+
+
+def test_a_float16_overflow_in_the_step_gets_the_overflow_next_steps():
+    model = nn.Sequential(nn.Linear(64, 4), nn.ReLU(), nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(8.0)  # 64 x 200 x 8 = 102400 > 65504
+        model[0].bias.zero_()
+    cg.replace_linear(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = cg.TrainingGuard(model, optimizer, on_nan="raise")
+    x, y = torch.full((2, 64), 200.0, dtype=torch.float16), torch.zeros(2, 1, dtype=torch.float16)
+    with pytest.raises(cg.NonFiniteStepError) as info:
+        guard.step(closure_for(model, optimizer, (x, y)))
+    err = info.value
+    assert err.refused_by == "2" and err.refusal["dtype"] == "torch.float16"
+    assert (err.op, err.module, err.overflow, err.dtype) == (
+        "cublas_guard.linear.default",
+        "0",
+        True,
+        "torch.float16",
+    )
+    assert "replayed under watch: cublas_guard.linear.default in module '0' (forward) produced it" in str(err)
+    assert (
+        str(err)
+        .split("\nNext: ")[1]
+        .startswith(
+            "give module '0' more range: bfloat16 has float32's range (largest 3.39e+38) at float16's size"
+        )
+    )
+    assert "look at the batch" not in str(err)

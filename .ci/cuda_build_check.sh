@@ -283,7 +283,7 @@ NO_SYSTEM_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste 
 PIP_LOG=$CACHE/cuda_build_pip_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
 if ! (cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
-  TORCH_CUDA_ARCH_LIST=9.0 "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$PIP_LOG" 2>&1; then
+  CUBLAS_GUARD_EXT_BUILD=locked TORCH_CUDA_ARCH_LIST=9.0 "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$PIP_LOG" 2>&1; then
   tail -n 60 "$PIP_LOG"
   die "the build with pip's toolkit failed (log: $PIP_LOG)"
 fi
@@ -309,7 +309,7 @@ stage "no toolkit: typed error"
 NONE_LOG=$CACHE/cuda_build_no_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
 (cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
-  "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$NONE_LOG" 2>&1 \
+  CUBLAS_GUARD_EXT_BUILD=locked "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$NONE_LOG" 2>&1 \
   || { tail -n 60 "$NONE_LOG"; die "the CPU-only build failed (log: $NONE_LOG)"; }
 grep -m1 'cublas_guard_ext: building' "$NONE_LOG"
 grep -q 'cublas_guard_ext: building CPU-only extension (WARNING: the extension has no CUDA kernels' "$NONE_LOG" \

@@ -127,9 +127,13 @@ if grep -q 'the CUDA build failed' "$LOG"; then
   die "the CUDA compile failed and setup.py built CPU-only (log: $LOG)"
 fi
 WHEEL=$(ls "$WHEEL_DIR"/cublas_guard_ext-*-cp310-abi3-*.whl) || die "no cp310-abi3 wheel in $WHEEL_DIR"
-for member in _core.abi3.so _core_cuda.abi3.so _C.torch _core_cuda.cuda _csrc/ops.cpp; do
-  "$VPY" -m zipfile -l "$WHEEL" | grep -q "cublas_guard_ext/$member" || die "the wheel lacks $member"
-done
+"$VPY" - "$WHEEL" <<'PY' || die "the wheel lacks a part (above)"
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+want = ["_core.abi3.so", "_core_cuda.abi3.so", "_C.torch", "_core_cuda.cuda", "_csrc/ops.cpp"]
+missing = [m for m in want if "cublas_guard_ext/" + m not in names]
+sys.exit(f"the wheel lacks {missing}" if missing else 0)
+PY
 "$VPY" -m pip install --quiet --no-deps "$WHEEL"
 
 # ---- 4. import check, outside the source copy ---------------------------------------

@@ -14,6 +14,7 @@ uses too.
 """
 
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -96,9 +97,13 @@ def make_core_cuda_extension(build_plan):
 
 
 def native_extensions(locked_plan):
-    """_core, _core_cuda where the locked build is a CUDA one, and _C."""
-    extensions = [make_core_extension(_core_build.cpu_plan())]
-    if locked_plan.with_cuda:
+    """_core, _core_cuda where the locked build is a CUDA one, and _C; CUBLAS_GUARD_EXT_BUILD=locked
+    builds _C alone (CI's checks of the toolkit's discovery, which is _C's and _core_cuda's alike)."""
+    only = os.environ.get("CUBLAS_GUARD_EXT_BUILD", "all")
+    if only not in ("all", "locked"):
+        raise SystemExit(f"cublas_guard_ext: CUBLAS_GUARD_EXT_BUILD={only!r}: use 'all' or 'locked'")
+    extensions = [] if only == "locked" else [make_core_extension(_core_build.cpu_plan())]
+    if locked_plan.with_cuda and only == "all":
         extensions.append(make_core_cuda_extension(_core_build.cuda_plan()))
     return extensions + [make_extension(locked_plan)]
 

@@ -127,9 +127,13 @@ if grep -q 'the CUDA build failed' "$LOG"; then
   die "the CUDA compile failed and setup.py built CPU-only (log: $LOG)"
 fi
 WHEEL=$(ls "$WHEEL_DIR"/cublas_guard_ext-*-cp310-abi3-*.whl) || die "no cp310-abi3 wheel in $WHEEL_DIR"
-for member in _core.abi3.so _core_cuda.abi3.so _C.torch _core_cuda.cuda _csrc/ops.cpp; do
-  "$VPY" -m zipfile -l "$WHEEL" | grep -q "cublas_guard_ext/$member" || die "the wheel lacks $member"
-done
+"$VPY" - "$WHEEL" <<'PY' || die "the wheel lacks a part (above)"
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+want = ["_core.abi3.so", "_core_cuda.abi3.so", "_C.torch", "_core_cuda.cuda", "_csrc/ops.cpp"]
+missing = [m for m in want if "cublas_guard_ext/" + m not in names]
+sys.exit(f"the wheel lacks {missing}" if missing else 0)
+PY
 "$VPY" -m pip install --quiet --no-deps "$WHEEL"
 
 # ---- 4. import check, outside the source copy ---------------------------------------
@@ -283,7 +287,7 @@ NO_SYSTEM_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste 
 PIP_LOG=$CACHE/cuda_build_pip_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
 if ! (cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
-  TORCH_CUDA_ARCH_LIST=9.0 "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$PIP_LOG" 2>&1; then
+  CUBLAS_GUARD_EXT_BUILD=locked TORCH_CUDA_ARCH_LIST=9.0 "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$PIP_LOG" 2>&1; then
   tail -n 60 "$PIP_LOG"
   die "the build with pip's toolkit failed (log: $PIP_LOG)"
 fi
@@ -309,7 +313,7 @@ stage "no toolkit: typed error"
 NONE_LOG=$CACHE/cuda_build_no_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
 (cd "$SRC" && env -u CUDA_HOME PATH="$NO_SYSTEM_PATH" CUBLAS_GUARD_EXT_IGNORE_SYSTEM_CUDA=1 \
-  "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$NONE_LOG" 2>&1 \
+  CUBLAS_GUARD_EXT_BUILD=locked "$VPY" -m pip install --no-build-isolation --no-deps -v .) >"$NONE_LOG" 2>&1 \
   || { tail -n 60 "$NONE_LOG"; die "the CPU-only build failed (log: $NONE_LOG)"; }
 grep -m1 'cublas_guard_ext: building' "$NONE_LOG"
 grep -q 'cublas_guard_ext: building CPU-only extension (WARNING: the extension has no CUDA kernels' "$NONE_LOG" \

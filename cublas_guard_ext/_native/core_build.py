@@ -61,7 +61,6 @@ def cuda_plan() -> _build.BuildPlan:
     has CUDA of the same major; linked against torch's CUDA libraries, so it is built in a venv
     with a CUDA torch (CI's CUDA stage), for the arch list build.plan chooses."""
     base = _build.plan(with_cuda=True)
-    cpu = cpu_plan()
     cuda_defines = ["-DUSE_CUDA", "-DCUBLAS_GUARD_WITH_CUDA"]
     nvcc = [f for f in base.nvcc_flags if not f.startswith("-DCUBLAS_GUARD_TORCH_VERSION")]
     nvcc += [*STABLE_DEFINES, *cuda_defines, "-Xcompiler", "-fvisibility=hidden"]
@@ -73,7 +72,14 @@ def cuda_plan() -> _build.BuildPlan:
         base,
         reason=f"the stable core (CUDA; {base.reason})",
         sources=sources,
-        cxx_flags=[f for f in cpu.cxx_flags if f != "-DCUBLAS_GUARD_WITH_CUDA"] + cuda_defines,
+        # The CUDA plan's C++ flags (its private cuBLAS headers: -idirafter), made the core's.
+        cxx_flags=[
+            f
+            for f in base.cxx_flags
+            if f not in ("-fopenmp", "-DCUBLAS_GUARD_WITH_CUDA")
+            and not f.startswith("-DCUBLAS_GUARD_TORCH_VERSION")
+        ]
+        + ["-fvisibility=hidden", *STABLE_DEFINES, *cuda_defines],
         nvcc_flags=nvcc,
         ldflags=[f for f in base.ldflags if f != "-fopenmp"],
     )

@@ -152,6 +152,7 @@ def test_an_async_refusal_reads_the_dtype_from_the_layer():
 # -- watch: the op that overflowed ------------------------------------------------------------
 
 
+@pytest.mark.locked  # watch
 def test_watch_names_the_guarded_gemm_that_overflowed_with_its_bound():
     model = overflowing_model()
     with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
@@ -173,6 +174,7 @@ def test_watch_names_the_guarded_gemm_that_overflowed_with_its_bound():
     assert "allow=" not in text
 
 
+@pytest.mark.locked  # watch
 def test_watch_explains_an_exp_overflow_and_autocast_helps_there():
     class Exp(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +193,7 @@ def test_watch_explains_an_exp_overflow_and_autocast_helps_there():
     )
 
 
+@pytest.mark.locked  # watch
 def test_watch_calls_a_bfloat16_overflow_divergence():
     class Gram(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,6 +213,7 @@ def test_watch_calls_a_bfloat16_overflow_divergence():
     ) in text
 
 
+@pytest.mark.locked  # watch
 def test_a_pole_is_not_called_an_overflow():
     class Log(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

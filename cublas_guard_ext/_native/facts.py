@@ -193,9 +193,13 @@ def require_cuda_kernels() -> None:
     if (
         info.get("library") == "core" and info.get("kind") == "prebuilt"
     ):  # the wheel's core, its CUDA part not for this torch
+        # Two ways out: the CUDA wheel (no compiler), or a build here, which needs nvcc.
         fix = (
-            f"install the cublas_guard_ext wheel built for CUDA {str(torch.version.cuda).split('.')[0]}, "
-            "or build from a source checkout (pip install --no-build-isolation -e .)"
+            f"install the cublas_guard_ext wheel built for CUDA {str(torch.version.cuda).split('.')[0]} "
+            "(make wheel on a machine with CUDA torch, then pip install dist/*.whl), or build from a "
+            "source checkout: "
+            f"{toolkit.pip_toolkit_command(torch_cuda=torch.version.cuda)} when no nvcc is installed, "
+            "then pip install --no-build-isolation -e ."
         )
     else:
         fix = toolkit.missing_kernels_note(

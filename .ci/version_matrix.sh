@@ -225,16 +225,22 @@ PY
   no_compiler=(CC=false CXX=false NVCC=false CUDA_HOME=/nonexistent PATH="$NO_NVCC_PATH"
     TORCH_EXTENSIONS_DIR="$WORK/ext-$version")
   env "${no_compiler[@]}" PIP_CONSTRAINT=/dev/null "$vpy" -m pip install --quiet --no-deps "$WHEEL"
-  core_module=_core.abi3.so
-  [[ " $CUDA_VERSIONS " == *" $version "* ]] && core_module=_core_cuda.abi3.so
-  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" - "$core_module" <<'PY'
-import sys, torch
+  wheel_kind=cpu
+  [[ -n $CUDA_VERSIONS ]] && wheel_kind=cuda
+  # Which core must load: the CUDA one wherever torch runs the CUDA major the wheel was built
+  # for (pip's default torch is a CUDA build: 2.11.0+cu130, 2.15.0+cu132), else the CPU one.
+  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" - "$wheel_kind" <<'PY'
+import pathlib, sys, torch
 import cublas_guard_ext
 from cublas_guard_ext._native import loader
 info = loader.info()
 print("native:", info.library, info.kind, info.path, info.detail)
-assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith(sys.argv[1]), info
-if sys.argv[1].startswith("_core_cuda"):
+record = pathlib.Path(cublas_guard_ext.__file__).with_name("_core_cuda.cuda")
+assert (sys.argv[1] == "cuda") == record.exists(), f"a {sys.argv[1]} wheel, CUDA core record: {record.exists()}"
+cuda_core = record.exists() and (torch.version.cuda or "").split(".")[0] == record.read_text().strip()
+expected = "_core_cuda.abi3.so" if cuda_core else "_core.abi3.so"
+assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith(expected), (expected, info)
+if cuda_core:
     assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
 PY
   )

@@ -28,10 +28,10 @@ def test_the_saved_model_names_the_flat_module_path() -> None:
 
 
 def test_a_model_saved_whole_loads_and_computes_the_same() -> None:
-    model = torch.load(MODEL, weights_only=False)
-    assert [type(m) for m in model[::2]] == [cg.SafeLinear, cg.SafeLinear]
     # The fixture holds GPT-2's Conv1D swap: unpickling it imports transformers.
     Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    model = torch.load(MODEL, weights_only=False)
+    assert [type(m) for m in model[::2]] == [cg.SafeLinear, cg.SafeLinear]
 
     # SafeConv1D's class over transformers' Conv1D, made on first use, found by the unpickler
     assert isinstance(model[1], cg.SafeConv1D) and isinstance(model[1], Conv1D)

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["current_name", "find_layer", "layers_named", "remember", "strip_wrappers", "use_name_layers"]
@@ -123,7 +124,10 @@ def _on_registration(parent: nn.Module, name: str, child: Any) -> None:
     """torch's module-registration hook: a guarded layer, or a module above one, registered
     somewhere is linked there (one isinstance and two weak lookups otherwise; never replaces
     the module)."""
-    if not isinstance(child, nn.Module):
+    # Under torch.compile the hook fires inside traced code (transformers' MoE models slice
+    # self.layers, a ModuleList built per call), where dynamo cannot trace the weak sets: a
+    # transient container needs no link, so tracing skips the hook's body.
+    if torch.compiler.is_compiling() or not isinstance(child, nn.Module):
         return None
     if child in _PARENTS or child in _ANCESTORS or _is_guarded(child):
         _link(parent, name, child)

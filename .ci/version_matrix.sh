@@ -158,7 +158,7 @@ for f in $IGNORE; do ignore_args+=("--ignore=$f"); done
 installed_pytest() {
   local python=$1 library=$2
   shift 2
-  PYTHONSAFEPATH=1 "$python" - "$library" "$@" <<'PY'
+  PYTHONSAFEPATH=1 MATRIX_ELSEWHERE="$WORK/elsewhere" "$python" - "$library" "$@" <<'PY'
 import os, sys
 cwd = os.path.realpath(os.getcwd())
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
@@ -170,7 +170,15 @@ assert not path.startswith(cwd + os.sep), f"imported the copy ({path}), not the 
 info = loader.info()
 print("testing", path, "native:", info.library, info.kind, info.path)
 assert info.library == sys.argv[1], info
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[2:]]))
+# pytest runs from outside the copy: the tests' subprocesses (python -c) put their cwd on
+# sys.path, and Python 3.10 has no PYTHONSAFEPATH, so from the copy they would import its
+# package (no library there: a JIT build, with no compiler). Paths given relative to the copy.
+def in_copy(arg):
+    path = arg.split("::")[0].split("=", 1)[-1]
+    return arg.replace(path, os.path.join(cwd, path), 1) if path and os.path.exists(path) else arg
+args = [in_copy(a) for a in sys.argv[2:]]
+os.chdir(os.environ["MATRIX_ELSEWHERE"])
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", f"--rootdir={cwd}", "-c", os.path.join(cwd, "pyproject.toml"), *args]))
 PY
 }
 

@@ -329,7 +329,13 @@ def compile_like_torch(
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="needs a C++ compiler")
+def _cxx_runs() -> bool:
+    """A C++ compiler that runs (the version matrix sets CXX=false: the wheel needs none)."""
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    return cxx is not None and subprocess.run([cxx, "--version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _cxx_runs(), reason="needs a C++ compiler")
 def test_only_the_headers_the_toolkit_lacks_come_from_the_wheel(tmp_path: Path, cuda_facts) -> None:
     toolkit = cuda_facts("13.0")
     plan = _build.plan(with_cuda=True)

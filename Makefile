@@ -37,9 +37,10 @@ DEV_PACKAGES := ninja pybind11 pytest pytest-xdist==3.8.0 hypothesis numpy matpl
 	accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.0 onnx==1.23.1 onnxscript==0.7.2 \
 	onnxruntime==1.30.0
 PYTEST_ARGS ?=
-# The slow tier's tests are independent processes' worth of work (builds, subprocesses, real
-# models): pytest-xdist runs them on this many workers (CI's 2 cores; `SLOW_WORKERS=0` runs serially).
-SLOW_WORKERS ?= 2
+# pytest-xdist workers for the slow tier (`make test-all SLOW_WORKERS=2`). 0, serial, by default:
+# on 2 cores under -n 2 the torchrun test of `run` lost rank 0's last line once in two runs
+# (tests/run/test_run_distributed.py: torchrun's agent stops the surviving rank under load).
+SLOW_WORKERS ?= 0
 
 VENV := .venv
 VENV_PY := $(VENV)/bin/python

@@ -191,9 +191,7 @@ if path.startswith(cwd + os.sep):
 # `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
 # The JIT-build tests skip themselves here: an installed wheel has no csrc/ beside it.
-# Two workers (xdist; CI's 2 cores): the slow tests dominate and are independent. The workers
-# are new processes: PYTHONSAFEPATH keeps the copy off their sys.path too.
-rc = pytest.main(["-q", "-p", "no:cacheprovider", "-n", "2", "tests", *sys.argv[1:]])
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])
 assert os.path.realpath(sys.modules["cublas_guard_ext"].__file__) == path
 sys.exit(rc)
 PY

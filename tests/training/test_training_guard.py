@@ -491,6 +491,7 @@ def test_gradient_accumulation_names_the_producer_in_a_micro_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.locked  # the replay names ops through watch, which the core alone lacks
 def test_compiled_model_is_guarded_and_the_replay_names_modules():
     torch._dynamo.reset()
     model, optimizer = setup()

@@ -110,6 +110,9 @@ def test_compiled_scan_grad_raises_like_eager_in_backward(backend: str, mode: st
     assert compiled_err.value.role == "grad_output" and compiled_err.value.layer == "2"
 
 
+# Known gap of the stable core (docs/building.md): inside a compiled graph cg.check() reaches the
+# core's op directly, and its error comes back as a RuntimeError with the payload, untyped.
+@pytest.mark.locked
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_inside_the_compiled_function_raises_like_eager(backend: str) -> None:
     # check() takes no tensor: traced as is, it ran once at trace time and left
@@ -187,6 +190,9 @@ def test_dynamic_true_builds_one_graph_with_inductor() -> None:
     assert got == 1
 
 
+# Known gap of the stable core (docs/building.md): with symbolic sizes its fake kernels skip the
+# argument rules, so a wrong in_features fails in autograd's shape check, not as in_features.
+@pytest.mark.locked
 def test_dynamic_graph_still_guards_every_batch_size() -> None:
     model = _stack(lambda i, o: cg.SafeLinear(i, o, mode="sync"))
     compiled = torch.compile(model, fullgraph=True, dynamic=True)

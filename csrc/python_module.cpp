@@ -143,7 +143,16 @@ PyMethodDef* all_methods() {
   return methods.data();
 }
 
-PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "cublas_guard_ext._C", nullptr, -1, all_methods()};
+// Every member named (no slots, no GC hooks): -Wextra checks this file in CI's nvcc check.
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
+                          "cublas_guard_ext._C",
+                          nullptr,
+                          -1,
+                          all_methods(),
+                          nullptr,
+                          nullptr,
+                          nullptr,
+                          nullptr};
 
 // A JIT build: the same module, put into sys.modules (no fast entry is used
 // from it: cublas_guard_ext.ops takes that only from a prebuilt _C).

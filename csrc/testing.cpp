@@ -48,13 +48,13 @@ std::atomic<bool>& any_fault_armed() {
   return armed;
 }
 
+}  // namespace
+
 void require_testing_env(const char* what) {
   const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
   CG_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
            " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
 }
-
-}  // namespace
 
 int take_injected_fault(FaultSite site) {
   if (!any_fault_armed().load(std::memory_order_relaxed)) return 0;

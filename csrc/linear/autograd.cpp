@@ -9,6 +9,7 @@
 //                            db = sum(dy)
 //   gi = g W           dgi -> dg = dgi W^T = linear(dgi, W^T) via grad_weight's dual
 //   gw = g^T x         dgw -> dg = x dgw^T,  dx = g dgw
+#include "linear/autograd_common.h"
 #include "linear/linear_op.h"
 #include "op_handles.h"
 
@@ -37,9 +38,6 @@ at::Tensor call_grad_input(const at::Tensor& grad_output, const at::Tensor& weig
 at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x, c10::string_view layer) {
   return grad_weight_handle().call(grad_output, x, layer);
 }
-
-// `t` when a gradient will read it, else an undefined tensor (nothing saved).
-at::Tensor saved_if(bool needed, const at::Tensor& t) { return needed ? t : at::Tensor(); }
 
 // Whether some dim of more than one element repeats its elements (stride 0).
 bool broadcast_in_memory(const at::Tensor& t) {
@@ -150,21 +148,6 @@ class GradWeightFunction : public torch::autograd::Function<GradWeightFunction> 
     return {grad_g, grad_x, at::Tensor()};
   }
 };
-
-// Whether an autograd node is needed: a gradient will be recorded (grad mode on
-// and an input requires one) or an input carries a forward-mode tangent (the
-// C++ Function then refuses it). Otherwise the call goes
-// straight below autograd: no node, no saved state, no string copy: the
-// per-call host cost of an inference call stays that of the op.
-bool needs_node(std::initializer_list<const at::Tensor*> inputs) {
-  const bool grad_mode = at::GradMode::is_enabled();
-  for (const at::Tensor* t : inputs) {
-    if (t == nullptr || !t->defined()) continue;
-    if (grad_mode && t->requires_grad()) return true;
-    if (t->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  return false;
-}
 
 at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                            const c10::optional<at::Tensor>& bias, c10::string_view layer, int64_t mode,

@@ -67,6 +67,12 @@ struct GemmNames {
   const char* compute_type;
 };
 
+// The elements a column-major operand of `inner` rows and `outer` columns with leading
+// dimension `ld` spans in its buffer (0 when it is empty): what a GEMM reads or writes.
+inline int64_t operand_span(int64_t inner, int64_t outer, int64_t ld) {
+  return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
+}
+
 // Row-major matrices as cuBLAS sees them. A row-major [rows x cols] matrix whose
 // columns are contiguous is a column-major [cols x rows] matrix with ld = row
 // stride; one whose rows are contiguous is its transpose. Anything else is

@@ -208,12 +208,6 @@ void raise_launch_limit(const char* kernel, const LaunchShape& shape, const std:
 
 namespace {
 
-void require_testing_env(const char* what) {
-  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  CG_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
-           " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
-}
-
 int dtype_from_name(const std::string& name) {
   if (name == "float32") return dtype_code::kFloat;
   if (name == "float64") return dtype_code::kDouble;

@@ -174,6 +174,8 @@ struct GemmContext {
 // cannot be switched on by accident in production.
 // ---------------------------------------------------------------------------
 enum class FaultSite : int { kGemmStatus = 0, kLaunch = 1, kHandle = 2, kCount = 3 };
+// Raises unless CUBLAS_GUARD_EXT_TESTING=1: every test hook calls it first (`what` names the hook).
+void require_testing_env(const char* what);
 // Returns the injected code for `site` and consumes one use, or 0 (no fault).
 int take_injected_fault(FaultSite site);
 void set_fault_for_testing(const std::string& site, int64_t code, int64_t times);

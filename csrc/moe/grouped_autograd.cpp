@@ -16,6 +16,7 @@
 // operands are cast to the autocast dtype in effect, through autocast's weight
 // cache. torch's grouped_mm is not autocast-aware (transformers casts the
 // input to the weight's dtype by hand); this op is, as nn.Linear is.
+#include "linear/autograd_common.h"
 #include "moe/grouped_op.h"
 #include "op_handles.h"
 
@@ -50,8 +51,6 @@ at::Tensor call_grad_weight(const at::Tensor& grad_output, const at::Tensor& x, 
                             c10::string_view layer, c10::string_view parameter, bool transposed) {
   return grouped_grad_weight_handle().call(grad_output, x, offs, layer, parameter, transposed);
 }
-
-at::Tensor saved_if(bool needed, const at::Tensor& t) { return needed ? t : at::Tensor(); }
 
 // Per expert, the sum of grad_output's rows of that expert: rows are matched to
 // experts on the device (searchsorted on the ends; rows past the last end go
@@ -161,17 +160,6 @@ class GroupedGradWeightFunction : public torch::autograd::Function<GroupedGradWe
     return {grad_g, grad_x, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-
-// Whether an autograd node is needed (linear/autograd.cpp's rule).
-bool needs_node(std::initializer_list<const at::Tensor*> inputs) {
-  const bool grad_mode = at::GradMode::is_enabled();
-  for (const at::Tensor* t : inputs) {
-    if (t == nullptr || !t->defined()) continue;
-    if (grad_mode && t->requires_grad()) return true;
-    if (t->_fw_grad(/*level=*/0).defined()) return true;
-  }
-  return false;
-}
 
 at::Tensor grouped_linear_autograd(const at::Tensor& x, const at::Tensor& weight,
                                    const c10::optional<at::Tensor>& bias, const at::Tensor& offs,

@@ -18,10 +18,6 @@ namespace cublas_guard {
 
 namespace {
 
-int64_t span(int64_t inner, int64_t outer, int64_t ld) {
-  return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
-}
-
 Tensor buffer_view(const void* data, int64_t elements, const Tensor* like, ScalarType dtype) {
   return from_blob(data, {elements}, {1}, dtype, like != nullptr ? like->device() : cpu_device());
 }
@@ -77,9 +73,11 @@ void add_gemm_arguments(ErrorReport& report, const GemmCall& call) {
     report.add((std::string(op.first) + "_alignment").c_str(), alignment);
   }
   // What cuBLAS read and wrote: op(A) is m x k, op(B) k x n, C m x n.
-  const int64_t a_span = call.trans_a ? span(call.k, call.m, call.lda) : span(call.m, call.k, call.lda);
-  const int64_t b_span = call.trans_b ? span(call.n, call.k, call.ldb) : span(call.k, call.n, call.ldb);
-  const int64_t c_span = span(call.m, call.n, call.ldc);
+  const int64_t a_span =
+      call.trans_a ? operand_span(call.k, call.m, call.lda) : operand_span(call.m, call.k, call.lda);
+  const int64_t b_span =
+      call.trans_b ? operand_span(call.n, call.k, call.ldb) : operand_span(call.k, call.n, call.ldb);
+  const int64_t c_span = operand_span(call.m, call.n, call.ldc);
   report.attach("a", buffer_view(call.a, a_span, ctx.operand_a, call.dtype));
   report.attach("b", buffer_view(call.b, b_span, ctx.operand_b, call.dtype));
   report.attach("c", buffer_view(call.c, c_span, ctx.operand_c, call.dtype));

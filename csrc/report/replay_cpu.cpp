@@ -16,16 +16,12 @@ namespace cublas_guard {
 
 namespace {
 
-int64_t span(int64_t inner, int64_t outer, int64_t ld) {
-  return inner <= 0 || outer <= 0 ? 0 : (outer - 1) * ld + inner;
-}
-
 void check_operand(const char* name, const Tensor& t, int64_t rows, int64_t cols, int64_t ld) {
   CG_CHECK_VALUE(ld >= std::max<int64_t>(1, rows), "cublas_guard_ext: replay: ld", name, " = ", ld,
                  " < max(1, ", rows, ")");
   CG_CHECK_VALUE(ld <= (int64_t{1} << 40) && rows <= (int64_t{1} << 40) && cols <= (int64_t{1} << 40),
                  "cublas_guard_ext: replay: operand ", name, " sizes out of range");
-  const int64_t needed = span(rows, cols, ld);
+  const int64_t needed = operand_span(rows, cols, ld);
   CG_CHECK_VALUE(needed <= t.numel(), "cublas_guard_ext: replay: operand ", name, " spans ", needed,
                  " elements but its buffer holds ", t.numel());
 }

@@ -1,6 +1,7 @@
 // watch's test hooks (torch.ops.cublas_guard_testing, the namespace testing.cpp
 // defines; refused unless CUBLAS_GUARD_EXT_TESTING=1): the version-locked
 // library's, as watch is.
+#include "linear/linear_op.h"  // require_testing_env
 #include "watch/watch_device.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -17,12 +18,6 @@ void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_c
 }  // namespace watch
 
 namespace {
-
-void require_testing_env(const char* what) {
-  const char* flag = std::getenv("CUBLAS_GUARD_EXT_TESTING");
-  TORCH_CHECK(flag != nullptr && std::string(flag) == "1", "cublas_guard_ext: ", what,
-              " is a test hook; set CUBLAS_GUARD_EXT_TESTING=1 to use it");
-}
 
 // watch blocks that begin from now on run with this seam (watch_device.h, TestSeam): float64
 // CPU tensors on a tag array of their own (two devices), the record read only at check(), the

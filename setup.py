@@ -34,13 +34,20 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 plan = _build.plan()
 _core_build = _build._sibling("core_build")
+_unity = _build._sibling("unity_build")
 _build.apply_env(plan)
 print(f"cublas_guard_ext: building {'CUDA' if plan.with_cuda else 'CPU-only'} extension ({plan.reason})")
 
 
+def compiled_sources(build_plan, library):
+    """The plan's sources as setuptools wants them (relative to setup.py), each unity group
+    one generated file under build/unity/<library>/ (cublas_guard_ext/_native/unity_build.py)."""
+    sources = _unity.unity_sources(build_plan.sources, ROOT / "build" / "unity" / library)
+    return [str(Path(s).relative_to(ROOT)) for s in sources]
+
+
 def make_extension(build_plan):
-    # Paths relative to setup.py, as setuptools wants them.
-    sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
+    sources = compiled_sources(build_plan, "_C")
     Extension = CUDAExtension if build_plan.with_cuda else CppExtension
     extension = Extension(
         name="cublas_guard_ext._C",
@@ -61,7 +68,7 @@ def make_extension(build_plan):
 
 def make_core_extension(build_plan):
     """The stable core: a limited-API (abi3) CppExtension, no libtorch_python."""
-    sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
+    sources = compiled_sources(build_plan, "_core")
     return CppExtension(
         name="cublas_guard_ext._core",
         sources=sources,
@@ -76,7 +83,7 @@ def make_core_extension(build_plan):
 
 def make_core_cuda_extension(build_plan):
     """The CUDA core (the CPU core's sources and the CUDA ones): a limited-API CUDAExtension."""
-    sources = [str(Path(s).relative_to(ROOT)) for s in build_plan.sources]
+    sources = compiled_sources(build_plan, "_core_cuda")
     extension = CUDAExtension(
         name="cublas_guard_ext._core_cuda",
         sources=sources,

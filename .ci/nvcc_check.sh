@@ -11,6 +11,9 @@
 #           an ATen or c10 header there fails the check. One arch (sm_90): the
 #           kernels are the same text in both builds and the aten pass builds them
 #           for both archs; only host code differs.
+#   unity   (every-file runs only) the C++ of each CUDA build as the build compiles it:
+#           one translation unit per layer (cublas_guard_ext/_native/unity_build.py), in
+#           its build's flags (aten: the core's and the locked library's; stable: the core's).
 # The CPU torch wheel ships the ATen/cuda, c10/cuda and stable headers; the
 # cuBLAS/cuSPARSE/cuSOLVER headers come out of NVIDIA's pip wheels (cached).
 # Nothing is linked and no object is kept (-o /dev/null); the full build is
@@ -210,6 +213,22 @@ in_list() {  # NAME ITEM...: whether NAME is one of the items
   return 1
 }
 
+# unity_checks DIR: "BUILD FILE" lines for the unity groups of the two CUDA builds
+# (cublas_guard_ext/_native/unity_build.py), generated into DIR: the C++ of the locked CUDA
+# library (aten) and of the CUDA core (stable) as the full CUDA build compiles it, one
+# translation unit per layer, so two files of a group that clash fail here, not on a GPU machine.
+unity_checks() {
+  local dir=$1 build list file
+  for build in aten stable; do
+    [[ $build == aten ]] && list='CPU_SOURCES"] + s["CUDA_SOURCES' || list='CORE_CPU_SOURCES"] + s["CORE_CUDA_SOURCES'
+    "$PYTHON" "$ROOT/cublas_guard_ext/_native/unity_build.py" "$dir/$build" $("$PYTHON" -c '
+import runpy, sys
+s = runpy.run_path(sys.argv[1])
+print(*(sys.argv[2] + "/" + f for f in s["'"$list"'"]))' "$ROOT/cublas_guard_ext/_native/sources.py" "$ROOT/csrc") \
+      | while read -r file; do if [[ $(basename "$file") == unity_* ]]; then echo "$build $file"; fi; done
+  done
+}
+
 # plan_checks FILE...: "BUILD FILE" lines, the builds each file is checked in (every
 # aten compile first).
 plan_checks() {
@@ -355,4 +374,11 @@ else
 fi
 mapfile -t CHECKS < <(plan_checks "${FILES[@]}")
 ((${#CHECKS[@]} > 0)) || die "nothing to check in ${*:-csrc/} (a .cu, or a .cpp of sources.py's CUDA lists)"
+if (($# == 0)); then
+  UNITY_DIR=$(mktemp -d)
+  trap 'rm -rf "$UNITY_DIR"' EXIT
+  mapfile -t UNITY < <(unity_checks "$UNITY_DIR")
+  ((${#UNITY[@]} == 3)) || die "expected 3 unity groups (aten core, aten locked, stable core), got ${#UNITY[@]}"
+  CHECKS=("${UNITY[@]}" "${CHECKS[@]}")
+fi
 run_checks "$ROOT/csrc" "${CHECKS[@]}"

@@ -65,6 +65,9 @@ rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 
 export CUBLAS_GUARD_EXT_FORCE_JIT=1 CUBLAS_GUARD_EXT_SANITIZE=$SANITIZE
+# File by file: every other build here is the unity build (cublas_guard_ext/_native/unity_build.py);
+# this one proves that each source compiles alone, borrowing no header from an earlier file of its group.
+export CUBLAS_GUARD_EXT_UNITY=0
 # CPU-only: the CUDA kernels cannot be checked without a GPU, and a CUDA torch would
 # otherwise pick the CUDA build.
 export CUBLAS_GUARD_EXT_FORCE_CPU=1

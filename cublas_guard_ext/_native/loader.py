@@ -39,6 +39,7 @@ import torch
 
 from . import build as _build
 from . import core_build as _core_build
+from . import unity_build as _unity
 
 _lock = threading.Lock()
 
@@ -231,7 +232,7 @@ def _jit_build_plan(plan: _build.BuildPlan, label: str = "no installed _C") -> N
         with _build.torch_build_hooks(title=title):
             path = cpp_extension.load(
                 name=name,
-                sources=plan.sources,
+                sources=_unity.unity_sources(plan.sources, Path(build_directory) / "unity"),
                 extra_cflags=plan.cxx_flags,
                 extra_cuda_cflags=plan.nvcc_flags,
                 # -l<library> before torch's own -l flags, which cpp_extension appends.

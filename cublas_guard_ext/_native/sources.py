@@ -66,6 +66,18 @@ CORE_CUDA_SOURCES = (
     "moe/grouped_cuda.cu",
 )
 LOCKED_CUDA_SOURCES = ("cuda/watch_scan.cu",)
+# The stable core's module (core_build.py): the empty module whose import registers the ops.
+CORE_MODULE_SOURCE = "core/core_module.cpp"
 
 CPU_SOURCES = CORE_CPU_SOURCES + LOCKED_CPU_SOURCES
 CUDA_SOURCES = CORE_CUDA_SOURCES + LOCKED_CUDA_SOURCES
+
+# The unity build (unity_build.py): each library compiles its C++ sources of one layer as one
+# translation unit, the core's (with the core's CUDA C++ and module files, where the build has
+# them) and the locked library's own. A name in no group is compiled alone; .cu files always are.
+UNITY_GROUPS = {
+    "core": CORE_CPU_SOURCES
+    + (CORE_MODULE_SOURCE,)
+    + tuple(s for s in CORE_CUDA_SOURCES if s.endswith(".cpp")),
+    "locked": LOCKED_CPU_SOURCES,
+}

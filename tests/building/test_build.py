@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 from cublas_guard_ext._native import build as _build  # noqa: E402
+from cublas_guard_ext._native import unity_build as _unity  # noqa: E402
 
 # The JIT build compiles csrc/: only a source checkout has it (an installed wheel does not).
 needs_sources = pytest.mark.skipif(
@@ -90,8 +91,13 @@ def test_jit_build_in_its_own_directory(tmp_path: Path) -> None:
     assert "JIT build" in progress[0] and str(tmp_path / "ext") in progress[0], progress
     steps = [line for line in progress if "] " in line and " s  " in line]
     names = {line.rsplit(" ", 1)[1] for line in steps}
-    assert {Path(s).name for s in _build.plan().sources} <= names, progress
-    total = len(_build.plan().sources) + 1 + (1 if _build.pch_enabled() else 0)  # + link (+ PCH)
+    # What the build compiles: one file per unity group (unity_core.cpp, unity_locked.cpp), which
+    # need no PCH (CUBLAS_GUARD_EXT_UNITY=0, each source and the PCH).
+    compiled = _unity.unity_sources(_build.plan().sources, tmp_path / "unity")
+    assert {Path(s).name for s in compiled} <= names, progress
+    unity = _unity.unity_enabled()
+    assert unity == (len(compiled) < len(_build.plan().sources)), compiled
+    total = len(compiled) + 1 + (1 if _build.pch_enabled() and not unity else 0)  # + link (+ PCH)
     assert steps[-1].split("]")[0].endswith(f"[{total}/{total}"), progress
     assert progress[-1].startswith(f"{_build.PROGRESS_PREFIX} done in "), progress
     # A second import reuses the cached build (no recompile: fast) and prints nothing.

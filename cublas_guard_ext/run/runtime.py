@@ -132,7 +132,6 @@ def _on_peer_failure(peer: dict[str, Any]) -> None:
     except BaseException as err:
         path = None
         _say(f"could not write the incident report ({type(err).__name__}: {err})")
-    ranks.acknowledge()
     _say(
         f"stopping this rank: rank {peer.get('rank')} (host {peer.get('host')}, pid {peer.get('pid')}) "
         f"failed first: {peer.get('error')}; its report: {peer.get('report') or '(not written)'}"
@@ -141,6 +140,9 @@ def _on_peer_failure(peer: dict[str, Any]) -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
+        # Only now: the failed rank ends once every rank acknowledged, and the launcher then
+        # stops this one (SIGTERM); acknowledged before the line above, a loaded machine lost it.
+        ranks.acknowledge()
         ranks.wait_for_the_failed_rank_to_end()
     finally:
         os._exit(1)

@@ -346,74 +346,33 @@ def _planned_call(phase: str, ops: dict[str, torch.Tensor]) -> tuple[dict[str, A
             x, w, bias = ops["input"], ops["weight"], ops.get("bias")
             out_f, in_f = w.shape
             rows = x.numel() // max(1, in_f)
-            call = dict(
-                transa="T",
-                transb="N",
-                m=out_f,
-                n=rows,
-                k=in_f,
-                lda=in_f,
-                ldb=in_f,
-                ldc=out_f,
-                alpha=1.0,
-                beta=1.0 if bias is not None else 0.0,
+            call = _gemm_args(
+                "T", "N", out_f, rows, in_f, in_f, in_f, out_f, 1.0 if bias is not None else 0.0
             )
 
             def make() -> dict[str, torch.Tensor]:
                 c = torch.zeros(rows, out_f, dtype=w.dtype, device=w.device)
                 if bias is not None:
                     c.copy_(bias.detach().expand_as(c))
-                return {
-                    "a": w.detach().reshape(-1).clone(),
-                    "b": x.detach().reshape(-1).clone(),
-                    "c": c.reshape(-1),
-                }
+                return {"a": _flat_copy(w), "b": _flat_copy(x), "c": c.reshape(-1)}
         elif phase == "grad_input":
             g, w = ops["grad_output"], ops["weight"]
             out_f, in_f = w.shape
             rows = g.numel() // max(1, out_f)
-            call = dict(
-                transa="N",
-                transb="N",
-                m=in_f,
-                n=rows,
-                k=out_f,
-                lda=in_f,
-                ldb=out_f,
-                ldc=in_f,
-                alpha=1.0,
-                beta=0.0,
-            )
+            call = _gemm_args("N", "N", in_f, rows, out_f, in_f, out_f, in_f)
 
             def make() -> dict[str, torch.Tensor]:
-                return {
-                    "a": w.detach().reshape(-1).clone(),
-                    "b": g.detach().reshape(-1).clone(),
-                    "c": torch.zeros(rows * in_f, dtype=w.dtype, device=w.device),
-                }
+                c = torch.zeros(rows * in_f, dtype=w.dtype, device=w.device)
+                return {"a": _flat_copy(w), "b": _flat_copy(g), "c": c}
         elif phase == "grad_weight":
             g, x = ops["grad_output"], ops["input"]
             out_f, in_f = g.shape[-1], x.shape[-1]
             rows = x.numel() // max(1, in_f)
-            call = dict(
-                transa="N",
-                transb="T",
-                m=in_f,
-                n=out_f,
-                k=rows,
-                lda=in_f,
-                ldb=out_f,
-                ldc=in_f,
-                alpha=1.0,
-                beta=0.0,
-            )
+            call = _gemm_args("N", "T", in_f, out_f, rows, in_f, out_f, in_f)
 
             def make() -> dict[str, torch.Tensor]:
-                return {
-                    "a": x.detach().reshape(-1).clone(),
-                    "b": g.detach().reshape(-1).clone(),
-                    "c": torch.zeros(out_f * in_f, dtype=x.dtype, device=x.device),
-                }
+                c = torch.zeros(out_f * in_f, dtype=x.dtype, device=x.device)
+                return {"a": _flat_copy(x), "b": _flat_copy(g), "c": c}
         else:
             return None
         device, dtype = (
@@ -435,6 +394,18 @@ def _planned_call(phase: str, ops: dict[str, torch.Tensor]) -> tuple[dict[str, A
         source="planned",
     )
     return call, make
+
+
+def _gemm_args(
+    transa: str, transb: str, m: int, n: int, k: int, lda: int, ldb: int, ldc: int, beta: float = 0.0
+) -> dict[str, Any]:
+    """One GEMM's cuBLAS arguments (column-major, alpha 1), as a capsule records them."""
+    return dict(transa=transa, transb=transb, m=m, n=n, k=k, lda=lda, ldb=ldb, ldc=ldc, alpha=1.0, beta=beta)
+
+
+def _flat_copy(t: torch.Tensor) -> torch.Tensor:
+    """An operand's own flat copy: the replay's buffer, never a view of the caller's tensor."""
+    return t.detach().reshape(-1).clone()
 
 
 def _spans(call: dict[str, Any]) -> dict[str, int]:

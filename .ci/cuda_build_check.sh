@@ -31,6 +31,8 @@
 #   CI_KEEP_VENVS      1: keep the venv between runs (default: delete it at the end)
 #   STRAY_CUBLAS_SPEC  the wheel the stray libcublasLt comes from (default: nvidia-cublas==13.0.0.19)
 #   CI_WHEEL_DIR       where the wheel is left (default: .ci-cache/dist)
+#   CI_TEST_WORKERS    pytest-xdist workers for the installed package's whole suite (default: 2;
+#                      0 runs it in one process)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -175,8 +177,13 @@ stage "pytest (installed package)"
 # PYTHONSAFEPATH (Python >= 3.11): no Python the tests start puts its cwd or script
 # dir on sys.path, so none can pick up the copy's package (which has no _C). A private
 # TORCH_EXTENSIONS_DIR shows whether anything fell back to a JIT build.
+# The workers (CI_TEST_WORKERS, pytest-xdist) are fresh processes: tests/conftest.py checks
+# in each that it imported the installed package (CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE).
 export PYTHONSAFEPATH=1 TORCH_EXTENSIONS_DIR=$WORK/torch_extensions
-(cd "$SRC" && "$VPY" - "$@" <<'PY'
+CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE=$(cd "$WORK/elsewhere" && "$VPY" -c 'import importlib.util
+print(importlib.util.find_spec("cublas_guard_ext").origin)')
+export CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE
+(cd "$SRC" && "$VPY" - -n "${CI_TEST_WORKERS:-2}" "$@" <<'PY'
 import os, sys
 cwd = os.path.realpath(os.getcwd())
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]  # '' is the cwd

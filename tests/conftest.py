@@ -27,6 +27,15 @@ if _WORKER or "CUBLAS_GUARD_CAPSULE_DIR" not in os.environ:
 import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
 from cublas_guard_ext._native import loader as _loader  # noqa: E402
 
+# .ci/cuda_build_check.sh tests the installed wheel from a copy of the tree: every process of
+# the session, each pytest-xdist worker included, must have imported the package from there.
+_EXPECTED_PACKAGE = os.environ.get("CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE")
+if _EXPECTED_PACKAGE and os.path.realpath(cublas_guard_ext.__file__) != os.path.realpath(_EXPECTED_PACKAGE):
+    raise pytest.UsageError(
+        f"the tests imported cublas_guard_ext from {cublas_guard_ext.__file__}, not from "
+        f"{_EXPECTED_PACKAGE} (CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE)"
+    )
+
 from helpers import DEVICES  # noqa: E402  (helpers imports the extension too)
 
 # The stable core alone (CUBLAS_GUARD_EXT_NATIVE=core, or a torch the wheel's _C is not for):

@@ -125,8 +125,9 @@ def rewrite_ninja_file(path: str, pch: bool) -> None:
     The PCH is built by its own edge with the compile rule's exact flags (GCC
     rejects a PCH built with other flags) and force-included (``-include``) in
     every C++ compile but those of NO_PCH_SOURCES and the unity groups, which start
-    at once instead of waiting for it (with no file left to use it, there is no PCH); with ``-Winvalid-pch`` a rejected PCH is a warning and
-    the header is parsed as usual. A file this does not recognise is left as is.
+    at once instead of waiting for it (with no file left to use it, there is no PCH);
+    with ``-Winvalid-pch`` a rejected PCH is a warning and the header is parsed as
+    usual. A file this does not recognise is left as is.
     """
     text = Path(path).read_text()
     if f"{PCH_HEADER}.gch" in text or "\nrule compile\n" not in text:

@@ -39,7 +39,8 @@ else:  # run as a script (.ci/nvcc_check.sh): load build.py by path, as setup.py
 _sources = _build._sibling("sources")
 
 ENV_SWITCH = "CUBLAS_GUARD_EXT_UNITY"
-FILE_PREFIX = "unity_"  # base names stay unique: no csrc/ file starts with it
+# Base names stay unique (no csrc/ file starts with it); ninja_build.py keeps such files off the PCH.
+FILE_PREFIX = _build._sibling("ninja_build").UNITY_FILE_PREFIX
 
 
 def unity_enabled() -> bool:

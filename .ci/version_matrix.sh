@@ -232,12 +232,29 @@ PY
   "$vpy" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true
   no_compiler=(CC=false CXX=false NVCC=false CUDA_HOME=/nonexistent PATH="$NO_NVCC_PATH"
     TORCH_EXTENSIONS_DIR="$WORK/ext-$version")
+  # Importing and the demo must not even ask a compiler its version: every compiler name is a
+  # script that logs its command line and fails (`false` would let a `--version` probe pass
+  # unseen), first on PATH and in CC/CXX/NVCC, and the log must stay empty.
+  trap_dir=$WORK/compiler-trap
+  mkdir -p "$trap_dir" && rm -f "$trap_dir/calls.log"
+  for tool in c++ g++ gcc cc clang clang++ nvcc; do
+    printf '#!/bin/sh\necho "$0 $*" >> %s/calls.log\nexit 1\n' "$trap_dir" >"$trap_dir/$tool"
+    chmod +x "$trap_dir/$tool"
+  done
+  trapped=(CC="$trap_dir/cc" CXX="$trap_dir/c++" NVCC="$trap_dir/nvcc" CUDA_HOME=/nonexistent
+    PATH="$trap_dir:$NO_NVCC_PATH" TORCH_EXTENSIONS_DIR="$WORK/ext-$version")
+  compilers_untouched() {  # compilers_untouched WHAT: the trap's log is empty
+    if [[ -s $trap_dir/calls.log ]]; then
+      cat "$trap_dir/calls.log"
+      die "torch $version: $1 started a compiler (above)"
+    fi
+  }
   env "${no_compiler[@]}" PIP_CONSTRAINT=/dev/null "$vpy" -m pip install --quiet --no-deps "$WHEEL"
   wheel_kind=cpu
   [[ -n $CUDA_VERSIONS ]] && wheel_kind=cuda
   # Which core must load: the CUDA one wherever torch runs the CUDA major the wheel was built
   # for (pip's default torch is a CUDA build: 2.11.0+cu130, 2.15.0+cu132), else the CPU one.
-  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" - "$wheel_kind" <<'PY'
+  (cd "$WORK/elsewhere" && env "${trapped[@]}" "$vpy" - "$wheel_kind" <<'PY'
 import pathlib, sys, torch
 import cublas_guard_ext
 from cublas_guard_ext._native import loader
@@ -250,15 +267,19 @@ expected = "_core_cuda.abi3.so" if cuda_core else "_core.abi3.so"
 assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith(expected), (expected, info)
 if cuda_core:
     assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
+cublas_guard_ext.SafeLinear(4, 3)(torch.randn(2, 4)).sum().backward()  # the first call
+assert "torch.utils.cpp_extension" not in sys.modules, "imported cpp_extension (it warns without a GPU)"
 PY
   )
+  compilers_untouched "importing the package and its first call"
 
   # ---- 3. the demo, on the core -------------------------------------------------------
   stage "torch $version: demo"
-  (cd "$WORK/elsewhere" && env "${no_compiler[@]}" "$vpy" -m cublas_guard_ext demo --steps 20 --no-bench) \
+  (cd "$WORK/elsewhere" && env "${trapped[@]}" "$vpy" -m cublas_guard_ext demo --steps 20 --no-bench) \
     >"$CACHE/matrix-demo-torch$version.log" 2>&1 \
     || { tail -n 40 "$CACHE/matrix-demo-torch$version.log"; die "torch $version: the demo failed"; }
   tail -n 5 "$CACHE/matrix-demo-torch$version.log"
+  compilers_untouched "the demo"
 
   # ---- 4. the fast suite and the torch.compile tests, on the core, still no compiler --
   stage "torch $version: pytest (fast suite, the stable core)"

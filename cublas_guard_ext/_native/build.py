@@ -7,6 +7,7 @@ must not import the package (which would try to load the extension).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib
 import importlib.util
@@ -283,6 +284,35 @@ def jit_name(build: BuildPlan, prefix: str | None = None) -> str:
     flavour = "cuda" if build.with_cuda else "cpu"
     if _ninja.STABLE_MARKER in build.cxx_flags:
         flavour = "core_" + flavour
-    torch_tag = re.sub(r"[^A-Za-z0-9]", "_", str(key["torch"]))
+    return f"{_jit_name_prefix(flavour)}{digest}"
+
+
+def _jit_name_prefix(flavour: str) -> str:
+    """A JIT build's name up to its key digest: what can be known without probing a compiler."""
+    import torch
+
+    torch_tag = re.sub(r"[^A-Za-z0-9]", "_", torch.__version__)
     py_tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return f"cublas_guard_ext_{flavour}_torch{torch_tag}_{py_tag}_{digest}"
+    return f"cublas_guard_ext_{flavour}_torch{torch_tag}_{py_tag}_"
+
+
+def locked_jit_build_may_exist() -> bool:
+    """Whether a JIT build of the locked library for this torch and Python may be cached, by
+    names alone: no compiler probed, torch.utils.cpp_extension not imported (its import warns
+    on a CUDA torch without a GPU). A superset of the real lookup, which needs the full key
+    (compiler, toolkit, flags): False means there is certainly none; True, look properly."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        pattern_root = glob.escape(root)
+    else:
+        try:  # torch's default root, one folder per accelerator below it (py311_cpu, py312_cu130...)
+            import torch._appdirs
+
+            default_root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        except Exception:  # another torch's layout: look the slow, certain way
+            return True
+        pattern_root = os.path.join(glob.escape(default_root), "*")
+    return any(
+        glob.glob(os.path.join(pattern_root, _jit_name_prefix(flavour) + "*", "*.so"))
+        for flavour in ("cpu", "cuda")
+    )

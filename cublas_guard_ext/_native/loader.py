@@ -267,7 +267,11 @@ def _jit_build_core() -> NativeInfo:
 
 def _cached_locked_build() -> NativeInfo | None:
     """A JIT build of the locked library for this torch that is already in the cache (made
-    by `python -m cublas_guard_ext build`), loaded without compiling, or None."""
+    by `python -m cublas_guard_ext build`), loaded without compiling, or None. Where the cache
+    has none by name (the usual case: the wheel's core serves), nothing is probed or imported:
+    the full key, which asks the compiler and the toolkit, is computed only to load a build."""
+    if not _build.locked_jit_build_may_exist():
+        return None
     plan = _build.plan()
     path = Path(jit_build_directory(plan)) / f"{_build.jit_name(plan)}.so"
     if not path.exists() or not _sources_present(plan):

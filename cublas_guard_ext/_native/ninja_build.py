@@ -8,6 +8,7 @@ module of the package.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import re
@@ -110,13 +111,19 @@ def pch_enabled() -> bool:
     """Whether to precompile the common headers: GCC only; CUBLAS_GUARD_EXT_PCH=0 turns it off."""
     if os.environ.get("CUBLAS_GUARD_EXT_PCH", "1") == "0":
         return False
-    try:
-        out = subprocess.run(
-            [os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=60
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
+    out = _compiler_banner(os.environ.get("CXX", "c++"))
     return "Free Software Foundation" in out and "clang" not in out.lower()
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_banner(compiler: str) -> str:
+    """``compiler --version``'s output ("" when it does not run), asked once per process and
+    compiler: the JIT key and the build both want it, and a process that only loads a cached
+    build must not start a compiler over and over (nor at all when nothing is cached)."""
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def rewrite_ninja_file(path: str, pch: bool) -> None:

@@ -359,9 +359,12 @@ def _autocast_kernel(device_type: str, op: Any, positions: tuple[int, ...]) -> C
 
 # ---------------------------------------------------------------------------
 # Fake kernels: output shapes, symbolic sizes kept symbolic, and the argument rules of
-# csrc/linear/checks.cpp (the core's argument_rules op) whenever every size is concrete:
-# on meta tensors (weights never loaded) and in a static trace they refuse what the real
-# kernel refuses, with the same typed errors. Under dynamic shapes the real kernel checks.
+# csrc/linear/checks.cpp (the core's argument_rules op): on meta tensors (weights never loaded)
+# and in a trace they refuse what the real kernel refuses, with the same typed errors. The
+# rules take concrete sizes (the stable ABI has no SymInt): under dynamic shapes they run on
+# stand-ins of the traced example's sizes (each symbol's hint), which says of that example what
+# the real kernel would, and adds no guard to the graph; a size with no hint (unbacked, as
+# torch.export may make) leaves the rules to the real kernel.
 # ---------------------------------------------------------------------------
 def _concrete(*tensors: torch.Tensor | None) -> bool:
     return all(
@@ -370,12 +373,36 @@ def _concrete(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+def _hint(size: int | torch.SymInt) -> int | None:
+    if type(size) is int:  # noqa: E721 (SymInt is no int)
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return hint if type(hint) is int else None  # noqa: E721
+
+
+def _with_concrete_sizes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or a stand-in of its example's sizes and strides (None: some size has no hint)."""
+    if t is None or _concrete(t):  # never compare a SymInt: that would guard on its value
+        return t
+    shape, stride = [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()]
+    if None in shape or None in stride:
+        return None
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+
+
+def stand_ins(*tensors: torch.Tensor | None) -> list[torch.Tensor | None] | None:
+    """What the argument rules can take for ``tensors`` (None: leave them to the real kernel)."""
+    out = [_with_concrete_sizes(t) for t in tensors]
+    return None if any(o is None and t is not None for o, t in zip(out, tensors)) else out
+
+
 @typed_errors
 def _rules(
     op: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, layer: str, mode: int
 ) -> None:
-    if _concrete(a, b, bias):
-        torch.ops.cublas_guard_internal.argument_rules.default(op, a, b, bias, layer, mode)
+    concrete = stand_ins(a, b, bias)
+    if concrete is not None:
+        torch.ops.cublas_guard_internal.argument_rules.default(op, *concrete, layer, mode)
 
 
 def _fake_scan(x: torch.Tensor) -> torch.Tensor:

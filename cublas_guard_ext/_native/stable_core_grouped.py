@@ -118,15 +118,16 @@ class _GroupedGradWeight(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------
-# Fake kernels: shapes, and the C++ rules whenever the sizes are concrete
+# Fake kernels: shapes, and the C++ rules on the traced example's sizes (stable_core.stand_ins)
 # ---------------------------------------------------------------------------
 @_core.typed_errors
 def _rules(
     op: str, a: Any, b: Any, bias: Any, offs: Any, layer: str, parameter: str, mode: int, transposed: bool
 ):
-    if _core._concrete(a, b, bias, offs):
+    concrete = _core.stand_ins(a, b, bias, offs)
+    if concrete is not None:
         torch.ops.cublas_guard_internal.grouped_argument_rules.default(
-            op, a, b, bias, offs, layer, parameter, mode, transposed
+            op, *concrete, layer, parameter, mode, transposed
         )
 
 

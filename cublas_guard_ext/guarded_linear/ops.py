@@ -277,6 +277,11 @@ def check() -> None:
     if torch.compiler.is_compiling():
         _check_in_graph(torch.empty(0))
         return
+    _raise_recorded()
+
+
+def _raise_recorded() -> None:
+    """check()'s body, eager or inside a compiled graph (typed on the core below)."""
     _ops.async_check.default(True)
     for raise_pending in _pending_watch_findings:
         raise_pending()
@@ -321,9 +326,7 @@ def guard(mode: modes.Mode = "async", *, check_on_exit: bool = True) -> Iterator
 # graph, in program order; marked side-effectful, it is kept.
 @torch.library.custom_op("cublas_guard::check_in_graph", mutates_args=())
 def _check_in_graph(token: torch.Tensor) -> None:
-    _ops.async_check.default(True)
-    for raise_pending in _pending_watch_findings:
-        raise_pending()
+    _raise_recorded()
 
 
 @_check_in_graph.register_fake
@@ -336,8 +339,9 @@ torch.fx.node.has_side_effect(_ops.check_in_graph.default)
 
 # The stable core (no version-locked library for this torch): its errors cross the stable
 # ABI as RuntimeError with the payload line. The ops' Autograd kernels raise them typed
-# (_native/stable_core.py); check() calls an op without tensors, which has none.
+# (_native/stable_core.py); check() calls an op without tensors, which has none, eager or
+# from a compiled graph (check_in_graph's body, looked up when it runs).
 if _info.library == "core":
     from .._native import stable_core as _stable_core
 
-    check = _stable_core.typed_errors(check)
+    _raise_recorded = _stable_core.typed_errors(_raise_recorded)

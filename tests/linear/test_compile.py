@@ -110,9 +110,8 @@ def test_compiled_scan_grad_raises_like_eager_in_backward(backend: str, mode: st
     assert compiled_err.value.role == "grad_output" and compiled_err.value.layer == "2"
 
 
-# Known gap of the stable core (docs/building.md): inside a compiled graph cg.check() reaches the
-# core's op directly, and its error comes back as a RuntimeError with the payload, untyped.
-@pytest.mark.locked
+# Also on the stable core: inside a compiled graph cg.check() reaches the core's op directly,
+# and its payload error must come back typed (it once came back as a RuntimeError).
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_check_inside_the_compiled_function_raises_like_eager(backend: str) -> None:
     # check() takes no tensor: traced as is, it ran once at trace time and left
@@ -190,9 +189,8 @@ def test_dynamic_true_builds_one_graph_with_inductor() -> None:
     assert got == 1
 
 
-# Known gap of the stable core (docs/building.md): with symbolic sizes its fake kernels skip the
-# argument rules, so a wrong in_features fails in autograd's shape check, not as in_features.
-@pytest.mark.locked
+# Also on the stable core, whose fake kernels run the argument rules on the traced example's
+# sizes: a wrong in_features is named as such, not found by autograd's shape check.
 def test_dynamic_graph_still_guards_every_batch_size() -> None:
     model = _stack(lambda i, o: cg.SafeLinear(i, o, mode="sync"))
     compiled = torch.compile(model, fullgraph=True, dynamic=True)
@@ -201,7 +199,7 @@ def test_dynamic_graph_still_guards_every_batch_size() -> None:
         bad[n - 1, 7] = INF
         assert _fields(_raised(compiled, bad)) == _fields(_raised(model, bad))
     wrong = torch.randn(6, 7)  # the last dim is still checked (it is not dynamic)
-    with pytest.raises(Exception, match="in_features"):
+    with pytest.raises(Exception, match="in_features"):  # dynamo wraps it (TorchRuntimeError)
         compiled(wrong)
 
 

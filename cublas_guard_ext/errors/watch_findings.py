@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import optimizer_step as _optimizer_step
 from .base import GuardError
 from .experts import past_groups_details, past_groups_steps
 from .format import (
@@ -38,7 +39,7 @@ class _WatchFinding:
         "dtype", "device", "input_names", "input_shapes", "input_dtypes", "input_strides",
         "input_absmax", "reached", "birth_stack", "detected_stack", "lost", "mode",
         "overflow", "dtype_max", "overflow_bound",
-    )  # fmt: skip
+    ) + _optimizer_step.OPTIMIZER_FIELDS  # fmt: skip
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         self._prepare(fields)
@@ -69,6 +70,9 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
 
     kind = "non_finite_output"
 
+    def _in_optimizer_step(self) -> bool:
+        return self.fields.get("phase") == "optimizer step" and self.fields.get("op") is not None
+
     def _prepare(self, fields: dict[str, Any]) -> None:
         _fold_inputs(fields)
         if "overflow" not in fields:
@@ -78,6 +82,8 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         f = self.fields
         if f.get("op") is None:  # the birth was lost before watch read it (see `lost`)
             return f"watch: non-finite values reached {f.get('reached')}; the op that made them is not known"
+        if self._in_optimizer_step():
+            return _optimizer_step.headline(f, _counts_text(f))
         overflowed = (
             f" overflowed {_dtype(f.get('dtype')).replace('torch.', '')}:" if f.get("overflow") else ""
         )
@@ -100,6 +106,9 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         inputs = _inputs_line(f)
         if inputs:
             lines.append(inputs)
+        if self._in_optimizer_step():  # the state's and gradient's magnitudes, read from the optimizer
+            counts = counts_line(f)
+            return lines + ([f"counts at that op: {counts}"] if counts else []) + _optimizer_step.details(f)
         lines += past_groups_details(f) or self._explained()
         lines += finding_lines(f)
         if f.get("backward_node"):
@@ -116,6 +125,8 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         if self.fields.get("op") is None:
             return ["run the step again with a larger watch(..., capacity=...) to name the op"]
+        if self._in_optimizer_step():
+            return _optimizer_step.next_steps(self.fields)
         if self.fields.get("overflow"):
             f = self.fields
             return next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")

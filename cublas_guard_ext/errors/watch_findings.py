@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import nan_from_inf as _nan_from_inf
 from . import optimizer_step as _optimizer_step
 from .base import GuardError
 from .experts import past_groups_details, past_groups_steps
@@ -87,9 +88,10 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         overflowed = (
             f" overflowed {_dtype(f.get('dtype')).replace('torch.', '')}:" if f.get("overflow") else ""
         )
+        source = _nan_from_inf.headline_tail() if _nan_from_inf.applies(f) else "from finite inputs"
         return (
             f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}){overflowed} produced "
-            f"{_counts_text(f)} from finite inputs"
+            f"{_counts_text(f)} {source}"
         )
 
     def _details(self) -> list[str]:
@@ -111,6 +113,8 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             return lines + ([f"counts at that op: {counts}"] if counts else []) + _optimizer_step.details(f)
         lines += past_groups_details(f) or self._explained()
         lines += finding_lines(f)
+        if _nan_from_inf.applies(f):
+            lines += _nan_from_inf.details(f)
         if f.get("backward_node"):
             lines.append(
                 f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
@@ -130,6 +134,8 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         if self.fields.get("overflow"):
             f = self.fields
             return next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
+        if _nan_from_inf.applies(self.fields):
+            return _nan_from_inf.next_steps(self.fields)
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
         steps = past_groups_steps(self.fields)

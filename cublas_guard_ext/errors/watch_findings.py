@@ -10,6 +10,8 @@ from typing import Any
 from . import nan_from_inf as _nan_from_inf
 from . import optimizer_step as _optimizer_step
 from .base import GuardError
+from .entries import entry_lines as _entry_lines
+from .entries import entry_next_steps as _entry_next_steps
 from .experts import past_groups_details, past_groups_steps
 from .format import (
     _PRODUCER_HINTS,
@@ -152,7 +154,7 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
     """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
 
     kind = "non_finite_entry"
-    WATCH_FIELDS = _WatchFinding.WATCH_FIELDS + ("role", "name")
+    WATCH_FIELDS = _WatchFinding.WATCH_FIELDS + ("role", "name", "bad_slices")
 
     def _headline(self) -> str:
         f = self.fields
@@ -167,6 +169,7 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
             _first_bad_line(f, str(f.get("name"))),
             f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
         ] + self._explained()
+        lines += _entry_lines(f)
         fmt = narrow_format(f) if f.get("role") == "argument" else None
         if fmt is not None:
             lines.append(
@@ -176,13 +179,7 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
         return lines
 
     def _next_steps(self) -> list[str]:
-        if self.fields.get("role") in ("parameter", "buffer"):
-            return [
-                "the parameters diverged or were loaded broken: lower the learning rate, clip "
-                "gradients, or reload the last good checkpoint",
-                "an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])",
-            ]
-        return ["check the data pipeline: the batch was already non-finite"]
+        return _entry_next_steps(self.fields)
 
 
 class NonFiniteFromNowhereError(GuardError, ValueError):

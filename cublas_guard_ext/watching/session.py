@@ -129,11 +129,30 @@ def check_pending() -> None:
 _ops.raise_pending_watch_findings_with(check_pending)  # check() raises it: ops cannot import us
 
 
+def _bad_slices(tensor: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """Where a non-finite tensor's bad values sit, read only for the report: (dim, first, last,
+    size) for each dimension whose bad values occupy only part of it (a KV cache's unused
+    positions: dim 2, 5..15 of 16), None when they are spread over every index of every dim."""
+    if tensor.dim() == 0 or tensor.is_sparse:
+        return None
+    with torch.no_grad():
+        bad = ~torch.isfinite(tensor.detach())
+        out = []
+        for dim in range(bad.dim()):
+            others = [d for d in range(bad.dim()) if d != dim]
+            hit = bad.any(dim=others) if others else bad
+            idx = hit.nonzero().flatten()
+            if 0 < idx.numel() < bad.shape[dim]:
+                out.append((dim, int(idx[0]), int(idx[-1]), int(bad.shape[dim])))
+    return out or None
+
+
 def _entry_error(
     role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]
 ) -> errors.GuardError:
     nan, posinf, neginf, first = counts
     return errors.NonFiniteEntryError(
+        bad_slices=_bad_slices(tensor),
         role=role,
         name=name,
         nan_count=nan,

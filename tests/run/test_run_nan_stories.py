@@ -48,7 +48,8 @@ def test_adamw_divergence_is_named_as_the_optimizer_step(tmp_path: Path) -> None
     assert out.returncode == 1, out.stderr
     # (which parameter overflows first depends on the CPU's summation order: not asserted)
     the_error_comes_last(
-        out.stderr, "NonFiniteOutputError: watch: AdamW.step() (optimizer step, step 2, aten.addcmul_.default)"
+        out.stderr,
+        "NonFiniteOutputError: watch: AdamW.step() (optimizer step, step 2, aten.addcmul_.default)",
     )
     assert re.search(r"into exp_avg_sq of parameter '[a-z0-9.]+(weight|bias)' from finite inputs", out.stderr)
     assert re.search(r"e\+2\d squared is [0-9.]+e\+4\d, past the float32 range 3.403e\+38", out.stderr)

@@ -1,0 +1,51 @@
+"""MoE routers guarded like the experts (issue 47, point 6): transformers' routers multiply their
+2-D weight with F.linear in their own forward; replace_linear now sends that product through the
+guard (models/routers.py): bitwise equal when clean, a non-finite router weight or input refused
+naming the router, restore_linear undoes it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import cublas_guard_ext as cg
+
+from helpers.moe_models import gpt_oss, mixtral, qwen3_moe
+
+MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
+
+
+@pytest.mark.parametrize("build", MODELS.values(), ids=list(MODELS))
+def test_guarded_routers_are_bitwise_equal_when_clean(build):
+    torch.manual_seed(0)
+    plain = build()
+    guarded = cg.replace_linear(copy.deepcopy(plain))
+    routers = [n for n, m in guarded.named_modules() if cg.models.routers.is_guarded_router(m)]
+    assert routers and all(n.endswith(".mlp.router") or n.endswith(".mlp.gate") for n in routers)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, guarded(ids).logits)
+    assert not any("router" in reason or "gate" in name for name, reason in cg.coverage(guarded).left)
+
+
+def test_a_nan_in_the_router_weight_is_refused_naming_the_router():
+    torch.manual_seed(0)
+    model = cg.replace_linear(mixtral())
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight[1, 3] = float("nan")
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, 5)))
+    err = info.value
+    assert err.layer == "model.layers.0.mlp.gate" and err.role == "weight"
+    assert "layer 'model.layers.0.mlp.gate'" in str(err)
+
+
+def test_restore_linear_unguards_the_routers():
+    model = cg.restore_linear(cg.replace_linear(mixtral()))
+    assert not any(cg.models.routers.is_guarded_router(m) for m in model.modules())
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight[1, 3] = float("nan")
+        model(torch.randint(0, 64, (1, 5)))  # unguarded again: no refusal at the router

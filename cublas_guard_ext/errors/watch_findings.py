@@ -135,7 +135,8 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             return _optimizer_step.next_steps(self.fields)
         if self.fields.get("overflow"):
             f = self.fields
-            return next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
+            steps = next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
+            return _attention_scores_steps(f) + steps
         if _nan_from_inf.applies(self.fields):
             return _nan_from_inf.next_steps(self.fields)
         op = str(self.fields.get("op", "")).split(".")
@@ -148,6 +149,22 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
         )
         return steps
+
+
+_SCORE_OPS = ("matmul", "bmm", "baddbmm", "mm", "einsum")
+
+
+def _attention_scores_steps(f: dict[str, Any]) -> list[str]:
+    """An overflow in a product of an attention module (q @ k^T): the attention-specific fixes."""
+    op = str(f.get("op") or "").split(".")
+    module = str(f.get("module") or "").lower()
+    if len(op) < 2 or op[1] not in _SCORE_OPS or not any(w in module for w in ("attn", "attention")):
+        return []
+    return [
+        "in attention: scale q by 1/sqrt(head_dim) before the product ((q * scale) @ k.transpose(-2, "
+        "-1), not (q @ k.transpose(-2, -1)) * scale), or use F.scaled_dot_product_attention, which "
+        "scales first and accumulates q.k in float32"
+    ]
 
 
 class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):

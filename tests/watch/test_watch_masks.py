@@ -154,3 +154,26 @@ def test_a_nan_from_a_nan_carrying_input_is_still_not_a_birth():
     before = torch.tensor([float("nan"), float("-inf"), 1.0])
     with cg.watch(mode="sync"):
         before.softmax(-1)  # NaN everywhere, inherited from the NaN it read
+
+
+def test_an_fp16_score_overflow_in_attention_adds_the_attention_fixes():
+    class Scores(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return (q @ k.transpose(-1, -2)) / 8.0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Scores()
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return self.attn(q, k)
+
+    q = torch.full((1, 4, 64), 40.0, dtype=torch.float16)  # 64 x 40 x 40 = 102400 > 65504
+    model = Net()
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(q, q)
+    err = info.value
+    assert err.overflow and err.module == "attn"
+    assert "scale q by 1/sqrt(head_dim) before the product" in str(err)

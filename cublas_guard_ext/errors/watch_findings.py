@@ -136,7 +136,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         if self.fields.get("overflow"):
             f = self.fields
             steps = next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
-            return _attention_scores_steps(f) + steps
+            return _attention_scores_steps(f) + _router_steps(f) + steps
         if _nan_from_inf.applies(self.fields):
             return _nan_from_inf.next_steps(self.fields)
         op = str(self.fields.get("op", "")).split(".")
@@ -164,6 +164,19 @@ def _attention_scores_steps(f: dict[str, Any]) -> list[str]:
         "in attention: scale q by 1/sqrt(head_dim) before the product ((q * scale) @ k.transpose(-2, "
         "-1), not (q @ k.transpose(-2, -1)) * scale), or use F.scaled_dot_product_attention, which "
         "scales first and accumulates q.k in float32"
+    ]
+
+
+def _router_steps(f: dict[str, Any]) -> list[str]:
+    """An overflow in a mixture of experts' router (its logits past the range): router
+    instability, what router z-loss exists to fight."""
+    last = str(f.get("module") or "").rsplit(".", 1)[-1].lower()
+    if last not in ("gate", "router") and not last.endswith("router"):
+        return []
+    return [
+        "router logits past the range are router instability: they grow during training until the "
+        "softmax saturates; add a router z-loss (ST-MoE: 1e-3 * logsumexp(router_logits, -1).square().mean() "
+        "added to the loss), keep the router in float32, and clip gradients"
     ]
 
 

@@ -65,3 +65,24 @@ def test_under_cpu_bf16_autocast_the_guarded_model_matches_bitwise(build):
         expected, got = plain(ids).logits, guarded(ids).logits
     assert got.dtype == expected.dtype == torch.bfloat16
     assert torch.equal(got, expected)
+
+
+def test_router_logits_past_the_range_are_explained_as_router_instability():
+    class Moe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(64, 4, bias=False).half()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.gate(x).float().softmax(-1)
+
+    model = Moe()
+    with torch.no_grad():
+        model.gate.weight.fill_(40.0)  # 64 x 40 x 40 = 102400 > 65504
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(torch.full((2, 64), 40.0, dtype=torch.float16))
+    err = info.value
+    assert err.overflow and err.module == "gate"
+    assert "router logits past the range are router instability" in str(err)
+    assert "router z-loss" in str(err)

@@ -58,3 +58,38 @@ def test_adamw_divergence_is_named_as_the_optimizer_step(tmp_path: Path) -> None
     assert "allow=" not in out.stderr and "--watch" not in out.stderr.split("Next:")[1]
     (data,) = reports(tmp_path)
     assert data["where"]["phase"] == "optimizer step" and data["where"]["step"] == 2
+
+
+LEFT_PADDED_ATTENTION = """
+import math, torch, torch.nn as nn
+torch.manual_seed(0)
+B, T, D, H = 2, 6, 16, 2
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__(); self.qkv = nn.Linear(D, 3 * D); self.proj = nn.Linear(D, D)
+    def forward(self, x, allowed):
+        q, k, v = self.qkv(x).view(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(D // H)).masked_fill(~allowed, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__(); self.attn = Attn(); self.head = nn.Linear(D, 3)
+    def forward(self, x, allowed):
+        return self.head(self.attn(x, allowed))
+keep = torch.ones(B, T, dtype=torch.bool); keep[0, :2] = False  # left padding
+allowed = torch.ones(T, T, dtype=torch.bool).tril() & keep[:, None, None, :]
+Model()(torch.randn(B, T, D), allowed).sum().backward()
+"""
+
+
+def test_a_fully_masked_query_is_named_at_the_softmax_not_refused_later(tmp_path: Path) -> None:
+    out = run_script(tmp_path, write(tmp_path, "attn.py", LEFT_PADDED_ATTENTION), "--watch")
+    assert out.returncode == 1, out.stderr
+    the_error_comes_last(
+        out.stderr,
+        "NonFiniteOutputError: watch: aten._softmax.default in module 'attn' (forward) produced 24 NaN, "
+        "0 +Inf, 0 -Inf from inputs that held Inf but no NaN",
+    )
+    assert "4 of 24 (batch, head, query) rows had every key masked" in out.stderr
+    assert "reached: the input of cublas_guard.linear.default, which refused it" in out.stderr
+    assert "NonFiniteInputError" not in out.stderr and "--watch" not in out.stderr.split("Next:")[1]

@@ -137,7 +137,7 @@ def coverage(model: nn.Module, *, conv1d: bool = True) -> Coverage:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if is_guarded(module) or experts.is_guarded_experts(module):
+        if is_guarded(module) or experts.is_guarded_experts(module) or routers.is_guarded_router(module):
             out.guarded.append(name)
             continue
         reason = _reason_left(module, conv1d)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import GuardError
+from .errors import GuardError, NonFiniteInputError
 from .errors.parse import _typed_from_native_message
 from .watching import session as _watch
 
@@ -23,7 +23,13 @@ __all__ = ["typed_error", "watch_op_failure", "watch_finding", "GuardError"]
 def typed_error(message: str, native: dict[str, Any] | None) -> GuardError | None:
     """csrc/report/python_errors.cpp: the typed exception for a native error's message (None
     if it is not one of ours); ``native``: the failing call's tensors, for its capsule."""
-    return _typed_from_native_message(message, native)
+    err = _typed_from_native_message(message, native)
+    if isinstance(err, NonFiniteInputError) and _watch.AVAILABLE and _watch._native._watch_active():
+        # Refused inside a watch block: the message says so instead of advising to run under
+        # watch (a value watch saw born is raised as watch's finding instead, at the refusal).
+        err.fields["watch_on"] = True
+        err.args = (err._format(),)
+    return err
 
 
 def watch_op_failure(payload: str, original: Any, message: str) -> BaseException:

@@ -212,7 +212,7 @@ __global__ void watch_scan_kernel(const T* __restrict__ data, long long n, Watch
     bool birth = false;
     int n_sinks = 0;
     int64_t sinks[2];
-    s_tag = apply_rule(a, tags, seq_tags, s_first_total != 0, &birth, sinks, &n_sinks);
+    s_tag = apply_rule(a, tags, seq_tags, s_first_total != 0, s_counts[0] != 0, &birth, sinks, &n_sinks);
     s_birth = birth;
     s_n_sinks = n_sinks;
     s_sinks[0] = sinks[0];

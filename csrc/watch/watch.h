@@ -136,6 +136,9 @@ struct Session {
   bool key_was_included = false;
   std::shared_ptr<Session> outer;  // a watch nested in this thread's watch
   std::vector<int32_t> module_stack;
+  // Inside optimizer.step() (torch's global step hooks, watching/optimizer_step.py): an op
+  // outside every module and every autograd node is attributed to kModuleOptimizerStep.
+  int32_t optimizer_depth = 0;
   uint64_t seq_base = 0;
   std::vector<int32_t> seq_module;   // autograd sequence number - seq_base -> module id
   std::atomic<bool> pending{false};  // async: a finding waits to be raised
@@ -224,6 +227,8 @@ void for_each_tensor(const c10::IValue& v, Fn&& fn) {
 // This thread's session, else (an autograd device thread) the session of the
 // node's forward thread, held by `hold` while the caller uses it.
 Session* current_session(SessionRef& hold);
+// The module id of an op run by optimizer.step() outside every module (no module's name).
+constexpr int32_t kModuleOptimizerStep = -2;
 struct Where {
   int32_t module = -1;
   bool backward = false;

@@ -230,7 +230,7 @@ int32_t module_now(const Session& s, const torch::autograd::Node* node) {
     const uint64_t i = node->sequence_nr() - s.seq_base;
     if (i < s.seq_module.size()) return s.seq_module[i];
   }
-  return -1;
+  return node == nullptr && s.optimizer_depth > 0 ? kModuleOptimizerStep : -1;
 }
 
 // Calls fn(argument, tensor) for the inputs of one output: every tensor

@@ -87,7 +87,7 @@ void scan_cpu(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t* seq
   bool birth = false;
   int64_t sinks[2];
   int n = 0;
-  const int32_t tag = apply_rule(a, tags, seq_tags, c.first >= 0, &birth, sinks, &n);
+  const int32_t tag = apply_rule(a, tags, seq_tags, c.first >= 0, c.nan > 0, &birth, sinks, &n);
   if (birth) write_birth(record, counters, a, t, c);
   for (int i = 0; i < n; ++i) write_finding(record, counters, tag, sinks[i]);
 }

@@ -14,6 +14,10 @@
 //   0             finite (or never written non-finite)
 //   kTagUntracked non-finite with no origin this watch saw (values from before the block)
 //   kTagQuiet     intended non-finite (a Scalar -inf argument, allow=): never a finding
+//   kTagInf       +/-Inf and no NaN, with no origin: a Scalar -inf argument's output (a
+//                 masked_fill(-inf) mask), a tensor from before the block holding Inf but no
+//                 NaN, and what they become without NaN. A NaN made from such inputs alone
+//                 (softmax over a row of -inf, x - x of infinities, 0 * inf) is a birth.
 //   >= kTagFirst  an origin: the call with sequence number tag - kTagFirst
 #pragma once
 
@@ -32,6 +36,7 @@ constexpr int32_t kTagFinite = 0;
 constexpr int32_t kTagUntracked = -1;
 constexpr int32_t kTagQuiet = 1;
 constexpr int32_t kTagFirst = 2;
+constexpr int32_t kTagInf = -2;
 
 constexpr int kMaxTagInputs = 24;  // input tags one scan reads (more: the first 24)
 constexpr int kMaxViews = 4;       // inputs whose absolute maximum a birth records
@@ -121,42 +126,51 @@ struct WatchRecord {
 // Claim counters (device memory on CUDA): [0] births, [1] findings.
 constexpr int kWatchCounters = 2;
 
+// Which of two tags an output inherits: an origin (the earliest), else quiet, else Inf-only,
+// else finite (untracked counts as finite here: the caller says non-finite).
 CG_WATCH_HD int32_t better_tag(int32_t a, int32_t b) {
-  if (a < 0) a = 0;
-  if (b < 0) b = 0;
+  if (a == kTagUntracked) a = kTagFinite;
+  if (b == kTagUntracked) b = kTagFinite;
   if (a >= kTagFirst && b >= kTagFirst) return a < b ? a : b;
   if (a >= kTagFirst) return a;
   if (b >= kTagFirst) return b;
-  return a > b ? a : b;
+  if (a == kTagQuiet || b == kTagQuiet) return kTagQuiet;
+  return a == kTagInf || b == kTagInf ? kTagInf : kTagFinite;
 }
 
 // The rule: the new tag of a scanned output from its counts and its inputs'
-// tags. *new_origin: it is a birth.
+// tags. *new_origin: it is a birth. `has_nan`: the output holds a NaN (not only Inf).
 CG_WATCH_HD int32_t decide_tag(const TagArgs& a, const int32_t* tags, const int32_t* seq_tags, bool bad,
-                               bool* new_origin) {
+                               bool has_nan, bool* new_origin) {
   *new_origin = false;
   if (a.kind == kScanSink) return a.out_slot >= 0 ? tags[a.out_slot] : kTagFinite;
   if (!bad) return kTagFinite;
-  if (a.kind == kScanFirstSight) return kTagUntracked;
+  if (a.kind == kScanFirstSight) return has_nan ? kTagUntracked : kTagInf;
   if (a.kind == kScanEntry) {
     if (a.allowed) return kTagQuiet;
     *new_origin = true;
     return kTagFirst + a.seq;
   }
   bool any_bad = false;
+  bool nan_in = false;  // an input that may hold a NaN (every non-finite tag but kTagInf)
   int32_t inherited = kTagFinite;
   for (int i = 0; i < a.n_in && i < kMaxTagInputs; ++i) {
     const int32_t t = a.in_slots[i] >= 0 ? tags[a.in_slots[i]] : a.in_values[i];
     if (t != kTagFinite) any_bad = true;
+    if (t != kTagFinite && t != kTagInf) nan_in = true;
     inherited = better_tag(inherited, t);
   }
+  const int32_t seq_tag = a.seq_read >= 0 ? seq_tags[a.seq_read] : a.seq_value;
   int32_t r;
   if (a.scalar_bad) {
-    r = better_tag(kTagQuiet, inherited);
-  } else if (any_bad) {
-    r = inherited;
-  } else if (!a.birth && (a.seq_read >= 0 ? seq_tags[a.seq_read] : a.seq_value) != kTagFinite) {
-    r = a.seq_read >= 0 ? seq_tags[a.seq_read] : a.seq_value;
+    // A Scalar -inf (a mask filled in): Inf-only while no NaN comes of it.
+    const bool inf_only = !has_nan && (inherited == kTagFinite || inherited == kTagInf);
+    r = inf_only ? kTagInf : better_tag(kTagQuiet, inherited);
+  } else if (any_bad && (nan_in || !has_nan)) {
+    // A NaN among NaN-capable inputs is theirs; Inf-only inputs give Inf-only.
+    r = has_nan && inherited == kTagInf ? kTagUntracked : inherited;
+  } else if (!a.birth && seq_tag != kTagFinite) {
+    r = seq_tag == kTagInf && has_nan ? kTagQuiet : seq_tag;
   } else if (a.allowed) {
     r = kTagQuiet;
   } else {
@@ -193,13 +207,13 @@ CG_WATCH_HD int findings_of(const TagArgs& a, int32_t tag, bool bad, bool new_or
 }
 
 // The whole decision after the counting: the slot, the node's tag, and what to
-// record. Both backends call it with the counts; `*birth` and the sinks tell
-// them what to write into the record.
-CG_WATCH_HD int32_t apply_rule(const TagArgs& a, int32_t* tags, int32_t* seq_tags, bool bad, bool* birth,
-                               int64_t sinks[2], int* n_sinks) {
-  const int32_t tag = decide_tag(a, tags, seq_tags, bad, birth);
+// record. Both backends call it with the counts (`has_nan`: the NaN count is
+// not zero); `*birth` and the sinks tell them what to write into the record.
+CG_WATCH_HD int32_t apply_rule(const TagArgs& a, int32_t* tags, int32_t* seq_tags, bool bad, bool has_nan,
+                               bool* birth, int64_t sinks[2], int* n_sinks) {
+  const int32_t tag = decide_tag(a, tags, seq_tags, bad, has_nan, birth);
   if (a.kind != kScanSink && a.out_slot >= 0) tags[a.out_slot] = merged_tag(a, tags[a.out_slot], tag, bad);
-  if (a.seq_write >= 0 && tag >= kTagQuiet) {
+  if (a.seq_write >= 0 && (tag >= kTagQuiet || tag == kTagInf)) {
     seq_tags[a.seq_write] = a.seq_merge ? better_tag(seq_tags[a.seq_write], tag) : tag;
   }
   *n_sinks = findings_of(a, tag, bad, *birth, sinks);

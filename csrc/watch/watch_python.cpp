@@ -200,6 +200,20 @@ PyObject* py_pop(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// optimizer.step() begins (True) or ends (False) in this thread.
+PyObject* py_optimizer_step(PyObject*, PyObject* arg) {
+  Session* s = tls_session;
+  if (s != nullptr) {
+    SessionLock lock(*s->mu);
+    if (PyObject_IsTrue(arg)) {
+      ++s->optimizer_depth;
+    } else if (s->optimizer_depth > 0) {
+      --s->optimizer_depth;
+    }
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* py_active(PyObject*, PyObject*) { return PyBool_FromLong(tls_session != nullptr); }
 
 // (nan, +inf, -inf, first_bad_index) of any floating tensor; None if not readable
@@ -312,6 +326,7 @@ PyMethodDef methods[] = {
      "_watch_entry(tensor, name, allowed): a model argument's entry scan"},
     {"_watch_push", py_push, METH_O, "push a module id"},
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
+    {"_watch_optimizer_step", py_optimizer_step, METH_O, "optimizer.step() begins (True) or ends (False)"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"_watch_scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},

@@ -94,11 +94,19 @@ Where where_now(const Session& s) {
     }
   } else if (!s.module_stack.empty()) {
     w.module = s.module_stack.back();
+  } else if (s.optimizer_depth > 0) {
+    w.module = kModuleOptimizerStep;
   }
   return w;
 }
 
 void add_where(ErrorReport& r, const Session& s, const Where& w) {
+  if (w.module == kModuleOptimizerStep && !w.backward) {
+    // The optimizer's update: a phase of its own (watching/optimizer_step.py names the
+    // optimizer, the parameter and the state from Python when the finding is raised).
+    r.add("phase", "optimizer step").add("outside", "in the optimizer step");
+    return;
+  }
   r.add("phase", w.backward ? "backward" : "forward");
   if (w.module >= 0 && static_cast<size_t>(w.module) < s.config.module_names.size()) {
     r.add("module", s.config.module_names[w.module]);

@@ -20,6 +20,9 @@ under 600 lines:
 * ``base``        GuardError
 * ``inputs``      errors about a call's arguments
 * ``watch_findings``  what watch raises (an op's NaN/Inf, a bad entry, a capture refused)
+* ``optimizer_step``  the lines of a finding born in ``optimizer.step()``
+* ``nan_from_inf``    the lines of a NaN born from infinities (a fully masked attention row)
+* ``entries``     where an entry finding's values sit and what to do for its role (a cache)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)

@@ -232,6 +232,8 @@ class NonFiniteInputError(GuardError, ValueError):
         return lines
 
     def _next_steps(self) -> list[str]:
+        if self.fields.get("watch_on"):
+            return self._next_steps_under_watch()
         if self._overflowed() is not None:
             return [
                 "name the op that overflowed: run the step under cublas_guard_ext.watch(model); it "
@@ -247,6 +249,23 @@ class NonFiniteInputError(GuardError, ValueError):
             "cublas_guard_ext.watch(model) (it names the op and module, in forward and "
             "backward), and check the data pipeline",
             "clean the data if NaN is expected there: torch.nan_to_num(x)",
+        ]
+
+    def _next_steps_under_watch(self) -> list[str]:
+        """Refused inside a watch block (``watch_on``): watch is on and saw no op make these
+        values, so the advice is where else they come from (never "run under watch")."""
+        steps = []
+        if self.fields.get("role") in ("weight", "bias"):
+            steps.append(
+                "the parameters diverged: lower the learning rate, clip gradients "
+                "(torch.nn.utils.clip_grad_norm_), or reload the last good checkpoint"
+            )
+        return steps + [
+            "watch is on and no op in its block made these values from finite ones: they were "
+            "non-finite before the block began (data, a tensor made before the watched forward, a "
+            "cache or buffer filled earlier), or an op or module in watch(..., allow=[...]) made them",
+            "check where this tensor was made before the step; clean data where NaN is expected: "
+            "torch.nan_to_num(x)",
         ]
 
 

@@ -247,6 +247,25 @@ PYTHON_FIELDS: dict[str, str] = {
     "comparison": "str",  # bitwise, or the calibrated tolerance
     "replays": "list",  # persistent: each rank's replay of the GEMM capsule
     "exit_code": "int",  # the opt-in process exit code of the verdict
+    # watch's finding born in optimizer.step() (errors/optimizer_step.py; "optimizer" and
+    # "parameter" above): read from the optimizer when the finding is raised
+    "optimizer_step": "int",
+    "steps_watched": "int",
+    "state": "str",  # exp_avg_sq, momentum_buffer, ... or "the parameter"
+    "state_dtype": "str",
+    "state_nonfinite": "list",  # (NaN, Inf) now in that state
+    "state_absmax": "float",
+    "grad_absmax": "float",
+    "grad_nonfinite": "int",
+    "grad_norm": "float",
+    "lr": "float",
+    "hyper": "dict",  # the param group's other settings
+    "also_bad": "list",
+    "loss_history": "list",
+    # watch's entry finding (errors/entries.py): (dim, first, last, size) of the bad positions
+    "bad_slices": "list",
+    # a SafeLinear refusal inside a watch block (_native_callbacks.typed_error)
+    "watch_on": "bool",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import nan_from_inf as _nan_from_inf
+from . import optimizer_step as _optimizer_step
 from .base import GuardError
+from .entries import entry_lines as _entry_lines
+from .entries import entry_next_steps as _entry_next_steps
 from .experts import past_groups_details, past_groups_steps
 from .format import (
     _PRODUCER_HINTS,
@@ -38,7 +42,7 @@ class _WatchFinding:
         "dtype", "device", "input_names", "input_shapes", "input_dtypes", "input_strides",
         "input_absmax", "reached", "birth_stack", "detected_stack", "lost", "mode",
         "overflow", "dtype_max", "overflow_bound",
-    )  # fmt: skip
+    ) + _optimizer_step.OPTIMIZER_FIELDS  # fmt: skip
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         self._prepare(fields)
@@ -69,6 +73,9 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
 
     kind = "non_finite_output"
 
+    def _in_optimizer_step(self) -> bool:
+        return self.fields.get("phase") == "optimizer step" and self.fields.get("op") is not None
+
     def _prepare(self, fields: dict[str, Any]) -> None:
         _fold_inputs(fields)
         if "overflow" not in fields:
@@ -78,12 +85,15 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         f = self.fields
         if f.get("op") is None:  # the birth was lost before watch read it (see `lost`)
             return f"watch: non-finite values reached {f.get('reached')}; the op that made them is not known"
+        if self._in_optimizer_step():
+            return _optimizer_step.headline(f, _counts_text(f))
         overflowed = (
             f" overflowed {_dtype(f.get('dtype')).replace('torch.', '')}:" if f.get("overflow") else ""
         )
+        source = _nan_from_inf.headline_tail() if _nan_from_inf.applies(f) else "from finite inputs"
         return (
             f"watch: {f.get('op')} {_where(f)} ({f.get('phase') or 'forward'}){overflowed} produced "
-            f"{_counts_text(f)} from finite inputs"
+            f"{_counts_text(f)} {source}"
         )
 
     def _details(self) -> list[str]:
@@ -100,8 +110,13 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         inputs = _inputs_line(f)
         if inputs:
             lines.append(inputs)
+        if self._in_optimizer_step():  # the state's and gradient's magnitudes, read from the optimizer
+            counts = counts_line(f)
+            return lines + ([f"counts at that op: {counts}"] if counts else []) + _optimizer_step.details(f)
         lines += past_groups_details(f) or self._explained()
         lines += finding_lines(f)
+        if _nan_from_inf.applies(f):
+            lines += _nan_from_inf.details(f)
         if f.get("backward_node"):
             lines.append(
                 f"in backward, computing {f['backward_node']} (the gradient of that module's forward)"
@@ -116,9 +131,14 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         if self.fields.get("op") is None:
             return ["run the step again with a larger watch(..., capacity=...) to name the op"]
+        if self._in_optimizer_step():
+            return _optimizer_step.next_steps(self.fields)
         if self.fields.get("overflow"):
             f = self.fields
-            return next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
+            steps = next_steps(f, f"module '{f['module']}'" if f.get("module") else "this op")
+            return _attention_scores_steps(f) + _router_steps(f) + steps
+        if _nan_from_inf.applies(self.fields):
+            return _nan_from_inf.next_steps(self.fields)
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
         steps = past_groups_steps(self.fields)
@@ -131,11 +151,40 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
         return steps
 
 
+_SCORE_OPS = ("matmul", "bmm", "baddbmm", "mm", "einsum")
+
+
+def _attention_scores_steps(f: dict[str, Any]) -> list[str]:
+    """An overflow in a product of an attention module (q @ k^T): the attention-specific fixes."""
+    op = str(f.get("op") or "").split(".")
+    module = str(f.get("module") or "").lower()
+    if len(op) < 2 or op[1] not in _SCORE_OPS or not any(w in module for w in ("attn", "attention")):
+        return []
+    return [
+        "in attention: scale q by 1/sqrt(head_dim) before the product ((q * scale) @ k.transpose(-2, "
+        "-1), not (q @ k.transpose(-2, -1)) * scale), or use F.scaled_dot_product_attention, which "
+        "scales first and accumulates q.k in float32"
+    ]
+
+
+def _router_steps(f: dict[str, Any]) -> list[str]:
+    """An overflow in a mixture of experts' router (its logits past the range): router
+    instability, what router z-loss exists to fight."""
+    last = str(f.get("module") or "").rsplit(".", 1)[-1].lower()
+    if last not in ("gate", "router") and not last.endswith("router"):
+        return []
+    return [
+        "router logits past the range are router instability: they grow during training until the "
+        "softmax saturates; add a router z-loss (ST-MoE: 1e-3 * logsumexp(router_logits, -1).square().mean() "
+        "added to the loss), keep the router in float32, and clip gradients"
+    ]
+
+
 class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
     """A watched model's argument, parameter or buffer held NaN/Inf when it entered the model."""
 
     kind = "non_finite_entry"
-    WATCH_FIELDS = _WatchFinding.WATCH_FIELDS + ("role", "name")
+    WATCH_FIELDS = _WatchFinding.WATCH_FIELDS + ("role", "name", "bad_slices")
 
     def _headline(self) -> str:
         f = self.fields
@@ -150,6 +199,7 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
             _first_bad_line(f, str(f.get("name"))),
             f"shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))}",
         ] + self._explained()
+        lines += _entry_lines(f)
         fmt = narrow_format(f) if f.get("role") == "argument" else None
         if fmt is not None:
             lines.append(
@@ -159,13 +209,7 @@ class NonFiniteEntryError(_WatchFinding, NonFiniteInputError):
         return lines
 
     def _next_steps(self) -> list[str]:
-        if self.fields.get("role") in ("parameter", "buffer"):
-            return [
-                "the parameters diverged or were loaded broken: lower the learning rate, clip "
-                "gradients, or reload the last good checkpoint",
-                "an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])",
-            ]
-        return ["check the data pipeline: the batch was already non-finite"]
+        return _entry_next_steps(self.fields)
 
 
 class NonFiniteFromNowhereError(GuardError, ValueError):

@@ -26,6 +26,7 @@ transformers is never imported here: it is optional, and only its modules alread
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
@@ -264,12 +265,16 @@ def guarded_experts_forward(
     offs = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
     if getattr(self, "_is_expert_parallel", False):
         sample_weights_g = sample_weights_g.masked_fill(expert_ids_g >= self.num_experts, 0.0)
-    if not torch.is_autocast_enabled(device.type):
-        x = x.to(up.dtype)  # as transformers' grouped_mm (torch's is not autocast-aware; this op is)
-
-    proj = _GROUPED(x, up, up_bias, offs, layer, up_name, code, transposed)
+    # The autocast policy of the op this stands in for: transformers' _grouped_mm casts its input
+    # to the weights' dtype and runs torch's grouped GEMM, which autocast leaves alone (under
+    # CPU bf16 autocast a float32 model's experts run in float32): so does the guarded op, with
+    # autocast off around it (this op is autocast-aware: it would cast to bf16 as nn.Linear).
+    autocast = torch.is_autocast_enabled(device.type)
+    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
+        proj = _GROUPED(x.to(up.dtype), up, up_bias, offs, layer, up_name, code, transposed)
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
-    proj = _GROUPED(proj, down, down_bias, offs, layer, "down_proj", code, transposed)
+    with torch.autocast(device.type, enabled=False) if autocast else contextlib.nullcontext():
+        proj = _GROUPED(proj.to(down.dtype), down, down_bias, offs, layer, "down_proj", code, transposed)
     if getattr(self, "has_post_expert_norm", False):
         proj = self.post_expert_norm(proj)
     weighted = proj * sample_weights_g.unsqueeze(-1)

@@ -37,7 +37,7 @@ from ..guarded_linear.nn import (
     retyped,
 )
 from ..guarded_linear.ops import DTYPE_POLICIES
-from . import experts
+from . import experts, routers
 
 __all__ = ["replace_linear", "restore_linear", "coverage", "Coverage"]
 
@@ -77,7 +77,7 @@ _NOT_WEIGHT_WORDS = ("embed", "pos", "token", "bias", "table", "scale", "norm")
 
 def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
     """Why this module's matmul is not guarded (None: guarded, or it holds none)."""
-    if is_guarded(module) or experts.is_guarded_experts(module):
+    if is_guarded(module) or experts.is_guarded_experts(module) or routers.is_guarded_router(module):
         return None
     kind = type(module).__name__
     if experts.is_hf_experts(module):
@@ -137,7 +137,7 @@ def coverage(model: nn.Module, *, conv1d: bool = True) -> Coverage:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if is_guarded(module) or experts.is_guarded_experts(module):
+        if is_guarded(module) or experts.is_guarded_experts(module) or routers.is_guarded_router(module):
             out.guarded.append(name)
             continue
         reason = _reason_left(module, conv1d)
@@ -304,6 +304,8 @@ def replace_linear(
     name_layers(model)
     if which == "all" or (explicit and experts_names.intersection(names)):
         experts.guard_experts(model, None if which == "all" else set(names), mode)
+    if which == "all":
+        routers.guard_routers(model, mode)  # models/routers.py: the routers' own F.linear
     _report(model, conv1d, explicit or which == "first")
     return model
 
@@ -400,6 +402,7 @@ def restore_linear(model: nn.Module) -> nn.Module:
             for attr, value in originals.items():
                 setattr(module, attr, value)
     experts.restore_experts(model)
+    routers.restore_routers(model)
     return model
 
 

@@ -1,5 +1,6 @@
 """watch's global patches, installed while any thread watches (refcounted): the roots of
-torch.autograd.backward and torch.autograd.grad (the loss) are sinks, and CUDA graph capture
+torch.autograd.backward and torch.autograd.grad (the loss) are sinks, optimizer.step() is a phase
+of its own (optimizer_step.py), and CUDA graph capture
 is refused inside a block (``torch.cuda.graph``'s ``__enter__`` before it switches streams,
 ``CUDAGraph.capture_begin``). Each patch checks that the calling thread watches."""
 
@@ -14,6 +15,7 @@ import torch
 # session.py loads the library and installs the native module (or its stand-in under the
 # stable core) before it imports this one.
 _native = sys.modules[__package__ + ".session"]._native
+from . import optimizer_step as _optimizer_step  # noqa: E402  (needs the native module above)
 
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -30,6 +32,7 @@ def _patched_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
     roots = _roots(tensors)
     if roots and _native._watch_active():
         _native._watch_reached(roots, ["the loss (a root of backward)"] * len(roots))
+        _optimizer_step.loss_passed(roots)
     return _originals["backward"](tensors, *args, **kwargs)
 
 
@@ -71,6 +74,7 @@ def install() -> None:
         _originals["grad"] = torch.autograd.grad
         torch.autograd.backward = _patched_backward
         torch.autograd.grad = _patched_grad
+        _optimizer_step.install()
         graph_cls = getattr(torch.cuda, "CUDAGraph", None)
         if graph_cls is not None and "capture_begin" in graph_cls.__dict__:
             _originals["capture_begin"] = graph_cls.__dict__["capture_begin"]

@@ -20,6 +20,7 @@ from .. import errors
 from .._native import loader as _loader
 from .._native.codes import MODE_CODES
 from ..errors import NonFiniteFromNowhereError, WatchCaptureError
+from ..errors import optimizer_step as _optimizer_messages
 from ..errors.format import _dtype, _fold_inputs
 from ..errors.parse import _typed_from_native_message
 from ..guarded_linear import modes
@@ -36,6 +37,7 @@ else:
         torch.ops.cublas_guard_internal.python_module_install.default()
     _native = sys.modules["cublas_guard_ext._C"]
 from . import global_patches as _watch_patches  # noqa: E402  (needs the native module above)
+from . import optimizer_step as _optimizer_step  # noqa: E402
 
 __all__ = ["watch", "check_pending", "WatchCaptureError", "NonFiniteFromNowhereError"]
 
@@ -89,6 +91,12 @@ def _typed(message: str) -> errors.GuardError:
     err = _typed_from_native_message(message)
     if err is None:
         return errors.GuardError(message)
+    if isinstance(err, errors.NonFiniteOutputError) and err.fields.get("phase") == "optimizer step":
+        fields = dict(err.fields)
+        fields.update(_optimizer_step.describe(fields))
+        _optimizer_step.left_step()
+        fields["reached"] = _optimizer_messages.reached(fields) or fields.get("reached")
+        err = errors.NonFiniteOutputError(**fields)
     f = err.fields
     extra = []
     if f.get("reached"):
@@ -121,11 +129,30 @@ def check_pending() -> None:
 _ops.raise_pending_watch_findings_with(check_pending)  # check() raises it: ops cannot import us
 
 
+def _bad_slices(tensor: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """Where a non-finite tensor's bad values sit, read only for the report: (dim, first, last,
+    size) for each dimension whose bad values occupy only part of it (a KV cache's unused
+    positions: dim 2, 5..15 of 16), None when they are spread over every index of every dim."""
+    if tensor.dim() == 0 or tensor.is_sparse:
+        return None
+    with torch.no_grad():
+        bad = ~torch.isfinite(tensor.detach())
+        out = []
+        for dim in range(bad.dim()):
+            others = [d for d in range(bad.dim()) if d != dim]
+            hit = bad.any(dim=others) if others else bad
+            idx = hit.nonzero().flatten()
+            if 0 < idx.numel() < bad.shape[dim]:
+                out.append((dim, int(idx[0]), int(idx[-1]), int(bad.shape[dim])))
+    return out or None
+
+
 def _entry_error(
     role: str, name: str, tensor: torch.Tensor, counts: tuple[int, int, int, int]
 ) -> errors.GuardError:
     nan, posinf, neginf, first = counts
     return errors.NonFiniteEntryError(
+        bad_slices=_bad_slices(tensor),
         role=role,
         name=name,
         nan_count=nan,
@@ -446,6 +473,7 @@ class watch:
                             self._hook_gradient(t, f"the gradient of parameter '{name}'")
             _watch_patches.install()
             self._patched = True
+            _optimizer_step.model_entered(self.model)
             # Compiled regions run eagerly inside the block: every op reaches the hook. (No
             # torch._dynamo imported: nothing was compiled, and importing it costs seconds.)
             if "torch._dynamo" in sys.modules:
@@ -467,6 +495,7 @@ class watch:
             )
         except BaseException:
             self._remove_hooks()
+            _optimizer_step.model_left(self.model)
             raise
         self._active = True
         return self
@@ -488,8 +517,11 @@ class watch:
         self._active = False
         self._remove_hooks()
         pending = _native._watch_end()
-        if pending is not None:
-            finding = _typed(pending)
+        try:
+            finding = _typed(pending) if pending is not None else None
+        finally:
+            _optimizer_step.model_left(self.model)
+        if finding is not None:
             if exc is None:
                 raise finding
             if hasattr(exc, "add_note"):  # the exception in flight stays; the finding is noted

@@ -40,8 +40,7 @@ def test_the_guarded_model_equals_every_implementation_forward_and_backward(mode
         model.set_experts_implementation(implementation)
         references[implementation] = loss_and_grads(model)
     model.set_experts_implementation("grouped_mm")
-    with pytest.warns(UserWarning):  # the routers are left (2-D weights in their own forward)
-        cg.replace_linear(model)
+    cg.replace_linear(model)  # routers guarded too: no warning
     assert model.get_experts_implementation()[""] == "cublas_guard"
     names = [n for n, _ in mm.experts_of(model)]
     assert names and all(n in cg.coverage(model).guarded for n in names)
@@ -64,11 +63,9 @@ def test_the_guarded_model_equals_every_implementation_forward_and_backward(mode
 def test_restore_gives_back_the_implementation_the_model_had() -> None:
     model = mm.mixtral(layers=1)
     model.set_experts_implementation("eager")
-    with pytest.warns(UserWarning):
-        cg.replace_linear(model)
+    cg.replace_linear(model)  # routers guarded too: no warning
     assert model.get_experts_implementation()[""] == "cublas_guard"
-    with pytest.warns(UserWarning):
-        cg.replace_linear(model)  # again: what it had is still eager
+    cg.replace_linear(model)  # again: what it had is still eager
     cg.restore_linear(model)
     assert model.get_experts_implementation()[""] == "eager"
 
@@ -144,8 +141,7 @@ def test_generation_keeps_the_guarded_implementation_through_the_decode_switch(m
     implementation is not switched (checked by making the model look like it is on CUDA)."""
     model = mm.mixtral()
     expected = model.generate(IDS, max_new_tokens=4, do_sample=False)
-    with pytest.warns(UserWarning):
-        cg.replace_linear(model)
+    cg.replace_linear(model)  # routers guarded too: no warning
     assert torch.equal(model.generate(IDS, max_new_tokens=4, do_sample=False), expected)
     monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
     with model._optimize_model_for_decode():
@@ -159,8 +155,7 @@ def test_generation_keeps_the_guarded_implementation_through_the_decode_switch(m
 def test_a_few_adamw_steps_equal_the_unguarded_model(model_name) -> None:
     guarded, plain = mm.MODELS[model_name](), mm.MODELS[model_name]()
     plain.load_state_dict(guarded.state_dict())
-    with pytest.warns(UserWarning):
-        cg.replace_linear(guarded)
+    cg.replace_linear(guarded)  # routers guarded too: no warning
     runs = []
     for model in (guarded, plain):
         model.train()
@@ -200,7 +195,7 @@ def test_coverage_says_which_implementation_an_unguarded_experts_module_runs() -
 
 def test_replace_linear_which_names_an_experts_module() -> None:
     model = mm.mixtral()
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning):  # which= names the experts alone: the routers stay unguarded
         cg.replace_linear(model, which=["model.layers.0.mlp.experts"])
     # one config for both layers: transformers chooses per config, so both are guarded
     assert model.get_experts_implementation()[""] == "cublas_guard"
@@ -211,8 +206,7 @@ def test_replace_linear_which_names_an_experts_module() -> None:
 def test_torch_compile_of_a_guarded_model_is_bitwise_and_still_refuses() -> None:
     model = mm.mixtral()
     reference = model(IDS).logits
-    with pytest.warns(UserWarning):
-        cg.replace_linear(model)  # names the experts (a compiled first call cannot walk the stack)
+    cg.replace_linear(model)  # names the experts (a compiled first call cannot walk the stack)
     compiled = torch.compile(model, backend="aot_eager")
     logits = compiled(IDS).logits
     assert torch.equal(logits, reference)

@@ -1,0 +1,220 @@
+"""The optimizer step as a phase of its own in watch's findings.
+
+While any thread watches, torch's global optimizer step hooks tell the native session when
+``optimizer.step()`` begins and ends in a watching thread: an op it runs outside every module
+and autograd node is then born in phase ``"optimizer step"`` (csrc/watch/watch_session.cpp).
+When such a finding is raised (never per op), :func:`describe` reads the optimizer: its class and
+step, which parameter's state went non-finite and which state (``exp_avg_sq``,
+``momentum_buffer``, the parameter itself), the gradient's and the state's magnitudes, the
+learning rate and this step's gradient norm; the losses passed to ``backward`` in watched blocks
+(the last few, kept as detached tensors, read only here) give the history. The lines are
+written by errors/optimizer_step.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+_native = sys.modules[__package__ + ".session"]._native
+
+_local = threading.local()
+_HISTORY = 8
+_handles: list[Any] = []
+# Steps watched per optimizer (its step number when its state keeps none).
+_counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def _state() -> Any:
+    st = _local
+    if not hasattr(st, "stepping"):
+        st.stepping = []  # optimizers whose step() runs now in this thread (innermost last)
+        st.last = None  # weakref to the last optimizer that stepped here
+        st.models = []  # weakrefs to the watched models (parameter names)
+    return st
+
+
+# The last losses passed to backward while each model was watched (across blocks: run --watch
+# opens one per step), detached, read only when a finding is raised.
+_losses: weakref.WeakKeyDictionary[torch.nn.Module, collections.deque] = weakref.WeakKeyDictionary()
+
+
+def _innermost_model() -> torch.nn.Module | None:
+    for ref in reversed(_state().models):
+        model = ref()
+        if model is not None:
+            return model
+    return None
+
+
+def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _native._watch_active():
+        return
+    st = _state()
+    st.stepping.append(optimizer)
+    st.last = weakref.ref(optimizer)
+    _native._watch_optimizer_step(True)
+
+
+def _post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    st = _state()
+    if st.stepping and st.stepping[-1] is optimizer:
+        st.stepping.pop()
+        _counts[optimizer] = _counts.get(optimizer, 0) + 1
+        _native._watch_optimizer_step(False)
+
+
+def install() -> None:
+    """Called by global_patches.install. Installed once and kept: a post hook that ended the
+    block (``run --watch`` closes it after each step) must not remove hooks while torch iterates
+    them; outside a watch each hook is one check of a thread-local flag per step."""
+    if not _handles:
+        _handles.append(register_optimizer_step_pre_hook(torch.compiler.disable(_pre)))
+        _handles.append(register_optimizer_step_post_hook(torch.compiler.disable(_post)))
+
+
+def model_entered(model: torch.nn.Module | None) -> None:
+    if model is not None:
+        _state().models.append(weakref.ref(model))
+
+
+def model_left(model: torch.nn.Module | None) -> None:
+    models = _state().models
+    for i in range(len(models) - 1, -1, -1):
+        if models[i]() is model:
+            del models[i]
+            break
+
+
+def loss_passed(roots: list[torch.Tensor]) -> None:
+    """A root of backward: kept (detached, no host read) for the history of a later finding."""
+    model = _innermost_model()
+    if model is not None and len(roots) == 1 and roots[0].numel() == 1 and roots[0].is_floating_point():
+        _losses.setdefault(model, collections.deque(maxlen=_HISTORY)).append(roots[0].detach())
+
+
+def left_step() -> None:
+    """A finding raised inside step() leaves it (the post hook will not run)."""
+    st = _state()
+    while st.stepping:
+        st.stepping.pop()
+        _native._watch_optimizer_step(False)
+
+
+def _names() -> dict[int, str]:
+    names: dict[int, str] = {}
+    for ref in _state().models:
+        model = ref()
+        if model is not None:
+            for name, p in model.named_parameters():
+                names.setdefault(id(p), name)
+    return names
+
+
+def _finite_absmax(t: torch.Tensor) -> tuple[float, int]:
+    """(largest finite magnitude, how many values are not finite), in float64 on the host."""
+    x = t.detach()
+    x = x.coalesce().values() if x.is_sparse else x
+    x = x.double()
+    finite = torch.isfinite(x)
+    bad = int((~finite).sum())
+    absmax = (
+        float(torch.where(finite, x.abs(), torch.zeros((), dtype=x.dtype, device=x.device)).max())
+        if x.numel()
+        else 0.0
+    )
+    return absmax, bad
+
+
+def _candidates(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor, str, torch.Tensor]]:
+    """(group index, parameter, state key, tensor) for every floating state and parameter."""
+    out = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                    out.append((gi, p, str(key), value))
+            out.append((gi, p, "the parameter", p))
+    return out
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().double().cpu().reshape(-1)[0]) if value.numel() else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _step_number(optimizer: torch.optim.Optimizer, p: torch.Tensor | None) -> dict[str, Any]:
+    """The step from the optimizer's own count (Adam's ``step`` state), else which step of
+    those watched it is (an optimizer without a step count, such as SGD)."""
+    number = _number(optimizer.state.get(p, {}).get("step")) if p is not None else None
+    if number is not None and number >= 1:
+        return {"optimizer_step": int(number)}
+    return {"steps_watched": _counts.get(optimizer, 0) + 1}
+
+
+_HYPER = ("betas", "eps", "weight_decay", "momentum", "nesterov", "foreach", "fused")
+
+
+def describe(fields: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's part of a finding born in its step (empty when no optimizer is known)."""
+    st = _state()
+    optimizer = st.stepping[-1] if st.stepping else (st.last() if st.last is not None else None)
+    if optimizer is None:
+        return {}
+    with torch.no_grad():
+        return _describe(optimizer, fields, st)
+
+
+def _describe(optimizer: torch.optim.Optimizer, fields: dict[str, Any], st: Any) -> dict[str, Any]:
+    names = _names()
+    out: dict[str, Any] = {"optimizer": type(optimizer).__name__}
+    shape = list(fields.get("shape") or [])
+    bad = []
+    for gi, p, key, value in _candidates(optimizer):
+        if not bool(torch.isfinite(value.detach()).all()):
+            bad.append((gi, p, key, value))
+    # The finding's own tensor: the first non-finite one of the output's shape (the op just
+    # wrote it; a foreach op wrote several, listed as also non-finite).
+    chosen = next((b for b in bad if list(b[3].shape) == shape), bad[0] if bad else None)
+    model = _innermost_model()
+    losses = [_number(v) for v in list(_losses.get(model, ()))] if model is not None else []
+    out["loss_history"] = [v for v in losses if v is not None] or None
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g.detach().double()).cpu() for g in grads])
+        out["grad_norm"] = float(torch.linalg.vector_norm(norms))
+    if chosen is None:
+        group = optimizer.param_groups[0]
+        out["lr"] = _number(group.get("lr"))
+        out.update(_step_number(optimizer, None))
+        return out
+    gi, p, key, value = chosen
+    group = optimizer.param_groups[gi]
+    name = names.get(id(p), f"<parameter {tuple(p.shape)} of param group {gi}>")
+    absmax, n_bad = _finite_absmax(value)
+    nan = int(torch.isnan(value.detach()).sum())
+    out.update(_step_number(optimizer, p))
+    out.update(
+        parameter=name,
+        state=key,
+        state_dtype=str(value.dtype).replace("torch.", ""),
+        state_nonfinite=(nan, n_bad - nan),
+        state_absmax=absmax,
+        lr=_number(group.get("lr")),
+        hyper={k: group[k] for k in _HYPER if k in group and group[k] is not None},
+    )
+    if p.grad is not None:
+        out["grad_absmax"], out["grad_nonfinite"] = _finite_absmax(p.grad)
+    out["also_bad"] = [
+        f"{'the parameter' if k == 'the parameter' else k} of '{names.get(id(q), tuple(q.shape))}'"
+        for _, q, k, v in bad
+        if v is not value
+    ] or None
+    return out

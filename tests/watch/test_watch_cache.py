@@ -1,0 +1,75 @@
+"""watch's entry finding for a cache or buffer (issue 47, point 3): where the non-finite values
+sit (a KV cache's unused positions), why a mask does not keep them out, the fix (zeros), and
+never the learning rate for a buffer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cublas_guard_ext as cg
+
+from helpers.watch_models import nothing_left
+
+
+class CachedAttn(nn.Module):
+    """A preallocated KV cache (uninitialized memory stands in as NaN), written position by
+    position, read through SDPA with a mask that excludes the unused positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.register_buffer("k_cache", torch.full((1, 2, 16, 8), float("nan")))
+        self.register_buffer("v_cache", torch.full((1, 2, 16, 8), float("nan")))
+
+    def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        self.k_cache[:, :, pos : pos + n] = k
+        self.v_cache[:, :, pos : pos + n] = v
+        mask = torch.zeros(1, 1, n, 16, dtype=torch.bool)
+        mask[..., : pos + n] = True
+        return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+
+
+def test_a_cache_with_nan_in_its_unused_positions_is_named_with_the_fix():
+    torch.manual_seed(0)
+    model = CachedAttn().eval()
+    with torch.no_grad():
+        out = model(torch.randn(1, 4, 16), 0)  # the prefill, unwatched: NaN everywhere
+        assert out.isnan().all()  # 0 x NaN: the mask does not keep the unused positions out
+        with pytest.raises(cg.NonFiniteEntryError) as info:
+            with cg.watch(model, mode="sync"):
+                model(torch.randn(1, 1, 16), 4)
+    err = info.value
+    assert err.role == "buffer" and err.name == "k_cache"
+    assert err.bad_slices == [(2, 4, 15, 16)]  # positions 4..15 of 16 never written
+    text = str(err)
+    assert (
+        "the non-finite values sit only at these positions (the rest is finite): dim 2: 4..15 of 16" in text
+    )
+    assert "fill it with zeros" in text and "0 x NaN = NaN" in text
+    assert "learning rate" not in text
+    nothing_left()
+
+
+def test_a_non_finite_parameter_on_entry_still_advises_the_learning_rate():
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight[1, 2] = float("inf")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(model, mode="sync"):
+            model(torch.ones(1, 4))
+    assert info.value.role == "parameter" and info.value.bad_slices == [(0, 1, 1, 4), (1, 2, 2, 4)]
+    assert "lower the learning rate" in str(info.value)
+
+
+def test_a_zero_filled_cache_runs_clean():
+    model = CachedAttn().eval()
+    model.k_cache.zero_()
+    model.v_cache.zero_()
+    with torch.no_grad(), cg.watch(model, mode="sync"):
+        out = model(torch.randn(1, 4, 16), 0)
+    assert torch.isfinite(out).all()

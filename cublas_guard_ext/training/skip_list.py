@@ -51,14 +51,14 @@ class SkipList:
                 data = self.path.read_bytes()
             except OSError as err:
                 raise SkipListError(
-                    path=str(self.path), problem="unreadable", reason=err.strerror or str(err)
+                    path=str(self.path), problem="unreadable", reason=_reason(err, self.path)
                 ) from err
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         except OSError as err:
             raise SkipListError(
-                path=str(self.path), problem="unwritable", reason=err.strerror or str(err)
+                path=str(self.path), problem="unwritable", reason=_reason(err, self.path)
             ) from err
         self._parse(data)
 
@@ -140,6 +140,14 @@ class SkipList:
         self.entries += lines
         self.ids.update(new)
         return len(lines)
+
+
+def _reason(err: OSError, path: Path) -> str:
+    """The OS's words, and the path they are about when it is not the list's own."""
+    why = err.strerror or str(err)
+    if err.filename is not None and str(err.filename) != str(path):
+        why += f": {err.filename}"
+    return why
 
 
 # -- what TrainingGuard does with it (functions of the guard, to keep guard.py short) --------

@@ -165,3 +165,11 @@ def spike_samples_line(spike: dict[str, Any]) -> str:
             f"batch median of {spike.get('median'):.6g}; {spike.get('why')})"
         )
     return f"samples: the whole batch ({spike.get('why')})"
+
+
+def spike_text(spike: dict[str, Any], listed_in: str | None) -> str:
+    """The samples of a spike skipped by on_spike="skip", and the skip list they went to."""
+    line = spike_samples_line(spike)
+    if listed_in and spike.get("ids"):
+        line += "\n  " + skip_list_line(listed_in, len(spike["ids"]))
+    return line

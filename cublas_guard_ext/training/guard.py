@@ -281,6 +281,7 @@ class TrainingGuard:
                 loss = closure() if checks is None else checks.run_closure(closure)
             if self._batch is not None:
                 self._batch.check(self, rng)
+                loss = self._batch.reduce(loss)  # per-sample losses: kept, their mean judged
         except NON_FINITE_REFUSALS as refusal:
             return self._refused_step(closure, rng, refusal)
         if self.scaler is not None:

@@ -189,6 +189,15 @@ class StepBatch:
         self.ids = ids
         self.given = given
         self.capture = capture
+        self.per_sample: torch.Tensor | None = None  # the closure's per-sample losses, if it gave them
+
+    def reduce(self, loss: Any) -> Any:
+        """A closure may return one loss per row (``reduction="none"``, after its own backward
+        of their mean): kept for a spike's verdict; the step judges and returns their mean."""
+        if isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() == len(self.ids) > 1:
+            self.per_sample = loss.detach()
+            return loss.mean()
+        return loss
 
     @classmethod
     def of(cls, guard: Any, sample_ids: Any, batch: Any) -> StepBatch | None:
@@ -355,3 +364,80 @@ def culprits(
         )
     out.update(ids=[ids[r] for r in rows_found], rows=rows_found, where=where)
     return out
+
+
+# -- spikes ---------------------------------------------------------------------------------
+
+
+def spike_samples(checks: Any) -> dict[str, Any]:
+    """This rank's samples behind a reproducible spike: the rows whose per-sample loss is an
+    outlier within the batch (robust z-score, the spike detector's threshold and floor), as
+    plain values (they are gathered over the ranks)."""
+    guard = checks.guard
+    rank = guard._rank_world()[0]
+    batch = guard._batch
+    if batch is None:
+        return {"rank": rank, "ids": [], "why": "no sample_ids were given, so it names the batch"}
+    if batch.per_sample is None:
+        return {
+            "rank": rank,
+            "ids": [],
+            "why": "the closure returned one loss for the batch, so it names the batch; return the "
+            "per-sample losses (reduction='none') to have the samples named",
+        }
+    values = batch.per_sample.double().cpu().tolist()
+    finite = sorted(v for v in values if v == v and abs(v) != float("inf"))
+    median = finite[len(finite) // 2] if finite else 0.0
+    deviations = sorted(abs(v - median) for v in finite)
+    mad = deviations[len(deviations) // 2] if deviations else 0.0
+    spikes = checks.spikes
+    threshold = spikes.threshold if spikes is not None else 10.0
+    floor = spikes.floor if spikes is not None else 0.05
+    scale = max(1.4826 * mad, floor * abs(median), 1e-30)
+    rows = [r for r, v in enumerate(values) if not v == v or (v - median) / scale > threshold]
+    if not rows:
+        return {
+            "rank": rank,
+            "ids": [],
+            "why": f"no sample's loss stands out in the batch (largest {max(values):.6g}, median "
+            f"{median:.6g}), so it names the batch",
+        }
+    return {
+        "rank": rank,
+        "ids": [batch.ids[r] for r in rows],
+        "rows": rows,
+        "losses": [values[r] for r in rows],
+        "median": median,
+        "why": f"a robust z-score within the batch above {threshold:g}",
+    }
+
+
+def spike_culprits(checks: Any, gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's spike samples joined (the same on every rank)."""
+    named = [g for g in gathered if g["ids"]]
+    if not named:
+        return {"ids": [], "why": gathered[0]["why"], "by_rank": {}}
+    out = dict(named[0])
+    out["ids"] = [i for g in named for i in g["ids"]]
+    out["losses"] = [v for g in named for v in g["losses"]]
+    out["by_rank"] = {g["rank"]: g["ids"] for g in named}
+    return out
+
+
+def list_spike(guard: Any, found: dict[str, Any], step: int) -> int:
+    """on_spike="skip": each rank appends its own spike samples to the skip list and learns the
+    others'; returns how many lines this rank wrote."""
+    skip = guard.skip_list
+    if skip is None or not found.get("ids"):
+        return 0
+    me = guard._rank_world()[0]
+    written = 0
+    for rank, ids in found["by_rank"].items():
+        if rank == me:
+            where = f"per-sample loss: {found['why']}"
+            written += skip.append(
+                ids, step=step, verdict="reproducible", where=where, rank=me, reason="spike"
+            )
+        else:
+            skip.add(ids)
+    return written

@@ -364,6 +364,7 @@ class SilentCorruptionChecks:
                 if fields.get(k) is not None
             },
             "trigger": fields.get("trigger"),
+            "samples": (fields.get("samples") or {}).get("ids"),
             "capsule": fields.get("capsule"),
             "ranks": fields.get("ranks"),
             "exit_code": fields.get("exit_code"),

@@ -268,3 +268,58 @@ def test_load_state_dict_refuses_a_foreign_state():
         match=r"expected a TrainingGuard state \(version 1\) from guard.state_dict\(\), got version None",
     ):
         guard.load_state_dict({"steps": 3})
+
+
+# -- spikes name their samples -----------------------------------------------------------------
+
+
+def _spiking_run(tmp_path, per_sample: bool, on_spike: str = "skip"):
+    """Six ordinary steps, then step 7 whose row 3 has a target 1000x too large."""
+    model, opt = make()
+    checks = cg.SilentCorruptionChecks(
+        spike_threshold=6.0, spike_min_history=4, spike_window=8, on_spike=on_spike
+    )
+    guard = cg.TrainingGuard(model, opt, silent_corruption=checks, skip_list=tmp_path / "skip.jsonl")
+    for step in range(1, 8):
+        x, y, ids = batch(step)
+        x = torch.nan_to_num(x)
+        if step == 7:
+            y = y.clone()
+            y[3] = 1e3
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            losses = F.mse_loss(model(x), y, reduction="none").mean(dim=1)
+            losses.mean().backward()
+            return losses if per_sample else losses.mean()
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = guard.step(closure, sample_ids=ids)
+        if step < 7:
+            assert out is not None and out.dim() == 0  # per-sample losses come back as their mean
+    return checks, [str(w.message) for w in seen], tmp_path / "skip.jsonl"
+
+
+def test_a_spike_names_the_sample_whose_loss_stands_out_and_skip_lists_it(tmp_path):
+    checks, seen, path = _spiking_run(tmp_path, per_sample=True)
+    (verdict,) = checks.verdicts
+    assert verdict["verdict"] == "reproducible" and verdict["samples"]["ids"] == [73]
+    assert (
+        "samples: 73 (per-sample loss" in seen[0] and "a robust z-score within the batch above 6" in seen[0]
+    )
+    assert f"skip list: 1 sample appended to {path}" in seen[0]
+    (entry,) = lines(path)
+    assert entry["sample_id"] == 73 and entry["reason"] == "spike" and entry["verdict"] == "reproducible"
+
+
+def test_a_spike_without_per_sample_losses_names_the_batch(tmp_path):
+    checks, seen, path = _spiking_run(tmp_path, per_sample=False)
+    assert checks.verdicts[0]["samples"]["ids"] == []
+    assert "samples: the whole batch (the closure returned one loss for the batch" in seen[0]
+    assert path.read_text() == ""
+
+
+def test_an_applied_spike_names_its_samples_but_lists_nothing(tmp_path):
+    checks, _, path = _spiking_run(tmp_path, per_sample=True, on_spike="apply")
+    assert checks.verdicts[0]["samples"]["ids"] == [73] and path.read_text() == ""

@@ -247,6 +247,18 @@ PYTHON_FIELDS: dict[str, str] = {
     "comparison": "str",  # bitwise, or the calibrated tolerance
     "replays": "list",  # persistent: each rank's replay of the GEMM capsule
     "exit_code": "int",  # the opt-in process exit code of the verdict
+    # TrainingGuard's samples (errors/samples.py): the culprits of a bad step, a transient placed,
+    # SampleIdsError (ids that cannot name the rows) and SkipListError (a path that cannot be used)
+    "samples": "dict",  # ids, rows, where, mapped, note, skip_list, listed
+    "placed_by": "str",  # "watch" / "record": what placed a transient step
+    "problem": "str",
+    "got": "str",
+    "index": "int",
+    "rows": "list",
+    "count": "int",
+    "batch_rows": "list",
+    "argument_shape": "list",
+    "path": "str",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

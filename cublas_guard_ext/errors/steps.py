@@ -57,7 +57,11 @@ class NonFiniteStepError(GuardError, ValueError):
     errors/overflow.py: the next steps are then the overflow's; absent otherwise), ``samples``
     (with ``guard.step(..., sample_ids=)``: a dict with ``ids`` and ``rows`` of the culprit
     samples, ``batch`` (rows), ``where`` they were found, ``mapped``, ``note``, and with a skip
-    list ``skip_list`` (its path) and ``listed``; absent without ids).
+    list ``skip_list`` (its path) and ``listed``; absent without ids), ``placed_by`` and
+    ``what`` (a transient step placed by what its faulty run left: ``"watch"``, a watch session
+    around it saw the birth, ``module``/``op``/``phase`` are that birth's; ``"record"``, a
+    checked step's record first differs from its rerun's at ``module``/``phase``/``what``;
+    absent otherwise).
     """
 
     kind = "non_finite_step"
@@ -83,7 +87,16 @@ class NonFiniteStepError(GuardError, ValueError):
     def _finding_lines(self) -> list[str]:
         f = self.fields
         lines = []
-        if f.get("op"):
+        if f.get("placed_by") and f.get("classification") == "transient":
+            by = (
+                "the watch session around the faulty run saw its birth there"
+                if f["placed_by"] == "watch"
+                else "the faulty run was recorded module by module (a checked step): it first "
+                "differs from its rerun there"
+            )
+            what = f.get("op") or f.get("what")
+            lines.append(f"placed: {what} in module '{f.get('module')}' ({f.get('phase')}): {by}")
+        elif f.get("op"):
             module = f.get("module")
             where = f"in module '{module}'" if module else "outside the model's modules (the loss, say)"
             lines.append(f"replayed under watch: {f['op']} {where} ({f.get('phase')}) produced it")
@@ -141,9 +154,10 @@ class NonFiniteStepError(GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         f = self.fields
         if f.get("classification") == "transient":
+            where = f" (here module '{f['module']}', {f.get('phase')})" if f.get("placed_by") else ""
             return [
                 "rerun from here: a transient step that returns often points at the hardware "
-                "(run `python -m cublas_guard_ext doctor`) or a race"
+                f"(run `python -m cublas_guard_ext doctor`) or a race{where}"
             ]
         refusal = f.get("refusal") or {}
         if f.get("overflow") or (f.get("refused_by") and narrow_format(refusal) is not None):

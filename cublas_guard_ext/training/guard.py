@@ -437,7 +437,12 @@ class TrainingGuard:
             or bool(bad_grads)
             or refusal is not None
         )
+        record = None  # a checked step's record of the faulty run, module by module
+        if self.silent_corruption is not None:
+            record, self.silent_corruption.original = self.silent_corruption.original, None
         result = self._replay(closure, rng)
+        if not result["reproduced"]:
+            replay.place_transient(self, closure, rng, result, refusal, record)
         cause = refusal if refusal is not None else result.pop("exception")
         result.pop("exception", None)
         rank, world = self._rank_world()
@@ -512,7 +517,8 @@ class TrainingGuard:
         reproduced = [r for r in reports if r["reproduced"]]
         loss_bad = [r for r in reports if r["loss"] is not None and not math.isfinite(r["loss"])]
         local = [r for r in reports if r["local_bad"]]
-        origin = (refused or named or reproduced or loss_bad or local or reports)[0]
+        placed = [r for r in reports if r.get("placed_by")]
+        origin = (refused or named or reproduced or placed or loss_bad or local or reports)[0]
         note = origin.get("note")
         if len(reports) > 1 and len(reproduced) > 1:
             extra = f"reproduced on ranks {[r['rank'] for r in reproduced]}"
@@ -536,4 +542,9 @@ class TrainingGuard:
             **({"overflow": True, "dtype": origin.get("dtype")} if origin.get("overflow") else {}),
             **({"deferred": True} if deferred else {}),
             **({"samples": origin["samples"]} if origin.get("samples") is not None else {}),
+            **(
+                {"placed_by": origin["placed_by"], "what": origin.get("what")}
+                if origin.get("placed_by")
+                else {}
+            ),
         )

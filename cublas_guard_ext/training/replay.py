@@ -130,3 +130,34 @@ def replay_context(guard: Any) -> Iterator[None]:
         if fsdp:
             stack.enter_context(_fsdp_local(fsdp))
         yield
+
+
+def place_transient(
+    guard: Any, closure: Callable[[], Any], rng: Any, out: dict[str, Any], refusal: Any, record: Any
+) -> None:
+    """A bad step whose replay is finite (transient): place it with what the faulty run left.
+    A watch session around the faulty run raised at the birth: that op, module and phase. A
+    recorded run (a checked step of ``SilentCorruptionChecks(check_every=N)``): one more rerun,
+    recorded the same way; the first module and phase where the two records differ."""
+    if isinstance(refusal, NonFiniteOutputError):
+        f = refusal.fields
+        out.update(
+            op=f.get("op"), module=f.get("module"), phase=f.get("phase") or "forward", placed_by="watch"
+        )
+        return
+    if record is None:
+        return
+    from .run_signatures import Record, Recorder, compare
+
+    rerun = Record()
+    rng.restore()
+    guard._buffers.restore()
+    guard._zero_grads()
+    with replay_context(guard), Recorder(guard.inner, rerun):
+        closure()
+    index, _ = compare(record, rerun, None)
+    keys = record.keys if index is not None and index < len(record.keys) else rerun.keys
+    if index is None or index >= len(keys):
+        return
+    module, phase, what, _ = keys[index]
+    out.update(module=module, phase=phase, what=what, placed_by="record")

@@ -262,8 +262,7 @@ class SilentCorruptionChecks:
         if disagreement is not None:
             self._restore(rng)
             raise self._replicas_error(disagreement)
-        if code == NONFINITE:
-            self.original = None
+        if code == NONFINITE:  # (the bad step takes self.original: it places a transient)
             return guard._bad_step(closure, rng, loss, guard.steps)
         if code == SPIKE or self.original is not None:
             from . import rerun_verdict

@@ -14,6 +14,7 @@ numbers are).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -24,27 +25,32 @@ VERSION = 1
 
 
 def state_dict(guard: Any) -> dict[str, Any]:
-    history = guard._history.read()
-    out: dict[str, Any] = {
+    """Ints and JSON strings only: the same keys whatever the run did, so a fresh guard's
+    state_dict is a template torch.distributed.checkpoint can load into (it loads by key)."""
+    spikes = _spikes(guard)
+    saved_spikes = None
+    if spikes is not None:
+        saved_spikes = {
+            "values": spikes.values.detach().cpu().tolist() if spikes.values is not None else None,
+            "pos": spikes.pos,
+            "filled": spikes.filled,
+            "window": spikes.window,
+        }
+    return {
         "version": VERSION,
         "steps": guard.steps,
         "consecutive_skips": guard.consecutive_skips,
         "scaler_skips": guard.scaler_skips,
         "list_skips": guard.list_skips,
-        "skipped_steps": [e.fields.get("step") for e in guard.skipped],
-        "history": history,
-        "spikes": None,
+        "skipped_steps": json.dumps([e.fields.get("step") for e in guard.skipped]),
+        "history": json.dumps(guard._history.read()),
+        "spikes": json.dumps(saved_spikes),
     }
+
+
+def _spikes(guard: Any) -> Any:
     checks = guard.silent_corruption
-    spikes = checks.spikes if checks is not None else None
-    if spikes is not None:
-        out["spikes"] = {
-            "values": spikes.values.detach().cpu().clone() if spikes.values is not None else None,
-            "pos": spikes.pos,
-            "filled": spikes.filled,
-            "window": spikes.window,
-        }
-    return out
+    return checks.spikes if checks is not None else None
 
 
 def load_state_dict(guard: Any, state: dict[str, Any]) -> None:
@@ -58,14 +64,13 @@ def load_state_dict(guard: Any, state: dict[str, Any]) -> None:
     guard.consecutive_skips = int(state["consecutive_skips"])
     guard.scaler_skips = int(state["scaler_skips"])
     guard.list_skips = int(state["list_skips"])
-    guard.restored_skipped_steps = list(state["skipped_steps"])
+    guard.restored_skipped_steps = json.loads(state["skipped_steps"])
     guard._history.entries.clear()
     maxlen = guard._history.entries.maxlen
     if maxlen:
-        guard._history.entries.extend(dict(entry) for entry in state["history"][-maxlen:])
-    saved = state.get("spikes")
-    checks = guard.silent_corruption
-    spikes = checks.spikes if checks is not None else None
+        guard._history.entries.extend(json.loads(state["history"])[-maxlen:])
+    saved = json.loads(state["spikes"])
+    spikes = _spikes(guard)
     if saved is None or spikes is None:
         return
     if saved["window"] != spikes.window:
@@ -78,5 +83,6 @@ def load_state_dict(guard: Any, state: dict[str, Any]) -> None:
     if values is not None:
         p = next(iter(guard.inner.parameters()), None)
         p = p.to_local() if p is not None and hasattr(p, "to_local") else p
-        values = values.to(p.device if p is not None else torch.device("cpu"))
+        device = p.device if p is not None else torch.device("cpu")
+        values = torch.tensor(values, dtype=torch.float32, device=device)  # float32 -> float -> exact
     spikes.values, spikes.pos, spikes.filled = values, int(saved["pos"]), int(saved["filled"])

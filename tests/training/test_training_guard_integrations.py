@@ -4,6 +4,7 @@ offline) and in a Lightning Trainer: real training runs of a few steps, a plante
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import types
@@ -329,7 +330,7 @@ def test_lightning_checkpoint_carries_the_guard_state(tmp_path):
     trainer2, _, _, callback2 = lightning_run("raise", fault_step=None, steps=5)
     trainer2.fit(module, loader(data + data[:2]), ckpt_path=path)
     assert callback2.guard.steps == 5  # 3 restored + 2 more, as one run of 5 would count
-    assert [h["step"] for h in callback2.guard.state_dict()["history"]] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in json.loads(callback2.guard.state_dict()["history"])] == [1, 2, 3, 4, 5]
 
 
 def test_transformers_mixin_loads_a_saved_guard_state_at_its_first_step():

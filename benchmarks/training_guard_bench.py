@@ -137,19 +137,26 @@ def main(argv: list[str] | None = None) -> int:
         f"the guard's own work per step (snapshot, fused check, one read), alone: {own_ms:.1f} ms CPU "
         f"= {own_ms / (t.median_cpu('plain') * 1e3):.1%} of the plain step's CPU median"
     )
-    # the ids' own host work, timed alone: checking 8 ids and looking them up in the list
+    # the ids' own host work, timed alone: checking 8 ids, looking them up in the list, the
+    # pre-hook registered, called with the batch and removed, the rows checked against the ids
     from cublas_guard_ext.training import samples as _samples
 
-    listed = guards[ids_name].skip_list
+    ids_guard = guards[ids_name]
+    listed = ids_guard.skip_list
+    rows = torch.zeros(8, 56, dtype=torch.long)
     host = []
-    for r in range(rounds):
+    for _ in range(rounds):
         c0 = time.perf_counter()
         for k in range(1000):
-            ids = _samples.check_ids(list(range(8 * k, 8 * k + 8)), r)
-            listed.listed(ids)
+            batch = _samples.StepBatch.of(ids_guard, list(range(8 * k, 8 * k + 8)), None)
+            listed.listed(batch.ids)
+            with batch.capture:
+                batch.capture._hook(models[ids_name], (), {"input_ids": rows, "attention_mask": rows})
+            batch.capture.layout(len(batch.ids), ids_guard.steps)
         host.append((time.perf_counter() - c0) / 1000)
     print(
-        f"the ids' check and skip-list lookup alone: {statistics.median(host) * 1e6:.1f} us per step (host)"
+        "the ids' own host work alone (check, lookup, pre-hook, row check): "
+        f"{statistics.median(host) * 1e6:.1f} us per step"
     )
     for n in names[1:]:
         rw, rc = t.ratio(n)

@@ -107,6 +107,9 @@ class TrainingGuard:
     * ``process_group``: ``"auto"`` (the default group when more than one rank), None, or a group.
     * ``silent_corruption``: a :class:`SilentCorruptionChecks` (replicas that disagree, loss or
       gradient-norm spikes rerun to a verdict; docs/silent-corruption.md), or None.
+    * ``skip_list``: a JSON-lines file (:mod:`.skip_list`): a reproducible bad step appends the
+      culprit samples ``step(closure, sample_ids=...)`` named; a later batch holding one is
+      skipped before its closure runs (every rank alike), also after a resume.
 
     Example (the guard's real output)::
 
@@ -202,6 +205,7 @@ class TrainingGuard:
         self.silent_corruption = silent_corruption._attach(self) if silent_corruption is not None else None
         self._batch: _samples.StepBatch | None = None  # this step's sample_ids, if given
         self.list_skips = 0  # batches skipped before their closure: they held a listed sample
+        self.restored_skipped_steps: list[int] = []  # on_nan="skip"'s steps before a resume
         self.skip_list, self._skip_group = _skip_list.open_skip_list(self, skip_list)
 
     # -- parameters and their gradients --------------------------------------------------

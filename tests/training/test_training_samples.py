@@ -273,3 +273,26 @@ def test_skip_without_ids_is_unchanged():
         warnings.simplefilter("always")
         assert guard.step(closure_for(model, opt, x, y)) is None
     assert "samples:" not in str(seen[0].message) and "samples" not in guard.skipped[0].fields
+
+
+def test_a_healthy_step_with_ids_and_a_skip_list_reads_the_device_once(monkeypatch, tmp_path):
+    model, opt = setup()
+    guard = cg.TrainingGuard(model, opt, skip_list=tmp_path / "skip.jsonl")
+    guard.skip_list.add(list(range(1000, 2000)))  # listed, none in the batch
+    x, y = data()
+    closure = closure_for(model, opt, x, y)
+    guard.step(closure, sample_ids=IDS)  # (warm-up)
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _o=original, _n=name, **k):
+            reads.append(_n)
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    guard.step(closure, sample_ids=list(range(100, 106)))
+    assert reads == ["item"] and guard.stepped  # the flag's one read; ids and lookup on the host
+    reads.clear()
+    guard.step(closure, sample_ids=torch.arange(200, 206))  # a CPU tensor: read on the host, no sync
+    assert reads == ["tolist", "item"]

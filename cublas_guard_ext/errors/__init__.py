@@ -26,6 +26,7 @@ under 600 lines:
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
+* ``samples``     TrainingGuard's samples (ids that cannot name the rows, a skip list that cannot be used)
 * ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
 * ``parse``       payload line -> typed exception; the capsule hook
@@ -55,6 +56,7 @@ from .runtime import (
     OutOfMemoryError,
     PendingCudaError,
 )
+from .samples import SampleIdsError, SkipListError
 from .status import CUBLAS_STATUS
 from .steps import NonFiniteStepError, TrainingDivergedError
 from .watch_findings import (
@@ -85,6 +87,8 @@ __all__ = [
     "CublasOutOfMemoryError",
     "NonFiniteStepError",
     "TrainingDivergedError",
+    "SampleIdsError",
+    "SkipListError",
     "SilentCorruptionError",
     "PeerFailedError",
     "NonFiniteGradientsError",

@@ -266,6 +266,18 @@ PYTHON_FIELDS: dict[str, str] = {
     "bad_slices": "list",
     # a SafeLinear refusal inside a watch block (_native_callbacks.typed_error)
     "watch_on": "bool",
+    # TrainingGuard's samples (errors/samples.py): the culprits of a bad step, a transient placed,
+    # SampleIdsError (ids that cannot name the rows) and SkipListError (a path that cannot be used)
+    "samples": "dict",  # ids, rows, where, mapped, note, skip_list, listed
+    "placed_by": "str",  # "watch" / "record": what placed a transient step
+    "problem": "str",
+    "got": "str",
+    "index": "int",
+    "rows": "list",
+    "count": "int",
+    "batch_rows": "list",
+    "argument_shape": "list",
+    "path": "str",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

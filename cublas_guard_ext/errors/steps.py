@@ -12,6 +12,7 @@ from typing import Any
 from .base import GuardError
 from .magnitudes import counts_line, format_number, range_note
 from .overflow import narrow_format, next_steps
+from .samples import samples_line
 
 
 def _fmt_loss(value: Any) -> str:
@@ -53,7 +54,14 @@ class NonFiniteStepError(GuardError, ValueError):
     ``grad_norm``, ``skipped``, ``refused_by``; oldest first), ``deferred`` (True when a
     ``TrainingGuard(deferred=True)`` read the step's check after the step; absent otherwise),
     ``overflow`` and ``dtype`` (when the replay's finding was an overflow of that dtype,
-    errors/overflow.py: the next steps are then the overflow's; absent otherwise).
+    errors/overflow.py: the next steps are then the overflow's; absent otherwise), ``samples``
+    (with ``guard.step(..., sample_ids=)``: a dict with ``ids`` and ``rows`` of the culprit
+    samples, ``batch`` (rows), ``where`` they were found, ``mapped``, ``note``, and with a skip
+    list ``skip_list`` (its path) and ``listed``; absent without ids), ``placed_by`` and
+    ``what`` (a transient step placed by what its faulty run left: ``"watch"``, a watch session
+    around it saw the birth, ``module``/``op``/``phase`` are that birth's; ``"record"``, a
+    checked step's record first differs from its rerun's at ``module``/``phase``/``what``;
+    absent otherwise).
     """
 
     kind = "non_finite_step"
@@ -79,7 +87,16 @@ class NonFiniteStepError(GuardError, ValueError):
     def _finding_lines(self) -> list[str]:
         f = self.fields
         lines = []
-        if f.get("op"):
+        if f.get("placed_by") and f.get("classification") == "transient":
+            by = (
+                "the watch session around the faulty run saw its birth there"
+                if f["placed_by"] == "watch"
+                else "the faulty run was recorded module by module (a checked step): it first "
+                "differs from its rerun there"
+            )
+            what = f.get("op") or f.get("what")
+            lines.append(f"placed: {what} in module '{f.get('module')}' ({f.get('phase')}): {by}")
+        elif f.get("op"):
             module = f.get("module")
             where = f"in module '{module}'" if module else "outside the model's modules (the loss, say)"
             lines.append(f"replayed under watch: {f['op']} {where} ({f.get('phase')}) produced it")
@@ -99,6 +116,17 @@ class NonFiniteStepError(GuardError, ValueError):
             )
         if f.get("finding") and f.get("phase") != "entry":
             lines.append("finding: " + f["finding"].splitlines()[0])
+        samples = f.get("samples")
+        if samples is not None:
+            lines.append(samples_line(samples))
+            if samples.get("listed"):
+                lines.append(
+                    f"skip list: added to {samples['skip_list']}; later batches holding them are skipped"
+                )
+            elif samples.get("skip_list") and f.get("classification") == "persistent":
+                lines.append(
+                    f"skip list: not added to {samples['skip_list']} (no culprit told apart from the batch)"
+                )
         if f.get("bad_gradients"):
             more = f["bad_gradient_count"] - len(f["bad_gradients"])
             lines.append(
@@ -126,9 +154,10 @@ class NonFiniteStepError(GuardError, ValueError):
     def _next_steps(self) -> list[str]:
         f = self.fields
         if f.get("classification") == "transient":
+            where = f" (here module '{f['module']}', {f.get('phase')})" if f.get("placed_by") else ""
             return [
                 "rerun from here: a transient step that returns often points at the hardware "
-                "(run `python -m cublas_guard_ext doctor`) or a race"
+                f"(run `python -m cublas_guard_ext doctor`) or a race{where}"
             ]
         refusal = f.get("refusal") or {}
         if f.get("overflow") or (f.get("refused_by") and narrow_format(refusal) is not None):
@@ -136,6 +165,15 @@ class NonFiniteStepError(GuardError, ValueError):
             where = f"module '{f['module']}'" if f.get("module") else "the layer or op that overflowed"
             facts = {**refusal, "dtype": f.get("dtype") or refusal.get("dtype"), "phase": f.get("phase")}
             return next_steps(facts, where)
+        samples = f.get("samples") or {}
+        if samples.get("ids") and not samples.get("listed"):
+            return [
+                f"drop sample{'s' if len(samples['ids']) > 1 else ''} {', '.join(map(str, samples['ids'][:8]))} "
+                "from the data (it reproduces), or TrainingGuard(skip_list=PATH) skips the batches "
+                "holding it from now on and after a resume"
+            ]
+        if samples.get("listed"):
+            return ["the skip list skips the batches holding these samples from now on, and after a resume"]
         if f.get("refused_by") and refusal.get("role", "input") == "input":
             return [
                 "look at the batch of this step: a guarded layer refused it (it reproduces); "

@@ -63,10 +63,27 @@ class TrainingGuardCallback(_callback_base()):  # type: ignore[misc]
         self._drop = False
         self._refused = False  # this micro-batch's step was already handled as refused
         self._originals: dict[str, Any] = {}
+        self._restored: dict[str, Any] | None = None  # guard state from a checkpoint, until fit start
 
     def on_fit_start(self, trainer: Any, pl_module: torch.nn.Module) -> None:
         self.guard = TrainingGuard(pl_module, None, on_nan=self.on_nan, allow=self.allow)
+        if self._restored is not None:  # a checkpoint's state, loaded before the fit started
+            self.guard.load_state_dict(self._restored)
+            self._restored = None
         self._wrap(pl_module)
+
+    # Lightning saves and restores a callback's state with the checkpoint by itself.
+    def state_dict(self) -> dict[str, Any]:
+        if self.guard is not None:
+            return {"training_guard": self.guard.state_dict()}
+        return {"training_guard": self._restored} if self._restored is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get("training_guard")
+        if state is not None and self.guard is not None:
+            self.guard.load_state_dict(state)
+        else:
+            self._restored = state
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._unwrap(pl_module)

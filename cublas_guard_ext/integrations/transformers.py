@@ -55,13 +55,24 @@ class TrainingGuardMixin:
         self._guard_allow = guard_allow
         self._guard_drop_step = False
         self.guard: TrainingGuard | None = None
+        self.guard_state: dict[str, Any] | None = None
         self.add_callback(_DropSkippedStep(self))
+
+    def load_guard_state(self, state: dict[str, Any]) -> None:
+        """A saved ``trainer.guard.state_dict()``: loaded now, or when the guard is created."""
+        if self.guard is not None:
+            self.guard.load_state_dict(state)
+        else:
+            self.guard_state = state
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self.guard is None or self.guard.model is not model:
             self.guard = TrainingGuard(model, None, on_nan=self._guard_on_nan, allow=self._guard_allow)
+            if self.guard_state is not None:  # load_guard_state() before the first step
+                self.guard.load_state_dict(self.guard_state)
+                self.guard_state = None
         parent = super()
 
         def micro_batch() -> torch.Tensor:

@@ -43,45 +43,32 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ..errors import NonFiniteEntryError, NonFiniteInputError, NonFiniteOutputError
 from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from . import checkpoint, replay
+from . import samples as _samples
+from . import skip_list as _skip_list
+from .replay import NON_FINITE_REFUSALS
 from .silent_corruption import SilentCorruptionChecks
 from .state import (
     _bad_flag,
     _Buffers,
     _default_group,
-    _eager_if,
-    _fsdp_local,
-    _fsdp_modules,
     _grad_norm,
-    _is_ddp,
     _loss_value,
     _param_absmax,
     _refusal_fields,
     _refusal_layer,
-    _replay_note,
-    _replay_watch,
     _RngState,
     _StepHistory,
     _unwrap,
-    _wrappers,
 )
 
 __all__ = ["TrainingGuard", "NonFiniteStepError", "TrainingDivergedError"]
-
-# What a guarded layer (SafeLinear's checks) or a watch block of the user's raises about a
-# NaN/Inf inside the closure: the step is non-finite, handled like a non-finite loss. Every
-# other error (a wrong shape, a cuBLAS failure) is a bug, not a bad step, and propagates.
-NON_FINITE_REFUSALS: tuple[type[BaseException], ...] = (
-    NonFiniteInputError,
-    NonFiniteOutputError,
-    NonFiniteEntryError,
-)
 
 _ON_NAN = ("raise", "skip")
 
@@ -120,6 +107,9 @@ class TrainingGuard:
     * ``process_group``: ``"auto"`` (the default group when more than one rank), None, or a group.
     * ``silent_corruption``: a :class:`SilentCorruptionChecks` (replicas that disagree, loss or
       gradient-norm spikes rerun to a verdict; docs/silent-corruption.md), or None.
+    * ``skip_list``: a JSON-lines file (:mod:`.skip_list`): a reproducible bad step appends the
+      culprit samples ``step(closure, sample_ids=...)`` named; a later batch holding one is
+      skipped before its closure runs (every rank alike), also after a resume.
 
     Example (the guard's real output)::
 
@@ -159,6 +149,7 @@ class TrainingGuard:
         max_consecutive_skips: int | None = 3,
         history: int = 6,
         silent_corruption: SilentCorruptionChecks | None = None,
+        skip_list: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingGuard: model must be an nn.Module, got {type(model).__name__}")
@@ -212,6 +203,10 @@ class TrainingGuard:
         self._pending: tuple[Any, ...] | None = None  # deferred: the last step, not yet read
         self._names: dict[int, str] | None = None
         self.silent_corruption = silent_corruption._attach(self) if silent_corruption is not None else None
+        self._batch: _samples.StepBatch | None = None  # this step's sample_ids, if given
+        self.list_skips = 0  # batches skipped before their closure: they held a listed sample
+        self.restored_skipped_steps: list[int] = []  # on_nan="skip"'s steps before a resume
+        self.skip_list, self._skip_group = _skip_list.open_skip_list(self, skip_list)
 
     # -- parameters and their gradients --------------------------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -265,19 +260,32 @@ class TrainingGuard:
         return out
 
     # -- the step --------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any]) -> Any:
+    def step(self, closure: Callable[[], Any], *, sample_ids: Any = None, batch: Any = None) -> Any:
         """Run ``closure`` (zero_grad, forward, backward; returns the loss), check it, and take
         the optimizer step only when the loss and every gradient are finite. Returns the loss,
-        or None for a step skipped by ``on_nan="skip"``. ``self.stepped`` says whether the
-        optimizer stepped (False also when a scaler skipped the step for Inf gradients)."""
+        or None for a step skipped by ``on_nan="skip"`` (or by the skip list). ``self.stepped``
+        says whether the optimizer stepped (False also when a scaler skipped the step for Inf
+        gradients).
+
+        ``sample_ids``: one integer id per row of the batch (a list, or a 1-D CPU integer
+        tensor); a bad step then names its culprit samples, and the skip list skips a batch
+        that holds a listed one before the closure runs. The batch is what the model is called
+        with inside the closure (its leading dimension), or ``batch=`` when given."""
         if not callable(closure):
             raise TypeError(f"TrainingGuard.step: closure must be callable, got {type(closure).__name__}")
         if self.deferred:
             self.check()
+        self._batch = _samples.StepBatch.of(self, sample_ids, batch)
+        if self.skip_list is not None and _skip_list.skip_listed(self):
+            return None  # before the closure: no forward, backward or collective
         rng = self._begin()
         checks = self.silent_corruption
         try:
-            loss = closure() if checks is None else checks.run_closure(closure)
+            with self._batch.capture if self._batch is not None else contextlib.nullcontext():
+                loss = closure() if checks is None else checks.run_closure(closure)
+            if self._batch is not None:
+                self._batch.check(self, rng)
+                loss = self._batch.reduce(loss)  # per-sample losses: kept, their mean judged
         except NON_FINITE_REFUSALS as refusal:
             return self._refused_step(closure, rng, refusal)
         if self.scaler is not None:
@@ -395,7 +403,7 @@ class TrainingGuard:
         if flag.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._pending = (closure, rng, loss, host, event, self.steps, self._buffers.kept)
+        self._pending = (closure, rng, loss, host, event, self.steps, self._buffers.kept, self._batch)
         return loss
 
     def check(self) -> None:
@@ -403,7 +411,7 @@ class TrainingGuard:
         skip as for an undeferred bad step. Call it after the last step of a run."""
         if self._pending is None:
             return
-        closure, rng, loss, host, event, step, kept = self._pending
+        closure, rng, loss, host, event, step, kept, batch = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()
@@ -412,6 +420,7 @@ class TrainingGuard:
             return
         # the fused optimizer skipped the step; buffers and RNG go back to before it
         self._buffers.kept = kept
+        self._batch = batch
         self._bad_step(closure, rng, loss, step, deferred=True)
 
     # -- the bad step ------------------------------------------------------------------------
@@ -432,7 +441,12 @@ class TrainingGuard:
             or bool(bad_grads)
             or refusal is not None
         )
+        record = None  # a checked step's record of the faulty run, module by module
+        if self.silent_corruption is not None:
+            record, self.silent_corruption.original = self.silent_corruption.original, None
         result = self._replay(closure, rng)
+        if not result["reproduced"]:
+            replay.place_transient(self, closure, rng, result, refusal, record)
         cause = refusal if refusal is not None else result.pop("exception")
         result.pop("exception", None)
         rank, world = self._rank_world()
@@ -456,6 +470,7 @@ class TrainingGuard:
             self._history.mark(step, skipped=True)
         history = self._history.read()
         err = self._error(step, reports, rank, world, history, deferred)
+        _skip_list.record_culprits(self, err, reports)
         if self.on_nan == "raise":
             raise err from cause
         err.__cause__ = cause  # as a raise ... from cause would set it
@@ -478,82 +493,19 @@ class TrainingGuard:
         return None
 
     def _replay(self, closure: Callable[[], Any], rng: _RngState) -> dict[str, Any]:
-        """Run the closure again from the same RNG and buffers, under watch; what it found."""
-        out: dict[str, Any] = dict.fromkeys(("finding", "op", "module", "phase", "exception", "note"), None)
-        out["reproduced"] = False
-        compiled = any(getattr(m, "_orig_mod", None) is not None for m in _wrappers(self.model))
-        # watch judges a NaN by what it reaches, raising when it reaches the model's output; under
-        # FSDP2 that raise lands after FSDP's post-forward hook and leaves its forward/backward
-        # bookkeeping half-run, and the ranks' next collectives no longer pair up (a hang). There
-        # the replay reports at birth instead: the step's loss or gradients already showed the NaN
-        # mattered, so the first birth is the producer unless the model also makes harmless
-        # infinities on purpose (T5's log(0)), which only the consequence rule can tell apart.
-        report = "birth" if self.group is not None and _fsdp_modules(self.inner) else "consequence"
-        rng.restore()
-        self._buffers.restore()
-        try:
-            with self._replay_context(), _eager_if(compiled), warnings.catch_warnings():
-                # (watch's global module hooks around a compiled module: fine here, they name
-                # the inner modules only)
-                warnings.filterwarnings(
-                    "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
-                )
-                with _replay_watch(self.inner, self.allow, report):
-                    replay_loss = closure()
-                flag = _bad_flag(
-                    replay_loss, self._replay_grads(), self.scaler is None
-                )  # (outside the watch)
-            out["reproduced"] = bool(flag is not None and flag.item())
-            if out["reproduced"]:
-                out["note"] = _replay_note()
-        except NON_FINITE_REFUSALS as finding:
-            out.update(finding=str(finding), reproduced=True, exception=finding)
-            f = getattr(finding, "fields", {})
-            if isinstance(finding, NonFiniteOutputError):
-                out.update(op=f.get("op"), module=f.get("module"), phase=f.get("phase", "forward"))
-                out.update(overflow=f.get("overflow"), dtype=f.get("dtype"))  # (the overflow's next steps)
-            elif isinstance(finding, NonFiniteEntryError):
-                out.update(phase="entry", module=f.get("name"))
-            else:  # a guarded layer refused a value in the replay as well
-                backward = f.get("role") == "grad_output" or f.get("pass") == "backward"
-                out.update(
-                    op="cublas_guard::linear",
-                    module=f.get("layer"),
-                    phase="backward" if backward else "forward",
-                )
-        if compiled and not out["reproduced"]:
-            # eager found nothing: does the compiled code reproduce it?
-            rng.restore()
-            self._buffers.restore()
-            self._zero_grads()
-            with self._replay_context():
-                replay_loss = closure()
-                flag = _bad_flag(replay_loss, self._replay_grads(), self.scaler is None)
-            if flag is not None and flag.item():
-                out.update(
-                    reproduced=True,
-                    note="reproduces only as compiled: the eager replay under "
-                    "watch is finite, the compiled one is not (a compiler numerics difference?)",
-                )
-        return out
+        """Run the closure again from the same RNG and buffers, under watch; what it found
+        (and, with ``sample_ids``, the rows of the batch where the bad values appear)."""
+        return replay.run(self, closure, rng)
 
-    def _replay_grads(self) -> list[torch.Tensor]:
-        """The replay's gradients: the module's parameters as they are now (under FSDP2's
-        replay, the gathered ones, which hold the local gradients)."""
-        return [p.grad for p in self.inner.parameters() if p.grad is not None]
+    # -- checkpoints ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to judge steps as this one would: the step count, the
+        skip counters, the history the messages show and the spike detector's window."""
+        return checkpoint.state_dict(self)
 
-    @contextlib.contextmanager
-    def _replay_context(self) -> Iterator[None]:
-        """No collective inside the replay: DDP's gradient all-reduce off; FSDP2's parameters
-        gathered first (all ranks, in step) and its gradient reduction off."""
-        with contextlib.ExitStack() as stack:
-            for m in _wrappers(self.model):
-                if _is_ddp(m):
-                    stack.enter_context(m.no_sync())
-            fsdp = _fsdp_modules(self.inner) if self.group is not None else []
-            if fsdp:
-                stack.enter_context(_fsdp_local(fsdp))
-            yield
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` gave (the skip list itself is re-read from its file)."""
+        checkpoint.load_state_dict(self, state)
 
     def _error(
         self,
@@ -569,7 +521,8 @@ class TrainingGuard:
         reproduced = [r for r in reports if r["reproduced"]]
         loss_bad = [r for r in reports if r["loss"] is not None and not math.isfinite(r["loss"])]
         local = [r for r in reports if r["local_bad"]]
-        origin = (refused or named or reproduced or loss_bad or local or reports)[0]
+        placed = [r for r in reports if r.get("placed_by")]
+        origin = (refused or named or reproduced or placed or loss_bad or local or reports)[0]
         note = origin.get("note")
         if len(reports) > 1 and len(reproduced) > 1:
             extra = f"reproduced on ranks {[r['rank'] for r in reproduced]}"
@@ -592,4 +545,10 @@ class TrainingGuard:
             history=history,
             **({"overflow": True, "dtype": origin.get("dtype")} if origin.get("overflow") else {}),
             **({"deferred": True} if deferred else {}),
+            **({"samples": origin["samples"]} if origin.get("samples") is not None else {}),
+            **(
+                {"placed_by": origin["placed_by"], "what": origin.get("what")}
+                if origin.get("placed_by")
+                else {}
+            ),
         )

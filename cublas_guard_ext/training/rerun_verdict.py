@@ -44,6 +44,8 @@ class _Result:
     def __init__(self, guard: Any, loss: Any, record: Record | None) -> None:
         self.record = record
         self.loss = None
+        if isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.numel() > 1:
+            loss = loss.detach().mean()  # per-sample losses (guard.step(sample_ids=)): their mean
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             self.loss = float(loss.detach().double().item())
         elif isinstance(loss, (int, float)):
@@ -191,13 +193,19 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
             "note": _largest(a),
             **{k: spiked[k] for k in ("rank", "host", "device", "gpu_uuid")},
         }
+        from ..errors.samples import spike_text
+        from . import samples as _samples
+
+        entry["samples"] = _samples.spike_culprits(checks, guard._gather(_samples.spike_samples(checks)))
         checks.verdicts.append(entry)
         checks._track(entry)
         if checks.on_spike == "skip":
             checks._restore(rng)
             guard._history.mark(step, skipped=True)
+            _samples.list_spike(guard, entry["samples"], step)
             warnings.warn(
-                f"training step {step}: a reproducible spike ({trigger_text}); skipped (on_spike='skip')",
+                f"training step {step}: a reproducible spike ({trigger_text}); skipped (on_spike='skip')\n  "
+                + spike_text(entry["samples"], str(guard.skip_list.path) if guard.skip_list else None),
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -262,8 +262,7 @@ class SilentCorruptionChecks:
         if disagreement is not None:
             self._restore(rng)
             raise self._replicas_error(disagreement)
-        if code == NONFINITE:
-            self.original = None
+        if code == NONFINITE:  # (the bad step takes self.original: it places a transient)
             return guard._bad_step(closure, rng, loss, guard.steps)
         if code == SPIKE or self.original is not None:
             from . import rerun_verdict
@@ -364,6 +363,7 @@ class SilentCorruptionChecks:
                 if fields.get(k) is not None
             },
             "trigger": fields.get("trigger"),
+            "samples": (fields.get("samples") or {}).get("ids"),
             "capsule": fields.get("capsule"),
             "ranks": fields.get("ranks"),
             "exit_code": fields.get("exit_code"),

@@ -4,6 +4,7 @@ offline) and in a Lightning Trainer: real training runs of a few steps, a plante
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import types
@@ -316,3 +317,33 @@ def test_lightning_fit_raise_on_a_refused_batch_names_the_layer():
     assert info.value.refused_by == "net.0" and info.value.step == 3
     assert isinstance(info.value.__cause__, cg.NonFiniteInputError)
     assert {int(s["step"]) for s in trainer.optimizers[0].state.values()} == {2}
+
+
+@pytest.mark.slow  # two fits: ~8-15 s here
+def test_lightning_checkpoint_carries_the_guard_state(tmp_path):
+    trainer, module, data, callback = lightning_run("raise", fault_step=None, steps=3)
+    trainer.fit(module, loader(data))
+    assert callback.guard.steps == 3
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["callbacks"]  # the callback's state is in it
+    trainer2, _, _, callback2 = lightning_run("raise", fault_step=None, steps=5)
+    trainer2.fit(module, loader(data + data[:2]), ckpt_path=path)
+    assert callback2.guard.steps == 5  # 3 restored + 2 more, as one run of 5 would count
+    assert [h["step"] for h in json.loads(callback2.guard.state_dict()["history"])] == [1, 2, 3, 4, 5]
+
+
+def test_transformers_mixin_loads_a_saved_guard_state_at_its_first_step():
+    pytest.importorskip("transformers")
+    from cublas_guard_ext.integrations.transformers import TrainingGuardMixin
+
+    model = nn.Linear(2, 1)
+    state = cg.TrainingGuard(model, None).state_dict()
+    state["steps"] = 40
+    holder = TrainingGuardMixin.__new__(TrainingGuardMixin)
+    holder.guard, holder.guard_state = None, None
+    holder.load_guard_state(state)
+    assert holder.guard_state["steps"] == 40
+    holder.guard = cg.TrainingGuard(model, None)
+    holder.load_guard_state(state)
+    assert holder.guard.steps == 40

@@ -10,7 +10,8 @@ os.getppid() between phases, so each dump holds one phase:
     4: --ops calls inside one ``cg.watch(model)`` block (report="consequence")
 
     valgrind --tool=callgrind --dump-before=getppid --dump-instr=no \\
-        --callgrind-out-file=/tmp/cgop.%p .venv/bin/python benchmarks/investigations/watch_op_callgrind.py
+        --callgrind-out-file=/tmp/cgop.%p .venv/bin/python benchmarks/investigations/watch_op_callgrind.py \\
+        --repeats 0
     python benchmarks/investigations/watch_op_callgrind.py --report /tmp/cgop.<pid>
     callgrind_annotate --inclusive=yes /tmp/cgop.<pid>.3 | head -80   # where a watched op goes
 
@@ -60,6 +61,7 @@ def report(prefix: str, ops: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds after the dumps (0 under valgrind)")
     ap.add_argument("--report", metavar="PREFIX", help="print the per-op counts from the dumps PREFIX.2-.4")
     args = ap.parse_args(argv)
     if args.report:
@@ -101,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     watched_model()
     os.getppid()  # dump 4
     times: dict[str, list[float]] = {"plain": [], "watch()": [], "watch(model)": []}
-    for _ in range(15):
+    for _ in range(args.repeats):
         for name, fn in (("plain", plain), ("watch()", watched), ("watch(model)", watched_model)):
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) / n * 1e6)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    for k, v in med.items():
-        print(f"{k:14s} {v:6.2f} us per op (median of 15, interleaved)")
+    for k, v in times.items():
+        if v:
+            print(f"{k:14s} {statistics.median(v):6.2f} us per op (median of {len(v)}, interleaved)")
     return 0
 
 

@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 namespace cublas_guard {
 namespace watch {
@@ -59,9 +60,10 @@ void DescTensor::set(const at::Tensor& t) {
     return;
   }
   ndim = static_cast<int8_t>(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    sizes[d] = t.size(d);
-    strides[d] = t.stride(d);
+  const c10::IntArrayRef sz = t.sizes(), st = t.strides();  // once, not a checked call per dim
+  for (size_t d = 0; d < sz.size(); ++d) {
+    sizes[d] = sz[d];
+    strides[d] = st[d];
   }
 }
 
@@ -202,10 +204,19 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   return slot;
 }
 
+// The first element of one of watch's own int32 arrays (dense, offset 0, never
+// copy-on-write): data_ptr<int32_t>()'s checks, out of line, cost more than a
+// small op's scan.
+int32_t* raw(const at::Tensor& a) {
+  return static_cast<int32_t*>(
+      a.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->mutable_data());
+}
+
 void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a) {
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  d.kernels->scan(t, a, d.tags.data_ptr<int32_t>(), d.seq_tags.data_ptr<int32_t>(), d.record,
-                  d.counters.data_ptr<int32_t>());
+  // The CPU kernel turns the watch's key off itself, only where it calls ATen (not on a small scan).
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_watch;
+  if (!t.is_cpu()) no_watch.emplace(kWatchKey);
+  d.kernels->scan(t, a, raw(d.tags), raw(d.seq_tags), d.record, raw(d.counters));
 }
 
 // A tensor no watched op wrote gets a slot and a first-sight scan (before the
@@ -308,7 +319,8 @@ int32_t describe_tensor(CallDesc& c, size_t arg, const at::Tensor& t) {
 // The descriptor's scalar items (non-finite Scalar arguments and doubles).
 void describe_scalars(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
-    if (info.is_out_arg[i] || c.n_items >= kDescItems) continue;
+    if (info.is_out_arg[i] || c.n_items >= kDescItems || !(args[i].isDouble() || args[i].isComplexDouble()))
+      continue;
     if (scalar_non_finite(args[i]) || args[i].isDouble()) {
       DescItem& item = c.items[c.n_items++];
       item.arg = static_cast<int16_t>(i);
@@ -405,8 +417,9 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   }
   base.allowed = allowed ? 1 : 0;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
-    if (info.is_out_arg[i]) continue;
-    if (scalar_non_finite(args[i])) base.scalar_bad = 1;
+    const c10::IValue& v = args[i];
+    if (info.is_out_arg[i] || !(v.isDouble() || v.isComplexDouble())) continue;  // tensors: no call
+    if (scalar_non_finite(v)) base.scalar_bad = 1;
   }
   // The forward node this backward op computes the gradient of (its tag: a
   // consequence of a tagged forward value is no birth).
@@ -501,6 +514,10 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 
 void poll(Session& s) {
   SessionLock lock(*s.mu);  // a device thread may be adding a device's arrays
+  poll_locked(s);
+}
+
+void poll_locked(Session& s) {
   TagState& w = *s.tags;
   if (w.seam.late_harvest) return;
   bool flagged = false;

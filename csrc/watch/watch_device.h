@@ -172,6 +172,7 @@ void add_call_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const Ca
 void add_lost(ErrorReport& r, const TagState& w);
 // The next op's check: harvests when a record's flag is up (an acquire load).
 void poll(Session& s);
+void poll_locked(Session& s);  // the same, with the session's lock held
 // A tensor the entry check found finite at a block's outermost start: a slot
 // (its tag is the zero of a fresh array), so no first-sight scan reads it again.
 void tags_known_finite(Session& s, const at::Tensor& t);

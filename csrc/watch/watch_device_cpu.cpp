@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -171,9 +172,12 @@ WatchRecord* alloc_record_cpu(c10::Device, int64_t capacity) {
 void free_record_cpu(c10::Device, WatchRecord* record) { std::free(record); }
 
 void reset_record_cpu(c10::Device, WatchRecord* record, int32_t* counters) {
+  // Only the entries claimed since the last reset hold anything (the record starts zeroed).
   const int64_t capacity = record->capacity;
-  std::memset(record->births, 0, capacity * sizeof(BirthEntry));
-  std::memset(record->findings, 0, capacity * sizeof(FindingEntry));
+  const int64_t births = std::min<int64_t>(std::max(counters[0], 0), capacity);
+  const int64_t findings = std::min<int64_t>(std::max(counters[1], 0), capacity);
+  std::memset(record->births, 0, births * sizeof(BirthEntry));
+  std::memset(record->findings, 0, findings * sizeof(FindingEntry));
   record->flag = 0;
   counters[0] = counters[1] = 0;
 }

@@ -86,3 +86,26 @@ def test_a_view_op_keeps_its_nodes_module_for_the_backward():
     err = info.value
     assert err.phase == "backward" and err.posinf_count == 16
     assert err.module == "viewing" and err.backward_node == "ExpandBackward0"
+
+
+def test_a_block_after_a_birth_reads_no_tag_of_it():
+    # A block's start resets only what the last block used (the ring entries, tag slots and node
+    # tags below its high-water marks): the node tag block 1 left at the sqrt's node must not make
+    # block 2's backward birth at that node look like its consequence.
+    class Sqrt(torch.nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Sqrt(), torch.nn.Linear(4, 1))
+    with pytest.raises(cg.NonFiniteOutputError) as first:
+        with cg.watch(model, mode="sync"):
+            model(-torch.ones(2, 4)).sum().backward()  # sqrt(-1): NaN born in forward
+    assert first.value.op == "aten.sqrt.default" and first.value.phase == "forward"
+    x = torch.zeros(2, 4, requires_grad=True)
+    with pytest.raises(cg.NonFiniteOutputError) as second:
+        with cg.watch(model, mode="sync"):
+            model(x).sum().backward()  # sqrt(0) is finite; its gradient is not
+    err = second.value
+    assert err.phase == "backward" and err.backward_node == "SqrtBackward0" and err.module == "0"
+    assert err.posinf_count + err.neginf_count > 0 and err.op is not None

@@ -67,19 +67,6 @@ void DescTensor::set(const at::Tensor& t) {
   }
 }
 
-// ---- the slot map ----------------------------------------------------------
-
-void SlotMap::drop_expired(std::vector<int32_t>& freed) {
-  for (auto it = map_.begin(); it != map_.end();) {
-    if (!it->second.storage.expired()) {
-      ++it;
-      continue;
-    }
-    freed.push_back(it->second.slot);
-    it = map_.erase(it);
-  }
-}
-
 // ---- the thread's state ----------------------------------------------------
 
 TagState::~TagState() {
@@ -211,9 +198,7 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   return slot;
 }
 
-// The first element of one of watch's own int32 arrays (dense, offset 0, never
-// copy-on-write): data_ptr<int32_t>()'s checks, out of line, cost more than a
-// small op's scan.
+// Watch's own int32 arrays (dense, offset 0, never copy-on-write), without data_ptr's checks.
 int32_t* raw(const at::Tensor& a) {
   return static_cast<int32_t*>(
       a.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->mutable_data());

@@ -83,7 +83,16 @@ class SlotMap {
     map_.insert_or_assign(key, Entry{std::move(weak), slot});
   }
   // Removes the entries of freed storages, appending their slots to `freed`.
-  void drop_expired(std::vector<int32_t>& freed);
+  void drop_expired(std::vector<int32_t>& freed) {
+    for (auto it = map_.begin(); it != map_.end();) {
+      if (!it->second.storage.expired()) {
+        ++it;
+        continue;
+      }
+      freed.push_back(it->second.slot);
+      it = map_.erase(it);
+    }
+  }
   void clear() { map_.clear(); }
   size_t size() const { return map_.size(); }
 

@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <mutex>
+#include <optional>
 
 namespace cublas_guard {
 namespace watch {
@@ -59,22 +60,10 @@ void DescTensor::set(const at::Tensor& t) {
     return;
   }
   ndim = static_cast<int8_t>(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    sizes[d] = t.size(d);
-    strides[d] = t.stride(d);
-  }
-}
-
-// ---- the slot map ----------------------------------------------------------
-
-void SlotMap::drop_expired(std::vector<int32_t>& freed) {
-  for (auto it = map_.begin(); it != map_.end();) {
-    if (!it->second.storage.expired()) {
-      ++it;
-      continue;
-    }
-    freed.push_back(it->second.slot);
-    it = map_.erase(it);
+  const c10::IntArrayRef sz = t.sizes(), st = t.strides();  // once, not a checked call per dim
+  for (size_t d = 0; d < sz.size(); ++d) {
+    sizes[d] = sz[d];
+    strides[d] = st[d];
   }
 }
 
@@ -102,6 +91,11 @@ std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity) {
     w->ring.resize(static_cast<size_t>(rounded));
   }
   TagState& d = *w;
+  // Only what the last block used is reset (issue 50: a block over a short step, an optimizer
+  // step, paid ~0.5 ms for clearing the whole ring and both 256 KB arrays): ring entries below
+  // its last sequence number, tag slots below its high-water mark, node tags below its last node.
+  const int64_t used_ring = std::min<int64_t>(d.next_seq, static_cast<int64_t>(d.ring.size()));
+  const int64_t used_nodes = static_cast<int64_t>(d.seq_home.size());
   d.seam = seam;
   d.next_seq = 0;
   d.op_first_seq = 0;
@@ -110,19 +104,21 @@ std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity) {
   d.origin_of_seq.clear();
   d.seq_home.clear();
   d.lost_births = d.lost_findings = d.lost_calls = 0;
-  for (CallDesc& c : d.ring) {
-    c.seq = -1;
-    c.node.reset();
+  for (int64_t i = 0; i < used_ring; ++i) {
+    d.ring[i].seq = -1;
+    d.ring[i].node.reset();
   }
   for (DeviceTags& t : d.devices) {
     // A new block: no storage has a slot yet, and no tag of the last block is read again.
+    const int64_t used_slots = std::min<int64_t>(t.next_slot, t.tags.numel());
     t.slots.clear();
     t.free_slots.clear();
     t.next_slot = 0;
     t.retired.clear();
     t.kernels->reset_record(t.home.device, t.record, t.counters.data_ptr<int32_t>());
-    t.tags.zero_();
-    t.seq_tags.zero_();
+    if (used_slots > 0) t.tags.narrow(0, 0, used_slots).zero_();
+    const int64_t nodes = std::min<int64_t>(used_nodes, t.seq_tags.numel());
+    if (nodes > 0) t.seq_tags.narrow(0, 0, nodes).zero_();
     t.births_read = t.findings_read = 0;
   }
   return w;
@@ -202,10 +198,17 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   return slot;
 }
 
+// Watch's own int32 arrays (dense, offset 0, never copy-on-write), without data_ptr's checks.
+int32_t* raw(const at::Tensor& a) {
+  return static_cast<int32_t*>(
+      a.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->mutable_data());
+}
+
 void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a) {
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  d.kernels->scan(t, a, d.tags.data_ptr<int32_t>(), d.seq_tags.data_ptr<int32_t>(), d.record,
-                  d.counters.data_ptr<int32_t>());
+  // The CPU kernel turns the watch's key off itself, only where it calls ATen (not on a small scan).
+  std::optional<c10::impl::ExcludeDispatchKeyGuard> no_watch;
+  if (!t.is_cpu()) no_watch.emplace(kWatchKey);
+  d.kernels->scan(t, a, raw(d.tags), raw(d.seq_tags), d.record, raw(d.counters));
 }
 
 // A tensor no watched op wrote gets a slot and a first-sight scan (before the
@@ -308,7 +311,8 @@ int32_t describe_tensor(CallDesc& c, size_t arg, const at::Tensor& t) {
 // The descriptor's scalar items (non-finite Scalar arguments and doubles).
 void describe_scalars(CallDesc& c, const OpInfo& info, const std::vector<c10::IValue>& args) {
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
-    if (info.is_out_arg[i] || c.n_items >= kDescItems) continue;
+    if (info.is_out_arg[i] || c.n_items >= kDescItems || !(args[i].isDouble() || args[i].isComplexDouble()))
+      continue;
     if (scalar_non_finite(args[i]) || args[i].isDouble()) {
       DescItem& item = c.items[c.n_items++];
       item.arg = static_cast<int16_t>(i);
@@ -405,8 +409,9 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   }
   base.allowed = allowed ? 1 : 0;
   for (size_t i = 0; i < args.size() && i < info.num_args; ++i) {
-    if (info.is_out_arg[i]) continue;
-    if (scalar_non_finite(args[i])) base.scalar_bad = 1;
+    const c10::IValue& v = args[i];
+    if (info.is_out_arg[i] || !(v.isDouble() || v.isComplexDouble())) continue;  // tensors: no call
+    if (scalar_non_finite(v)) base.scalar_bad = 1;
   }
   // The forward node this backward op computes the gradient of (its tag: a
   // consequence of a tagged forward value is no birth).
@@ -501,6 +506,10 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 
 void poll(Session& s) {
   SessionLock lock(*s.mu);  // a device thread may be adding a device's arrays
+  poll_locked(s);
+}
+
+void poll_locked(Session& s) {
   TagState& w = *s.tags;
   if (w.seam.late_harvest) return;
   bool flagged = false;

@@ -83,7 +83,16 @@ class SlotMap {
     map_.insert_or_assign(key, Entry{std::move(weak), slot});
   }
   // Removes the entries of freed storages, appending their slots to `freed`.
-  void drop_expired(std::vector<int32_t>& freed);
+  void drop_expired(std::vector<int32_t>& freed) {
+    for (auto it = map_.begin(); it != map_.end();) {
+      if (!it->second.storage.expired()) {
+        ++it;
+        continue;
+      }
+      freed.push_back(it->second.slot);
+      it = map_.erase(it);
+    }
+  }
   void clear() { map_.clear(); }
   size_t size() const { return map_.size(); }
 
@@ -172,6 +181,7 @@ void add_call_inputs(ErrorReport& r, const c10::FunctionSchema& schema, const Ca
 void add_lost(ErrorReport& r, const TagState& w);
 // The next op's check: harvests when a record's flag is up (an acquire load).
 void poll(Session& s);
+void poll_locked(Session& s);  // the same, with the session's lock held
 // A tensor the entry check found finite at a block's outermost start: a slot
 // (its tag is the zero of a fresh array), so no first-sight scan reads it again.
 void tags_known_finite(Session& s, const at::Tensor& t);

@@ -1,9 +1,11 @@
 // The CPU kernels of watch: what cuda/watch_scan.cu does in one launch, done
 // here in the calling thread, on the same structs and with the same rule
-// (watch_device_logic.h). Counting is the project's fused scan for float32,
-// bfloat16 and float16, ATen for the other dtypes; everything a birth adds
-// (zeros, the first bad value, the inputs' absolute maxima) is computed only
-// on a birth.
+// (watch_device_logic.h). Counting: a contiguous output of at most
+// kInlineScanMax elements of float32, float64, float16 or bfloat16 is counted
+// by an inline loop here (a small op's output: the fused scan's setup cost
+// more than its loop); larger ones by the project's fused scan, other dtypes
+// by ATen. Everything a birth adds (zeros, the first bad value, the inputs'
+// absolute maxima) is computed only on a birth.
 #include "watch/watch_device.h"
 
 #include <ATen/ops/empty.h>
@@ -12,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +24,64 @@ namespace cublas_guard {
 namespace watch {
 namespace {
 
+// Small contiguous outputs: counted inline (issue 50: the fused scan's entry
+// builds a string, a slot tensor, the geometry and a ParallelGuard per call,
+// ~1,100 instructions, against ~200 for 16 elements here).
+constexpr int64_t kInlineScanMax = 1024;
+
+template <typename T>
+HostCounts count_inline(const void* data, int64_t n) {
+  const T* p = static_cast<const T*>(data);
+  HostCounts c;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);  // float16/bfloat16 widen exactly; finite floats stay finite
+    if (std::isfinite(v)) continue;
+    if (c.first < 0) c.first = i;
+    if (std::isnan(v)) {
+      ++c.nan;
+    } else if (v > 0) {
+      ++c.posinf;
+    } else {
+      ++c.neginf;
+    }
+  }
+  return c;
+}
+
+template <>
+HostCounts count_inline<double>(const void* data, int64_t n) {
+  const double* p = static_cast<const double*>(data);
+  HostCounts c;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = p[i];  // not narrowed: 1e300 is finite in float64
+    if (std::isfinite(v)) continue;
+    if (c.first < 0) c.first = i;
+    if (std::isnan(v)) {
+      ++c.nan;
+    } else if (v > 0) {
+      ++c.posinf;
+    } else {
+      ++c.neginf;
+    }
+  }
+  return c;
+}
+
+// Whether t is counted inline; its counts in *c.
+bool count_small(const at::Tensor& t, HostCounts* c) {
+  const int64_t n = t.numel();
+  if (n > kInlineScanMax || !t.is_contiguous()) return false;
+  const void* data = t.const_data_ptr();
+  switch (t.scalar_type()) {
+    case at::kFloat: *c = count_inline<float>(data, n); return true;
+    case at::kDouble: *c = count_inline<double>(data, n); return true;
+    case at::kHalf: *c = count_inline<c10::Half>(data, n); return true;
+    case at::kBFloat16: *c = count_inline<c10::BFloat16>(data, n); return true;
+    default: return false;
+  }
+}
+
+// The rest: the fused scan, or ATen for the dtypes it does not read.
 HostCounts count_cpu(const at::Tensor& t) {
   if (!is_guarded_dtype(t.scalar_type())) return host_counts(t);
   static thread_local at::Tensor slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
@@ -82,13 +143,19 @@ void write_finding(WatchRecord* record, int32_t* counters, int32_t tag, int64_t 
 
 void scan_cpu(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t* seq_tags, WatchRecord* record,
               int32_t* counters) {
-  c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-  const HostCounts c = count_cpu(t);
+  HostCounts c;
+  if (!count_small(t, &c)) {  // the fused scan or ATen: with the watch's key off
+    c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+    c = count_cpu(t);
+  }
   bool birth = false;
   int64_t sinks[2];
   int n = 0;
   const int32_t tag = apply_rule(a, tags, seq_tags, c.first >= 0, c.nan > 0, &birth, sinks, &n);
-  if (birth) write_birth(record, counters, a, t, c);
+  if (birth) {
+    c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);  // its zeros and first value: ATen
+    write_birth(record, counters, a, t, c);
+  }
   for (int i = 0; i < n; ++i) write_finding(record, counters, tag, sinks[i]);
 }
 
@@ -105,9 +172,12 @@ WatchRecord* alloc_record_cpu(c10::Device, int64_t capacity) {
 void free_record_cpu(c10::Device, WatchRecord* record) { std::free(record); }
 
 void reset_record_cpu(c10::Device, WatchRecord* record, int32_t* counters) {
+  // Only the entries claimed since the last reset hold anything (the record starts zeroed).
   const int64_t capacity = record->capacity;
-  std::memset(record->births, 0, capacity * sizeof(BirthEntry));
-  std::memset(record->findings, 0, capacity * sizeof(FindingEntry));
+  const int64_t births = std::min<int64_t>(std::max(counters[0], 0), capacity);
+  const int64_t findings = std::min<int64_t>(std::max(counters[1], 0), capacity);
+  std::memset(record->births, 0, births * sizeof(BirthEntry));
+  std::memset(record->findings, 0, findings * sizeof(FindingEntry));
   record->flag = 0;
   counters[0] = counters[1] = 0;
 }

@@ -72,10 +72,10 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   Session& s = *sp;
   const bool consequence = s.report == kReportConsequence;
   ++s.ops_seen;
-  poll(s);  // an acquire load of each record's flag
-  if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   const OpInfo& info = op_info(op);
   if (info.skip) {
+    poll(s);  // an acquire load of each record's flag
+    if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
     KernelDepthScope kernel(true);
     op.redispatchBoxed(after, stack);
     return;
@@ -88,7 +88,8 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 
   int64_t seq_index = -1;  // this op's node's index into seq_module and the seq tags
   {
-    SessionLock lock(*s.mu);
+    SessionLock lock(*s.mu);  // one lock for the poll and the hooks before the op
+    poll_locked(s);           // an acquire load of each record's flag
     // Forward: the module this op's autograd node (if any) will belong to.
     if (tls_session == sp && c10::GradMode::is_enabled()) {
       const uint64_t seq = at::sequence_number::peek();
@@ -102,6 +103,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     tags_before(s, info, saved);
     if (s.verify) verify_before(s, op, info, saved);
   }
+  if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding
   if (s.verify) run_after_unlock(s);  // a sync verify finding: before the op runs
 
   try {
@@ -128,6 +130,13 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
     reraise_typed(s, op, info, saved, nullptr, message);
   }
 
+  // An op that returns only views and writes nothing (view, t, expand, split):
+  // no output to scan, nothing new in the record; its node's module is kept above.
+  if (!s.verify && info.written_args.empty() &&
+      std::none_of(info.scan_return.begin(), info.scan_return.end(), [](uint8_t r) { return r != 0; })) {
+    run_after_unlock(s);  // a birth's stack or a finding the poll read
+    return;
+  }
   {
     SessionLock lock(*s.mu);
     if (s.verify) {

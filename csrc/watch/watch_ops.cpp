@@ -31,7 +31,16 @@ thread_local std::unordered_map<const void*, OpInfo> tls_op_info;
 
 bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
-const OpInfo& op_info(const c10::OperatorHandle& op) {
+namespace {
+// A direct-mapped cache in front of the map (its values never move): the hot
+// ops of a step hit it with one compare, no hashing.
+struct OpInfoHit {
+  const void* key = nullptr;
+  const OpInfo* info = nullptr;
+};
+thread_local OpInfoHit tls_op_hits[256];
+
+const OpInfo& op_info_slow(const c10::OperatorHandle& op) {
   const void* key = &op.schema();
   auto it = tls_op_info.find(key);
   if (it != tls_op_info.end()) return it->second;
@@ -94,6 +103,18 @@ const OpInfo& op_info(const c10::OperatorHandle& op) {
       info.parameter_arg = static_cast<int>(i);
   }
   return tls_op_info.emplace(key, std::move(info)).first->second;
+}
+
+}  // namespace
+
+const OpInfo& op_info(const c10::OperatorHandle& op) {
+  const void* key = &op.schema();
+  OpInfoHit& hit = tls_op_hits[(reinterpret_cast<uintptr_t>(key) >> 4) & 255];
+  if (hit.key == key) return *hit.info;
+  const OpInfo& info = op_info_slow(op);
+  hit.key = key;
+  hit.info = &info;
+  return info;
 }
 
 bool scalar_non_finite(const c10::IValue& v) {

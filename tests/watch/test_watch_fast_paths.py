@@ -1,0 +1,111 @@
+"""watch's per-op fast paths (issue 50) miss nothing: the inline count of small contiguous CPU
+outputs (each dtype it reads, NaN/+Inf/-Inf counts and the first bad index, float64 not narrowed),
+the fused scan beyond its size limit and for strided outputs, and ops that return only views
+(skipped after the op) keeping the module of their autograd node for the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cublas_guard_ext as cg
+
+_INLINE_MAX = 1024  # watch_device_cpu.cpp's kInlineScanMax
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _births(fn) -> cg.NonFiniteOutputError:
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(mode="sync"):
+            fn()
+    return info.value
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 16, _INLINE_MAX, _INLINE_MAX + 1], ids=lambda n: f"n{n}")
+def test_log_of_a_small_output_names_log_with_counts_and_first_index(dtype, n):
+    values = torch.ones(n, dtype=dtype)
+    values[n - 1] = -1.0  # NaN
+    if n > 2:
+        values[n // 2] = 0.0  # -Inf
+    err = _births(lambda: values.log())
+    assert err.op == "aten.log.default" and err.dtype == str(dtype)
+    assert err.nan_count == 1 and err.posinf_count == 0
+    assert err.neginf_count == (1 if n > 2 else 0)
+    assert err.first_bad_index == (n // 2 if n > 2 else n - 1)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_an_overflow_to_plus_inf_in_a_small_output_is_born(dtype):
+    big = torch.finfo(dtype).max
+    x = torch.full((8,), big / 2, dtype=dtype)
+    err = _births(lambda: x * 4.0)
+    assert err.op == "aten.mul.Tensor" and err.posinf_count == 8 and err.first_bad_index == 0
+
+
+def test_float64_values_beyond_float32_range_are_finite_not_births():
+    x = torch.full((16,), 1e200, dtype=torch.float64)
+    with cg.watch(mode="sync") as w:
+        y = x * 1e100  # 1e300: finite in float64, +inf had it been narrowed to float32
+        ops, scanned = w.stats()
+    assert torch.isfinite(y).all() and scanned >= 1
+
+
+def test_a_strided_small_output_goes_through_the_fused_scan_and_is_born():
+    x = torch.ones(8, 8)
+    x[3, 5] = -1.0
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(mode="sync"):
+            out = torch.empty(8, 8).t()  # a transposed out=: not contiguous
+            torch.log(x, out=out)
+    err = info.value
+    assert err.op == "aten.log.out" and err.nan_count == 1
+    assert err.first_bad_coords == [3, 5]
+
+
+def test_a_view_op_keeps_its_nodes_module_for_the_backward():
+    class Viewing(torch.nn.Module):
+        def forward(self, x):
+            return x.expand(4, 16)  # a view only: the fallback skips the scan after it
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.viewing = Viewing()
+
+        def forward(self, x):
+            return self.viewing(x)
+
+    model = Model()
+    x = torch.ones(1, 16, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync", report="birth"):
+            out = model(x)
+            # ExpandBackward0 sums the 4 rows: 4 * 60000 overflows float16 in backward.
+            out.backward(torch.full((4, 16), 60000.0, dtype=torch.float16))
+    err = info.value
+    assert err.phase == "backward" and err.posinf_count == 16
+    assert err.module == "viewing" and err.backward_node == "ExpandBackward0"
+
+
+def test_a_block_after_a_birth_reads_no_tag_of_it():
+    # A block's start resets only what the last block used (the ring entries, tag slots and node
+    # tags below its high-water marks): the node tag block 1 left at the sqrt's node must not make
+    # block 2's backward birth at that node look like its consequence.
+    class Sqrt(torch.nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Sqrt(), torch.nn.Linear(4, 1))
+    with pytest.raises(cg.NonFiniteOutputError) as first:
+        with cg.watch(model, mode="sync"):
+            model(-torch.ones(2, 4)).sum().backward()  # sqrt(-1): NaN born in forward
+    assert first.value.op == "aten.sqrt.default" and first.value.phase == "forward"
+    x = torch.zeros(2, 4, requires_grad=True)
+    with pytest.raises(cg.NonFiniteOutputError) as second:
+        with cg.watch(model, mode="sync"):
+            model(x).sum().backward()  # sqrt(0) is finite; its gradient is not
+    err = second.value
+    assert err.phase == "backward" and err.backward_node == "SqrtBackward0" and err.module == "0"
+    assert err.posinf_count + err.neginf_count > 0 and err.op is not None

@@ -69,6 +69,7 @@ def test_under_cpu_bf16_autocast_the_guarded_model_matches_bitwise(build):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.locked  # watch places it: it needs the version-locked library
 def test_router_logits_past_the_range_are_explained_as_router_instability():
     class Moe(torch.nn.Module):
         def __init__(self) -> None:

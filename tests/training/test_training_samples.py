@@ -117,6 +117,7 @@ def test_a_tensor_of_ids_and_several_bad_rows():
     assert err.samples["ids"] == [201, 204] and err.samples["rows"] == [1, 4]
 
 
+@pytest.mark.locked  # watch places it: it needs the version-locked library
 def test_a_nan_born_in_a_module_names_the_rows_of_its_output():
     model, opt = setup()
     model.act.row = 3
@@ -127,6 +128,7 @@ def test_a_nan_born_in_a_module_names_the_rows_of_its_output():
     assert "of the output of module 'act' (forward)" in err.samples["where"]
 
 
+@pytest.mark.locked  # watch places it: it needs the version-locked library
 def test_a_nan_born_in_backward_names_the_rows_of_the_gradient():
     model, opt = setup()
     model.act.row, model.act.mode = 4, "grad"

@@ -74,6 +74,7 @@ def test_a_transient_nan_without_a_record_is_not_placed():
     assert "placed_by" not in info.value.fields and "placed:" not in str(info.value)
 
 
+@pytest.mark.locked  # watch places it: it needs the version-locked library
 def test_a_transient_nan_under_a_watch_session_is_placed_at_its_birth():
     model, opt = setup()
     guard = cg.TrainingGuard(model, opt)

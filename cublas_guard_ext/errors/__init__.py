@@ -22,6 +22,7 @@ under 600 lines:
 * ``watch_findings``  what watch raises (an op's NaN/Inf, a bad entry, a capture refused)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
+* ``fp8``         FP8 GEMMs' errors (an operand's non-finite values, a scale, a range, the arguments)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
 * ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
 * ``run``         the errors of ``python -m cublas_guard_ext run``
@@ -34,6 +35,7 @@ from __future__ import annotations
 from .base import GuardError
 from .corruption import SilentCorruptionError
 from .experts import ExpertsImplementationError, GroupOffsetsError
+from .fp8 import Fp8ArgumentError, Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8ScaleError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
@@ -87,6 +89,11 @@ __all__ = [
     "NonFiniteGradientsError",
     "GroupOffsetsError",
     "ExpertsImplementationError",
+    "Fp8NonFiniteError",
+    "Fp8ScaleError",
+    "Fp8RangeError",
+    "Fp8RangeWarning",
+    "Fp8ArgumentError",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -66,7 +66,10 @@ class Fp8NonFiniteError(GuardError, ValueError):
         counts = f"{f.get('nan_count')} NaN, {f.get('posinf_count')} +Inf, {f.get('neginf_count')} -Inf"
         text = f"{_where(f)}: {counts} of {f.get('numel')} values before the float8 cast"
         if f.get("nan_codes"):
-            text = f"{_where(f)}: {f['nan_codes']} NaN codes of {f.get('numel')} in the float8 operand"
+            inf = (f.get("posinf_count") or 0) + (f.get("neginf_count") or 0)
+            text = f"{_where(f)}: {f.get('nan_count')} NaN and {inf} Inf codes of {f.get('numel')} in the float8 operand"
+        if f.get("output"):
+            text = f"{_where(f)}: {counts} of {f.get('numel')} output values, from finite float8 operands and scales"
         return text
 
     def _details(self) -> list[str]:
@@ -90,6 +93,8 @@ class Fp8NonFiniteError(GuardError, ValueError):
 
     def _consequence(self) -> str:
         f = self.fields
+        if f.get("output"):
+            return "the product overflowed the output dtype (amax_a * amax_b * K above its largest value)"
         if f.get("nan_codes"):
             return "every output element that reads a NaN code is NaN, with no error from the GEMM"
         if f.get("op") == "cast" or f.get("layer") is None and f.get("gemm") is None:
@@ -103,6 +108,13 @@ class Fp8NonFiniteError(GuardError, ValueError):
 
     def _next_steps(self) -> list[str]:
         f = self.fields
+        if f.get("output"):
+            return ["ask for a wider output (out_dtype=torch.float32) or scale the operands down"]
+        if f.get("nan_codes"):
+            return [
+                "the codes were NaN (or Inf) when cast: cast under cublas_guard_ext.fp8.checked_fp8() to "
+                "name the cast, or check the high-precision tensor before it"
+            ]
         if f.get("operand") == "grad_output":
             return [
                 "the gradient arriving at this layer is already non-finite: find where it was born in "

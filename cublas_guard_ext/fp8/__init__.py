@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from ..errors.fp8 import FLOAT8_LEFT_REASON, TORCHAO_TOO_OLD, TORCHAO_TOO_OLD_REASON
+from .direct import checked_fp8
 from .formats import FORMATS, THRESHOLDS, TORCHAO_FLOOR, Thresholds, format_of, set_thresholds
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "is_guarded_float8",
     "float8_left_reason",
     "check",
+    "checked_fp8",
     "set_thresholds",
     "Thresholds",
     "THRESHOLDS",
@@ -125,11 +127,8 @@ def restore_float8(model: nn.Module) -> nn.Module:
 
 
 def check() -> None:
-    """Raise the first failure the async checks found (a host read per pending check): of the
-    guarded Float8Linear layers, and of the direct calls (fp8/direct.py)."""
+    """Raise the first failure the async checks of the guarded Float8Linear layers found (a host
+    read per pending check; the direct calls' checks are read at once)."""
     linear = _linear_module()
     if linear is not None:
         linear.check_layers()
-    direct = sys.modules.get(__name__ + ".direct")
-    if direct is not None:
-        direct.CHECKER.check(wait=True)

@@ -20,7 +20,10 @@ host read per operand), ``async`` mode keeps it and reads it at the next guarded
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,24 @@ import torch
 
 from ..errors.fp8 import Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8ScaleError, range_message
 from .formats import THRESHOLDS, Format
+
+_quiet = threading.local()
+
+
+@contextmanager
+def inside_checked_gemm() -> Iterator[None]:
+    """A guarded float8 layer's GEMM is running on this thread: its casts and scaled GEMMs are
+    checked there, with the layer's name, not again by fp8/direct.py."""
+    previous = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = previous
+
+
+def is_quiet() -> bool:
+    return getattr(_quiet, "on", False)
 
 
 @dataclass

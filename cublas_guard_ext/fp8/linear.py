@@ -31,7 +31,7 @@ from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_s
 from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
 from ..guarded_linear import modes
-from .checks import Checker, Where
+from .checks import Checker, Where, inside_checked_gemm
 from .formats import format_of
 
 ATTRIBUTES = ("guard_name", "mode", "_cublas_guard_fp8_recipe")
@@ -56,7 +56,8 @@ def _active(module: GuardedFloat8Linear, backward: bool) -> Iterator[None]:
     previous = getattr(_state, "active", None)
     _state.active = _Active(module, backward)
     try:
-        yield
+        with inside_checked_gemm():
+            yield
     finally:
         _state.active = previous
 

@@ -166,3 +166,26 @@ def test_named_float8_layer_only() -> None:
         "Float8Linear",
         "GuardedFloat8Linear",
     ]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_direct_checks_pass_torchao_clean_and_name_its_nan(recipe: str) -> None:
+    plain = _model(recipe)
+    guarded = cge.replace_linear(copy.deepcopy(plain))
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
+    ref = _step(plain, x)
+    with fp8.checked_fp8():
+        unguarded_checked, guarded_checked = _step(plain, x), _step(guarded, x)
+        bad = x.clone()
+        bad[0, 0, 0] = float("inf")
+        with pytest.raises(Fp8NonFiniteError) as info:
+            plain(bad)  # unguarded Float8Linear: the NaN its zero scale made is named at the cast
+        assert info.value.op == "cast" and info.value.nan_count > 0
+        with pytest.raises(Fp8NonFiniteError) as info:
+            guarded(bad)  # guarded: the layer's own check, not the cast's
+        assert info.value.layer == "0" and info.value.posinf_count == 1
+    for a, b in zip(
+        (ref[0], ref[1], *ref[2]), (unguarded_checked[0], unguarded_checked[1], *unguarded_checked[2])
+    ):
+        assert torch.equal(a, b)
+    assert torch.equal(ref[0], guarded_checked[0])

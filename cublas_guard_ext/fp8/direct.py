@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..capsule import scaled as _scaled_capsule
 from ..errors.fp8 import (
     Fp8ArgumentError,
     Fp8NonFiniteError,
@@ -217,6 +218,16 @@ def _checked(op: str, original: Any, positions: tuple[int, int, int, int], mm: b
     def call(*args: Any, **kwargs: Any) -> Any:
         if is_quiet() or torch.compiler.is_compiling():
             return original(*args, **kwargs)
+        try:
+            return checked(*args, **kwargs)
+        except (Fp8NonFiniteError, Fp8ScaleError) as err:  # with the capsule: replay reruns the GEMM
+            path, note = _scaled_capsule.capture_scaled(err, op, args, kwargs)
+            if path is not None or note is not None:
+                err.capsule, err.capsule_note = path, note
+                err.args = (err._format(),)
+            raise
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
         a = _arg(args, kwargs, ia, "self", "mat_a", "input")
         b = _arg(args, kwargs, ib, "mat2", "mat_b")
         sa = _arg(args, kwargs, isa, "scale_a")

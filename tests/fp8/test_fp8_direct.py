@@ -165,3 +165,41 @@ def test_outside_the_block_nothing_is_patched() -> None:
             assert torch._scaled_mm is not original
         assert torch._scaled_mm is not original
     assert torch._scaled_mm is original and not hasattr(torch.Tensor.to, "__wrapped__")
+
+
+@pytest.mark.slow
+def test_capsule_of_a_zero_scale_replays_the_scaled_gemm_alone(tmp_path, monkeypatch) -> None:
+    import cublas_guard_ext as cge
+
+    monkeypatch.setenv("CUBLAS_GUARD_CAPSULE_DIR", str(tmp_path))
+    a, b = _operands()
+    with fp8.checked_fp8(), pytest.raises(Fp8ScaleError) as info:
+        torch._scaled_mm(a, b, ONE, torch.tensor(0.0), out_dtype=torch.bfloat16)
+    path = info.value.capsule
+    assert path is not None and path in str(info.value)
+    data = cge.capsule.load(path)
+    assert data["scaled_gemm"]["op"] == "torch._scaled_mm" and data["scaled_gemm"]["values_kept"]
+    result = cge.replay(path)
+    assert result["reproduced"], result["verdict"]
+    assert (
+        "torch._scaled_mm alone on cpu: 0 NaN and 0 Inf of 1024 output values, 1024 zeros"
+        in result["verdict"]
+    )
+    assert "amax of Inf" in result["verdict"]  # the error's own advice, carried along
+
+
+@pytest.mark.slow
+def test_capsule_of_a_nan_code_in_f_scaled_mm_replays(tmp_path, monkeypatch) -> None:
+    import cublas_guard_ext as cge
+
+    if not hasattr(F, "scaled_mm"):
+        pytest.skip("this torch has no F.scaled_mm")
+    monkeypatch.setenv("CUBLAS_GUARD_CAPSULE_DIR", str(tmp_path))
+    a, b = _operands()
+    a = a.clone()
+    a.view(torch.uint8)[0, 0] = 0x7F
+    tw = F.ScalingType.TensorWise
+    with fp8.checked_fp8(), pytest.raises(Fp8NonFiniteError) as info:
+        F.scaled_mm(a, b, ONE, tw, ONE, tw)
+    result = cge.replay(info.value.capsule)
+    assert result["reproduced"] and "F.scaled_mm alone on cpu: 64 NaN and 0 Inf of 1024" in result["verdict"]

@@ -10,8 +10,10 @@ scaling does not read already, but one ``count_nonzero(x)``:
 * the scale: finite, > 0, reciprocal finite (a scalar or one value per row);
 * saturation: ``amax * scale > max`` (per row) says whether any value saturates; only then is
   ``|x * scale| > max`` counted (never, with scales computed from this amax);
-* flush to zero: nonzero values of ``x`` minus nonzero codes of the cast (one byte per value):
-  exactly the values the cast rounded to 0.
+* flush to zero: the zero codes of the cast (one byte per value) minus the zeros of ``x``: exactly
+  the values the cast rounded to 0; ``x``'s zeros are counted only when the zero codes alone could
+  cross the threshold (:func:`flush_counts`). The amax itself is read in one ``aminmax`` pass
+  (fp8/linear.py) instead of torchao's abs + max: the checks fit in what that saves.
 
 Each check yields a small stats tensor on ``x``'s device; ``sync`` mode reads it at once (one
 host read per operand), ``async`` mode keeps it and reads it at the next guarded float8 call or
@@ -33,6 +35,8 @@ from ..errors.fp8 import Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8S
 from .formats import THRESHOLDS, Format
 
 _quiet = threading.local()
+# Called with (where, saturated fraction, flushed fraction) for every operand checked in full.
+OBSERVERS: list = []
 
 
 @contextmanager
@@ -76,7 +80,7 @@ class Pending:
     event: Any = None  # async on CUDA: the stats' copy to the host, recorded
 
 
-# stats layout: [amax all finite, scale values bad, nonzero(x), nonzero(codes), any row saturates]
+# stats layout: [amax all finite, scale values bad, zero codes (+0 or -0), any row saturates]
 def stats_of(
     x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, fmt: Format
 ) -> torch.Tensor:
@@ -86,11 +90,22 @@ def stats_of(
         parts = (
             torch.isfinite(amax).all(),
             bad_scale.sum(),
-            torch.count_nonzero(x),
-            torch.count_nonzero(codes.view(torch.uint8) & 0x7F),
+            # +0 and -0 (0x00, 0x80) are the int8 values v with 2v = 0 (mod 256): one cheap pass
+            codes.numel() - torch.count_nonzero(codes.view(torch.int8) * 2),
             (amax.float() * scale32 > fmt.max).any(),
         )
-        return torch.stack([p.to(torch.float64) for p in parts])
+        return torch.stack([torch.as_tensor(p).to(torch.float64) for p in parts])
+
+
+def flush_counts(x: torch.Tensor, zero_codes: int, exact: bool) -> tuple[int, int]:
+    """(values the cast flushed to zero, nonzero values of ``x``). The flushed are at most the zero
+    codes, so while those stay under ``flush / (1 + flush)`` of the values the fraction cannot
+    cross the threshold and ``x`` is not read again (unless ``exact``): (0, -1) then."""
+    numel, limit = x.numel(), THRESHOLDS.flush
+    if not exact and zero_codes <= numel * limit / (1 + limit):
+        return 0, -1
+    nonzero = int(torch.count_nonzero(x.detach()))
+    return max(nonzero - (numel - zero_codes), 0), nonzero
 
 
 def _scan_counts(x: torch.Tensor) -> dict[str, Any]:
@@ -130,7 +145,7 @@ def _scalar_fields(amax: torch.Tensor, scale: torch.Tensor) -> dict[str, Any]:
 
 def verdict(p: Pending, host: list[float], warned: set | None = None) -> None:
     """Raise (or warn) what ``host`` (the stats read back) says of the operand ``p``."""
-    finite, bad_scale, nonzero, nonzero_codes, overflows = host
+    finite, bad_scale, zero_codes, overflows = host
     where = p.where.fields()
     base = {
         **where,
@@ -157,9 +172,11 @@ def verdict(p: Pending, host: list[float], warned: set | None = None) -> None:
     saturated = 0
     if overflows:
         saturated = int(torch.count_nonzero((p.x.detach().float() * p.scale.float()).abs() > p.fmt.max))
-    flushed = max(int(nonzero) - int(nonzero_codes), 0)
+    flushed, nonzero = flush_counts(p.x, int(zero_codes), exact=bool(OBSERVERS))
     numel = max(p.x.numel(), 1)
-    sat_fraction, flush_fraction = saturated / numel, flushed / max(int(nonzero), 1)
+    sat_fraction, flush_fraction = saturated / numel, flushed / max(nonzero, 1)
+    for observer in OBSERVERS:  # benchmarks/fp8_bench.py --ranges: what clean training measures
+        observer(p.where, sat_fraction, flush_fraction)
     if sat_fraction <= THRESHOLDS.saturate and flush_fraction <= THRESHOLDS.flush:
         return
     fields = {

@@ -108,16 +108,22 @@ def test_one_outlier_flushing_the_rest_warns_and_strict_raises() -> None:
 
 
 def test_flush_count_is_exactly_what_the_cast_rounds_to_zero() -> None:
-    from cublas_guard_ext.fp8.checks import stats_of
+    from cublas_guard_ext.fp8.checks import flush_counts, stats_of
 
     fmt = fp8.format_of(torch.float8_e4m3fn)
     torch.manual_seed(3)
     x = torch.randn(4096) * torch.logspace(-12, 0, 4096)
+    x[::7] = 0.0  # exact zeros are not flushed
     scale = torch.tensor(448.0) / x.abs().max()
     codes = (x * scale).to(torch.float8_e4m3fn)
     expected = int(((codes.float() == 0) & (x != 0)).sum())
-    stats = stats_of(x, x.abs().max(), scale, codes, fmt).tolist()
-    assert 0 < expected == int(stats[2] - stats[3])
+    zero_codes = int(stats_of(x, x.abs().max(), scale, codes, fmt).tolist()[2])
+    assert 0 < expected == flush_counts(x, zero_codes, exact=True)[0]
+    assert flush_counts(x, zero_codes, exact=False)[0] == expected  # above the threshold: counted
+    few = x.clone()
+    few[: 4096 - 64] = 1.0  # 64 tiny values left: under the threshold, x is not read again
+    codes = (few * scale).to(torch.float8_e4m3fn)
+    assert flush_counts(few, int((codes.float() == 0).sum()), exact=False) == (0, -1)
 
 
 def test_clean_steps_do_not_warn_at_the_default_thresholds() -> None:

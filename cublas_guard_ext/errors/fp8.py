@@ -257,3 +257,27 @@ FLOAT8_LEFT_REASON = (
     "torchao Float8Linear, not guarded: replace_linear(model) guards its three FP8 GEMMs "
     "(torchao >= {floor}; docs/fp8.md)"
 )
+
+# The texts of fp8/direct.py's argument checks: Fp8ArgumentError's problem and next step, and what
+# a device lacks (written here, filled there).
+ARGUMENT_TEXTS = {
+    "fnuz_on_nvidia": "{name} is ROCm's (MI300) format; NVIDIA GPUs run float8_e4m3fn and float8_e5m2",
+    "old_gpu": "FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is sm_{major}{minor}",
+    "fnuz_not_mi300": "{name} is the MI300 (gfx94x) format; {gfx} runs float8_e4m3fn and float8_e5m2",
+    "ocp_on_mi300": "{gfx} (MI300) runs float8_e4m3fnuz and float8_e5m2fnuz, not {name}",
+    "not_float8": "{name} is {dtype}, not a float8 dtype",
+    "not_float8_next": "cast it with a scale first: ({name}_hp * scale).to(torch.float8_e4m3fn)",
+    "device_lacks": "{name}: {why}",
+    "device_lacks_next": "cast to a format the device runs",
+    "layout": (
+        "{name} {shape} with strides {strides} is not {want}: cuBLASLt's FP8 GEMM takes mat_a row-major "
+        "and mat_b column-major only (the CPU path accepts more, the same code then fails on a GPU)"
+    ),
+    "layout_next_mat_b": "pass mat_b as weight.t() of a contiguous [N, K] weight (or b.t().contiguous().t())",
+    "layout_next_mat_a": "pass mat_a.contiguous()",
+    "scale_shapes": (
+        "scale_a {sa} and scale_b {sb} match no float32 recipe for a [{m}, {k}] x [{k2}, {n}] product: "
+        "tensorwise takes one value each, rowwise scale_a [{m}, 1] and scale_b [1, {n}]"
+    ),
+    "scale_shapes_next": "compute the scales per tensor (amax over all) or per row of mat_a and column of mat_b",
+}

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..capsule import scaled as _scaled_capsule
+from ..errors.fp8 import ARGUMENT_TEXTS as TEXTS
 from ..errors.fp8 import (
     Fp8ArgumentError,
     Fp8NonFiniteError,
@@ -49,15 +50,15 @@ def device_lacks(dtype: torch.dtype, device_type: str, hip: str | None, arch: An
         return None
     if hip is None:
         if "fnuz" in name:
-            return f"{name} is ROCm's (MI300) format; NVIDIA GPUs run float8_e4m3fn and float8_e5m2"
+            return TEXTS["fnuz_on_nvidia"].format(name=name)
         if tuple(arch) < (8, 9):
-            return f"FP8 GEMMs need compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is sm_{arch[0]}{arch[1]}"
+            return TEXTS["old_gpu"].format(major=arch[0], minor=arch[1])
         return None
     gfx = str(arch)
     if "fnuz" in name and not gfx.startswith("gfx94"):
-        return f"{name} is the MI300 (gfx94x) format; {gfx} runs float8_e4m3fn and float8_e5m2"
+        return TEXTS["fnuz_not_mi300"].format(name=name, gfx=gfx)
     if "fnuz" not in name and gfx.startswith("gfx94"):
-        return f"{gfx} (MI300) runs float8_e4m3fnuz and float8_e5m2fnuz, not {name}"
+        return TEXTS["ocp_on_mi300"].format(name=name, gfx=gfx)
     return None
 
 
@@ -123,16 +124,16 @@ def _operands(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[Format, Format
         if fmt is None:
             raise Fp8ArgumentError(
                 op=op,
-                problem=f"{name} is {t.dtype}, not a float8 dtype",
-                next=f"cast it with a scale first: ({name}_hp * scale).to(torch.float8_e4m3fn)",
+                problem=TEXTS["not_float8"].format(name=name, dtype=t.dtype),
+                next=TEXTS["not_float8_next"].format(name=name),
             )
         lacks = _device_problem(t)
         if lacks:
             raise Fp8ArgumentError(
                 op=op,
-                problem=f"{name}: {lacks}",
+                problem=TEXTS["device_lacks"].format(name=name, why=lacks),
                 device=str(t.device),
-                next="cast to a format the device runs",
+                next=TEXTS["device_lacks_next"],
             )
         fmts.append(fmt)
     return fmts[0], fmts[1]
@@ -148,16 +149,10 @@ def _layout(op: str, a: torch.Tensor, b: torch.Tensor) -> None:
         if not ok:
             raise Fp8ArgumentError(
                 op=op,
-                problem=(
-                    f"{name} {list(t.shape)} with strides {tuple(t.stride())} is not {want}: cuBLASLt's FP8 "
-                    "GEMM takes mat_a row-major and mat_b column-major only (the CPU path accepts more, "
-                    "the same code then fails on a GPU)"
+                problem=TEXTS["layout"].format(
+                    name=name, shape=list(t.shape), strides=tuple(t.stride()), want=want
                 ),
-                next=(
-                    "pass mat_b as weight.t() of a contiguous [N, K] weight (or b.t().contiguous().t())"
-                    if name == "mat_b"
-                    else "pass mat_a.contiguous()"
-                ),
+                next=TEXTS[f"layout_next_{name}"],
             )
 
 
@@ -171,12 +166,10 @@ def _scale_shapes(op: str, a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, s
     if not (tensorwise or rowwise):
         raise Fp8ArgumentError(
             op=op,
-            problem=(
-                f"scale_a {list(sa.shape)} and scale_b {list(sb.shape)} match no float32 recipe for a "
-                f"[{m}, {a.shape[1]}] x [{b.shape[0]}, {n}] product: tensorwise takes one value each, "
-                f"rowwise scale_a [{m}, 1] and scale_b [1, {n}]"
+            problem=TEXTS["scale_shapes"].format(
+                sa=list(sa.shape), sb=list(sb.shape), m=m, k=a.shape[1], k2=b.shape[0], n=n
             ),
-            next="compute the scales per tensor (amax over all) or per row of mat_a and column of mat_b",
+            next=TEXTS["scale_shapes_next"],
         )
 
 

@@ -8,8 +8,9 @@ scaling does not read already, but one ``count_nonzero(x)``:
   the amax scaling computed is the check; the NaN/+Inf/-Inf counts and the first bad element
   (the project's fused scan, ``cublas_guard_ext.scan``) are read only on that error path;
 * the scale: finite, > 0, reciprocal finite (a scalar or one value per row);
-* saturation: ``amax * scale > max`` (per row) says whether any value saturates; only then is
-  ``|x * scale| > max`` counted (never, with scales computed from this amax);
+* saturation: ``amax * scale`` above ``max`` plus half the format's top spacing (per row) says
+  whether any value is clipped; only then is ``|x * scale|`` counted against it (never, with
+  scales computed from this amax: their rounding error stays under it);
 * flush to zero: the zero codes of the cast (one byte per value) minus the zeros of ``x``: exactly
   the values the cast rounded to 0; ``x``'s zeros are counted only when the zero codes alone could
   cross the threshold (:func:`flush_counts`). The amax itself is read in one ``aminmax`` pass
@@ -92,7 +93,7 @@ def stats_of(
             bad_scale.sum(),
             # +0 and -0 (0x00, 0x80) are the int8 values v with 2v = 0 (mod 256): one cheap pass
             codes.numel() - torch.count_nonzero(codes.view(torch.int8) * 2),
-            (amax.float() * scale32 > fmt.max).any(),
+            (amax.float() * scale32 > fmt.clipped_above).any(),
         )
         return torch.stack([torch.as_tensor(p).to(torch.float64) for p in parts])
 
@@ -171,7 +172,8 @@ def verdict(p: Pending, host: list[float], warned: set | None = None) -> None:
         )
     saturated = 0
     if overflows:
-        saturated = int(torch.count_nonzero((p.x.detach().float() * p.scale.float()).abs() > p.fmt.max))
+        scaled = (p.x.detach().float() * p.scale.float()).abs()
+        saturated = int(torch.count_nonzero(scaled > p.fmt.clipped_above))
     flushed, nonzero = flush_counts(p.x, int(zero_codes), exact=bool(OBSERVERS))
     numel = max(p.x.numel(), 1)
     sat_fraction, flush_fraction = saturated / numel, flushed / max(nonzero, 1)

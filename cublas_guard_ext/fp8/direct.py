@@ -259,7 +259,7 @@ def check_cast(x: torch.Tensor, codes: torch.Tensor) -> None:
     if counts["nan_count"] or counts["posinf_count"] or counts["neginf_count"]:
         raise Fp8NonFiniteError(**base, **counts)
     a = x.detach().abs()
-    saturated = int((a > fmt.max).sum())
+    saturated = int((a > fmt.clipped_above).sum())
     nonzero = int(torch.count_nonzero(x))
     flushed = max(nonzero - int(torch.count_nonzero(codes.view(torch.uint8) & 0x7F)), 0)
     sat_fraction, flush_fraction = saturated / max(x.numel(), 1), flushed / max(nonzero, 1)

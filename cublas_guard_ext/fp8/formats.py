@@ -23,21 +23,27 @@ class Format:
     max: float  # the largest finite value: what saturates
     tiny: float  # the smallest subnormal; |x * scale| <= tiny / 2 becomes 0
     has_inf: bool
+    top_ulp: float  # the spacing just below max: |x * scale| above max + top_ulp / 2 is clipped
+
+    @property
+    def clipped_above(self) -> float:
+        """Scaled values above this are clipped to max; below, they round to max anyway (an amax
+        scaled in float32 lands a rounding error above max: that is not saturation)."""
+        return self.max + self.top_ulp / 2
 
 
 def _formats() -> dict[torch.dtype, Format]:
     table = {}
-    for name, tiny_exp, has_inf in (
-        ("float8_e4m3fn", -9, False),
-        ("float8_e5m2", -16, True),
-        ("float8_e4m3fnuz", -10, False),
-        ("float8_e5m2fnuz", -17, False),
+    for name, tiny_exp, has_inf, top_ulp in (
+        ("float8_e4m3fn", -9, False, 32.0),  # 416, 448
+        ("float8_e5m2", -16, True, 8192.0),  # 49152, 57344
+        ("float8_e4m3fnuz", -10, False, 16.0),  # 224, 240
+        ("float8_e5m2fnuz", -17, False, 8192.0),
     ):
         dtype = getattr(torch, name, None)
         if dtype is not None:
-            table[dtype] = Format(
-                name.removeprefix("float8_"), float(torch.finfo(dtype).max), 2.0**tiny_exp, has_inf
-            )
+            largest = float(torch.finfo(dtype).max)
+            table[dtype] = Format(name.removeprefix("float8_"), largest, 2.0**tiny_exp, has_inf, top_ulp)
     return table
 
 

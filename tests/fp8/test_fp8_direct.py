@@ -61,6 +61,10 @@ def test_cast_saturation_warns_then_strict_raises() -> None:
         fp8.set_thresholds(strict=True)
         with pytest.raises(Fp8RangeError) as info:
             x.to(torch.float8_e4m3fn)
+        near = torch.full(
+            (100,), 463.0
+        )  # rounds to 448 anyway (448 + half of the top spacing 32): not clipped
+        assert float(near.to(E4M3)[0].float()) == 448.0
     assert info.value.saturated == 20
 
 

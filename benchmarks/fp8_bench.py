@@ -67,7 +67,7 @@ def _gpt2_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> float
     return float(loss)
 
 
-def ranges(steps: int) -> list[str]:
+def ranges(steps: int, models: list[str], recipes: list[str]) -> list[str]:
     worst: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
     def observe(where: Any, sat: float, flush: float) -> None:
@@ -78,8 +78,8 @@ def ranges(steps: int) -> list[str]:
     checks.OBSERVERS.append(observe)
     lines = []
     try:
-        for label in ("MiniLM", "GPT-2"):
-            for recipe in RECIPES:
+        for label in models:
+            for recipe in recipes:
                 worst.clear()
                 if label == "MiniLM":
                     model = _convert(_minilm.load(seed=0), recipe)
@@ -147,15 +147,17 @@ def main() -> None:
     parser.add_argument("--cost", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--models", default="MiniLM,GPT-2")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
     args = parser.parse_args()
     if args.ranges:
         print("| model | recipe | steps | loss | largest saturated fraction | largest flushed fraction |")
         print("|---|---|---:|---|---:|---:|")
-        ranges(args.steps)
+        ranges(args.steps, args.models.split(","), args.recipes.split(","))
     if args.cost:
         print("| model | recipe | steps each | unguarded FP8 | guarded FP8 | ratio of medians |")
         print("|---|---|---:|---:|---:|---:|")
-        for recipe in RECIPES:
+        for recipe in args.recipes.split(","):
             cost(args.reps, recipe)
 
 

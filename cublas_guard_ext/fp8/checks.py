@@ -13,8 +13,9 @@ scaling does not read already, but one ``count_nonzero(x)``:
   scales computed from this amax: their rounding error stays under it);
 * flush to zero: the zero codes of the cast (one byte per value) minus the zeros of ``x``: exactly
   the values the cast rounded to 0; ``x``'s zeros are counted only when the zero codes alone could
-  cross the threshold (:func:`flush_counts`). The amax itself is read in one ``aminmax`` pass
-  (fp8/linear.py) instead of torchao's abs + max: the checks fit in what that saves.
+  cross the threshold (:func:`flush_counts`). With tensorwise scaling the amax itself is read in
+  one ``aminmax`` pass (fp8/linear.py) instead of torchao's abs + max: the checks fit in what that
+  saves.
 
 Each check yields a small stats tensor on ``x``'s device; ``sync`` mode reads it at once (one
 host read per operand), ``async`` mode keeps it and reads it at the next guarded float8 call or

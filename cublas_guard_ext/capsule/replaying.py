@@ -29,6 +29,7 @@ import sys
 from typing import Any
 
 from . import contents as _capsule
+from . import scaled as _scaled
 
 # Every variant, in the order they run; the worker knows what each means.
 VARIANTS = (
@@ -221,8 +222,12 @@ def replay(path: str | os.PathLike, timeout: float = 600.0) -> dict[str, Any]:
     """Replays a capsule; returns {"reproduced", "verdict", "variants", "call", ...}."""
     path = str(path)
     data = _capsule.load(path)
-    variants, stderr = run_variants(path, timeout)
-    reproduced, text = verdict(data, variants)
+    if data.get(_scaled.KEY):  # a scaled (FP8) GEMM's capsule: the GEMM alone, as recorded
+        variants = _run_worker(path, ["as recorded"], timeout)[0]
+        reproduced, text = _scaled.verdict(data, variants[0] if variants else None)
+    else:
+        variants, stderr = run_variants(path, timeout)
+        reproduced, text = verdict(data, variants)
     return {
         "capsule": path,
         "ran": any(v["name"] == "as recorded" and v["status"] in ("passed", "failed") for v in variants),

@@ -25,6 +25,7 @@ under 600 lines:
 * ``entries``     where an entry finding's values sit and what to do for its role (a cache)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
+* ``fp8``         FP8 GEMMs' errors (an operand's non-finite values, a scale, a range, the arguments)
 * ``steps``       TrainingGuard's errors (a bad step, a diverged run)
 * ``samples``     TrainingGuard's samples (ids that cannot name the rows, a skip list that cannot be used)
 * ``corruption``  finite numbers that cannot be trusted (replicas that differ, a rerun verdict)
@@ -38,6 +39,7 @@ from __future__ import annotations
 from .base import GuardError
 from .corruption import SilentCorruptionError
 from .experts import ExpertsImplementationError, GroupOffsetsError
+from .fp8 import Fp8ArgumentError, Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8ScaleError
 from .inputs import (
     DeviceMismatchError,
     DTypeError,
@@ -94,6 +96,11 @@ __all__ = [
     "NonFiniteGradientsError",
     "GroupOffsetsError",
     "ExpertsImplementationError",
+    "Fp8NonFiniteError",
+    "Fp8ScaleError",
+    "Fp8RangeError",
+    "Fp8RangeWarning",
+    "Fp8ArgumentError",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -278,6 +278,26 @@ PYTHON_FIELDS: dict[str, str] = {
     "batch_rows": "list",
     "argument_shape": "list",
     "path": "str",
+    # FP8 (errors/fp8.py, raised by cublas_guard_ext/fp8/): the operand of a float8 GEMM or cast
+    "operand": "str",  # input, weight, grad_output; mat_a, mat_b, scale_a, scale_b, output
+    "recipe": "str",  # torchao's recipe: tensorwise, rowwise, rowwise_with_gw_hp, custom
+    "fp8_dtype": "str",
+    "fp8_max": "float",
+    "fp8_tiny": "float",  # the smallest subnormal
+    "nan_codes": "int",  # NaN and Inf codes in a float8 operand
+    "output": "bool",  # the check of a scaled GEMM's output
+    "bad_count": "int",
+    # "count" (scale values: bad ones, all) and "problem": as above
+    "scale_name": "str",
+    "scale_shape": "list",
+    "saturated": "int",
+    "saturated_fraction": "float",
+    "flushed": "int",
+    "nonzero": "int",
+    "flushed_fraction": "float",
+    "saturate_limit": "float",
+    "flush_limit": "float",
+    "next": "str",  # Fp8ArgumentError: what is wrong, what to do
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .. import fp8
 from ..errors.experts import experts_left_reason, experts_other_reason, fused_3d_reason
 from ..guarded_linear import modes
 from ..guarded_linear.nn import (
@@ -75,9 +76,19 @@ _NOT_MATMULS = (
 _NOT_WEIGHT_WORDS = ("embed", "pos", "token", "bias", "table", "scale", "norm")
 
 
+def _is_guarded_any(module: nn.Module) -> bool:
+    """A guarded Linear, experts, Float8Linear or router: its matmuls are guarded."""
+    return (
+        is_guarded(module)
+        or experts.is_guarded_experts(module)
+        or fp8.is_guarded_float8(module)
+        or routers.is_guarded_router(module)
+    )
+
+
 def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
     """Why this module's matmul is not guarded (None: guarded, or it holds none)."""
-    if is_guarded(module) or experts.is_guarded_experts(module) or routers.is_guarded_router(module):
+    if _is_guarded_any(module):
         return None
     kind = type(module).__name__
     if experts.is_hf_experts(module):
@@ -92,6 +103,9 @@ def _reason_left(module: nn.Module, conv1d: bool) -> str | None:
             "Linear subclass read the same way"
         )
     if isinstance(module, nn.Linear):
+        float8 = fp8.float8_left_reason(module)  # torchao's Float8Linear: fp8/
+        if float8 is not None:
+            return float8
         if not _swappable_type(module):
             return (
                 f"a subclass of nn.Linear ({kind}): its forward or its weight's use may differ from "
@@ -137,7 +151,7 @@ def coverage(model: nn.Module, *, conv1d: bool = True) -> Coverage:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        if is_guarded(module) or experts.is_guarded_experts(module) or routers.is_guarded_router(module):
+        if _is_guarded_any(module):
             out.guarded.append(name)
             continue
         reason = _reason_left(module, conv1d)
@@ -251,6 +265,9 @@ def replace_linear(
         safe = _guarded_twin(model, options)
         _set_auto_name(safe, type(model).__name__)
         return safe
+    if fp8.float8_left_reason(model) is not None:  # the model is one torchao Float8Linear
+        fp8.guard_float8(model, None, mode)
+        return model
 
     # Every slot of every swappable module, by module (a module may have several names).
     modules: list[nn.Module] = []
@@ -265,6 +282,8 @@ def replace_linear(
             slots[position[id(module)]].append(qualified)
     by_name = {name: i for i, names in enumerate(slots) for name in names}
     experts_names = {name for name, module in model.named_modules() if experts.is_hf_experts(module)}
+    # torchao's Float8Linear layers: guarded in place, FP8 kept (fp8/linear.py)
+    float8_names = {name for name, module in model.named_modules() if fp8.float8_left_reason(module)}
 
     explicit = not isinstance(which, str)
     if isinstance(which, str):
@@ -282,7 +301,7 @@ def replace_linear(
             raise ValueError(f"which must be 'all', 'first' or a list of names, got {which!r}")
     else:
         names = list(which)
-        unknown = [n for n in names if n not in by_name and n not in experts_names]
+        unknown = [n for n in names if n not in by_name and n not in experts_names and n not in float8_names]
         if unknown:
             also = " (nor transformers Conv1D)" if conv1d else ""
             raise ValueError(f"not nn.Linear modules of this model{also}: {unknown}")
@@ -304,6 +323,8 @@ def replace_linear(
     name_layers(model)
     if which == "all" or (explicit and experts_names.intersection(names)):
         experts.guard_experts(model, None if which == "all" else set(names), mode)
+    if which == "all" or (explicit and float8_names.intersection(names)):
+        fp8.guard_float8(model, None if which == "all" else set(names), mode)
     if which == "all":
         routers.guard_routers(model, mode)  # models/routers.py: the routers' own F.linear
     _report(model, conv1d, explicit or which == "first")
@@ -385,6 +406,7 @@ def restore_linear(model: nn.Module) -> nn.Module:
     """
     if is_guarded(model):
         return _plain_twin(model)
+    fp8.restore_float8(model)  # guarded Float8Linear layers: back to torchao's, in place
     twins: dict[int, nn.Module] = {}
     slots = [
         (qualified, module)

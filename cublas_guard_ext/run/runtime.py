@@ -1,6 +1,7 @@
 """The guard inside one process of a run: installed by the bootstrap right after ``import torch``.
 
 * every ``nn.Linear`` through the guarded op, by qualified name (:mod:`.linear`);
+* torchao's ``Float8Linear`` guarded, direct FP8 calls and float8 casts checked (:mod:`.float8`);
 * every optimizer step counted, and checked with ``--skip/--raise-on-nonfinite-steps``
   (:mod:`.steps`);
 * ``--watch``: watch blocks over every forward, backward and step (:mod:`.watching`);
@@ -20,7 +21,7 @@ import time
 from typing import Any
 
 from ..errors import GuardError, PeerFailedError
-from . import incident, linear, ranks, steps
+from . import float8, incident, linear, ranks, steps
 from .options import RunOptions
 
 _installed: dict[str, Any] = {}
@@ -186,6 +187,7 @@ def _uninstall() -> None:
 
         watching.uninstall()
     steps.uninstall()
+    float8.uninstall()
     linear.uninstall()
     if getattr(sys.excepthook, "__name__", "") == "hook" and sys.excepthook.__module__ == __name__:
         sys.excepthook = _installed.get("previous_excepthook", sys.__excepthook__)
@@ -197,6 +199,7 @@ def _install(opts: RunOptions) -> None:
     if opts.capsules_in_report:
         os.environ[CAPSULE_DIR_ENV] = os.path.join(opts.report_dir, "capsules", ranks.file_stem())
     linear.install()
+    float8.install()  # torchao's Float8Linear, direct FP8 calls and float8 casts (run/float8.py)
     steps.install(opts.nonfinite_steps)
     if opts.watch:
         from . import watching

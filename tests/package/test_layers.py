@@ -47,6 +47,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "guarded_linear: SafeLinear, SafeConv1D, the ops, check(), guard(), the modes",
         ("cublas_guard_ext.guarded_linear", "cublas_guard_ext.guarded_linear.*"),
     ),
+    (
+        "fp8: torchao's Float8Linear guarded, direct scaled GEMMs and float8 casts checked",
+        ("cublas_guard_ext.fp8", "cublas_guard_ext.fp8.*"),
+    ),
     ("watching: watch and its global patches", ("cublas_guard_ext.watching", "cublas_guard_ext.watching.*")),
     (
         "models: replace_linear, restore_linear, coverage",

@@ -27,14 +27,13 @@ transformers is never imported here: it is optional, and only its modules alread
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
 import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._import_hooks import AfterImport
 from ..errors import ExpertsImplementationError
 from ..guarded_linear import modes
 from ..guarded_linear import ops as _ops  # noqa: F401  (loads the native library)
@@ -302,42 +301,15 @@ def register() -> bool:
     return True
 
 
-class _AfterMoeImport(importlib.abc.MetaPathFinder):
-    """Registers the implementation right after transformers' integrations.moe module ran
-    (whenever the script imports it), then leaves sys.meta_path."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _MOE_MODULE:
-            return None
-        _remove_finder()
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            sys.modules.setdefault(name, module)
-            register()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  (this spec's loader)
-        return spec
-
-
-_FINDER = _AfterMoeImport()
-
-
-def _remove_finder() -> None:
-    try:
-        sys.meta_path.remove(_FINDER)
-    except ValueError:
-        pass
+# Registers the implementation right after transformers' integrations.moe module ran (whenever
+# the script imports it), then leaves sys.meta_path.
+_FINDER = AfterImport(_MOE_MODULE, lambda: register())
 
 
 def register_when_loaded() -> None:
     """Register now if transformers' MoE integration is loaded, else when it is."""
-    if not register() and _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    if not register():
+        _FINDER.install()
 
 
 # -- `python -m cublas_guard_ext run`: every experts module of the process --------------------------------

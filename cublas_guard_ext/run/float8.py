@@ -10,12 +10,11 @@ supports keeps its layers as they are.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 from typing import Any
 
 from .. import fp8
+from .._import_hooks import AfterImport
 from ..fp8 import direct
 from . import linear
 
@@ -47,36 +46,10 @@ def _patch() -> bool:
     return True
 
 
-class _AfterFloat8Import(importlib.abc.MetaPathFinder):
-    """Patches Float8Linear right after torchao's float8_linear module ran, then leaves."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _MODULE:
-            return None
-        _remove_finder()
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        original = spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            sys.modules.setdefault(name, module)
-            _patch()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  (this spec's loader)
-        return spec
-
-
-_FINDER = _AfterFloat8Import()
+# Patches Float8Linear right after torchao's float8_linear module ran (now, or when the script
+# imports it), then leaves sys.meta_path.
+_FINDER = AfterImport(_MODULE, lambda: _patch())
 _installed = {"on": False}
-
-
-def _remove_finder() -> None:
-    try:
-        sys.meta_path.remove(_FINDER)
-    except ValueError:
-        pass
 
 
 def install() -> None:
@@ -84,15 +57,15 @@ def install() -> None:
         return
     _installed["on"] = True
     direct.install()
-    if not _patch() and _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    if not _patch():
+        _FINDER.install()
 
 
 def uninstall() -> None:
     if not _installed["on"]:
         return
     _installed["on"] = False
-    _remove_finder()
+    _FINDER.remove()
     direct.uninstall()
     patched = _original.pop("forward", None)
     if patched is not None:

@@ -32,6 +32,10 @@ PACKAGE_DIR = Path(cublas_guard_ext.__file__).resolve().parent
 # (inside a function), and the imports form no cycle, late ones included.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
+        "_import_hooks: a function run right after another package's module is imported",
+        ("cublas_guard_ext._import_hooks",),
+    ),
+    (
         "errors: every user-facing message and error class",
         ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*"),
     ),

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace cublas_guard {
 namespace watch {
@@ -31,29 +32,12 @@ constexpr int64_t kInlineScanMax = 1024;
 
 template <typename T>
 HostCounts count_inline(const void* data, int64_t n) {
+  // float16/bfloat16 widen exactly to float; float64 is not narrowed (1e300 is finite there).
+  using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const T* p = static_cast<const T*>(data);
   HostCounts c;
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(p[i]);  // float16/bfloat16 widen exactly; finite floats stay finite
-    if (std::isfinite(v)) continue;
-    if (c.first < 0) c.first = i;
-    if (std::isnan(v)) {
-      ++c.nan;
-    } else if (v > 0) {
-      ++c.posinf;
-    } else {
-      ++c.neginf;
-    }
-  }
-  return c;
-}
-
-template <>
-HostCounts count_inline<double>(const void* data, int64_t n) {
-  const double* p = static_cast<const double*>(data);
-  HostCounts c;
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = p[i];  // not narrowed: 1e300 is finite in float64
+    const Wide v = static_cast<Wide>(p[i]);
     if (std::isfinite(v)) continue;
     if (c.first < 0) c.first = i;
     if (std::isnan(v)) {

@@ -1,6 +1,7 @@
-"""TrainingGuard(skip_list=) under DDP on 2 CPU ranks (gloo): a listed sample in rank 1's
-batch at step 3 makes both ranks skip step 3 before its closure (no rank waits in DDP's
-gradient all-reduce), and both end equal, bitwise, to a run that never drew step 3."""
+"""TrainingGuard(skip_list=) under DDP and FSDP2 on 2 CPU ranks (gloo): a listed sample in rank
+1's batch at step 3 makes both ranks skip step 3 before its closure (no rank waits in DDP's
+gradient all-reduce or FSDP2's all-gather), and both end equal, bitwise, to a run that never
+drew step 3."""
 
 from __future__ import annotations
 
@@ -44,7 +45,18 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
     result: dict = {"rank": rank, "calls": [], "warnings": []}
     try:
         torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+        inner = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        scenario, wrapper = scenario.split("-")
+        if wrapper == "ddp":
+            model = DDP(inner)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for i in (0, 2):
+                fully_shard(inner[i], mesh=mesh)
+            model = fully_shard(inner, mesh=mesh)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         listed = scenario == "listed"
         guard = cg.TrainingGuard(model, opt, skip_list=Path(out_dir, "skip.jsonl") if listed else None)
@@ -65,7 +77,10 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
                 warnings.simplefilter("always")
                 guard.step(closure, sample_ids=ids_of(rank, step))
             result["warnings"] += [str(w.message) for w in seen]
-        result["final"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        result["final"] = [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+            for p in model.parameters()
+        ]
         result["list_skips"] = guard.list_skips
         result["status"] = "ok"
     except Exception:  # noqa: BLE001
@@ -79,10 +94,11 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_listed_sample_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_a_listed_sample_on_one_rank_skips_the_step_on_every_rank(tmp_path, wrapper):
     listed_id = ids_of(LISTED_RANK, LISTED_STEP)[2]
     (tmp_path / "skip.jsonl").write_text(json.dumps({"sample_id": listed_id, "step": 3}) + "\n")
-    results, codes, _ = launch("listed", tmp_path, script=__file__)
+    results, codes, _ = launch(f"listed-{wrapper}", tmp_path, script=__file__)
     assert codes == [0, 0], results
     for r in results:
         assert r["calls"] == [1, 2, 4, 5] and r["list_skips"] == 1
@@ -92,7 +108,7 @@ def test_a_listed_sample_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     )
     assert "another rank's batch holds a listed sample (every rank skips alike)" in results[0]["warnings"][0]
     (tmp_path / "ref").mkdir()
-    reference, codes, _ = launch("reference", tmp_path / "ref", script=__file__)
+    reference, codes, _ = launch(f"reference-{wrapper}", tmp_path / "ref", script=__file__)
     assert codes == [0, 0], reference
     assert [r["final"] for r in results] == [r["final"] for r in reference]
     assert results[0]["final"] == results[1]["final"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import subprocess
 import sys
 
@@ -81,7 +82,9 @@ def foreign_files(tmp_path):
     evil_zip = tmp_path / "evil3.pt"
     torch.save({"format": capsule.FORMAT, "x": RunsCode(str(marker))}, evil_zip)  # torch's own format
     noise = tmp_path / "noise.pt"
-    noise.write_bytes(os.urandom(4096))
+    # Seeded: os.urandom's bytes were now and then read as a pickle naming a global, refused as
+    # code (also a right answer, but not the not-a-capsule path this file is here for).
+    noise.write_bytes(random.Random(4096).randbytes(4096))
     plain = tmp_path / "plain.pt"
     torch.save({"a": torch.ones(2)}, plain)  # loads, but is no capsule
     return marker, {"evil": [evil_raw, evil_old, evil_zip], "not": [noise, plain]}

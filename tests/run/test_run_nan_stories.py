@@ -52,8 +52,15 @@ def test_adamw_divergence_is_named_as_the_optimizer_step(tmp_path: Path) -> None
         "NonFiniteOutputError: watch: AdamW.step() (optimizer step, step 2, aten.addcmul_.default)",
     )
     assert re.search(r"into exp_avg_sq of parameter '[a-z0-9.]+(weight|bias)' from finite inputs", out.stderr)
-    assert re.search(r"e\+2\d squared is [0-9.]+e\+4\d, past the float32 range 3.403e\+38", out.stderr)
-    assert "recent losses (passed to backward, oldest first): 4.49275, 2.764e+17" in out.stderr
+    # The magnitudes differ between torch releases' CPU kernels (torch 2.13: a gradient of ~1e21
+    # and a second loss of 2.764e+17; torch 2.14.1: 1.959e+30 and 2.765e+17): their form is
+    # asserted, not their digits.
+    assert re.search(
+        r"[0-9.]+e\+\d\d squared is [0-9.]+e\+\d\d, past the float32 range 3.403e\+38", out.stderr
+    )
+    assert re.search(
+        r"recent losses \(passed to backward, oldest first\): 4\.49\d*, 2\.76\de\+17\n", out.stderr
+    )
     assert "lr=3000 is far above AdamW's usual 1e-4 to 1e-3" in out.stderr
     assert "allow=" not in out.stderr and "--watch" not in out.stderr.split("Next:")[1]
     (data,) = reports(tmp_path)

@@ -8,18 +8,21 @@ A line: ``{"sample_id": 1017, "step": 4, "verdict": "persistent", "where": "..."
 Reading: the path is checked when the guard is built (a directory, an unreadable or
 unwritable file is a :class:`SkipListError` then, never at step 40,000). A line that does
 not parse (the last one torn by a crash mid-write, say) is ignored with one warning; the
-rest are kept. A file whose last line has no newline gets one in front of the next line
-written, so the torn line stays a line of its own.
+rest are kept. A file whose last byte is not a newline when a line is appended gets one
+in front of that line, so the torn line stays a line of its own.
 
-Writing: each line is one ``os.write`` to a descriptor opened with ``O_APPEND``, so
-processes sharing the file (the ranks of a run) interleave whole lines, never parts (POSIX
-local file systems; NFS does not promise ``O_APPEND``'s atomicity).
+Writing: each line is one ``os.write`` to a descriptor opened with ``O_APPEND``, under an
+exclusive ``flock``; reading takes a shared one. So processes sharing the file (the ranks
+of a run) interleave whole lines, and a rank reading while another appends never mistakes
+the line in flight for a torn one (POSIX local file systems; NFS does not promise
+``O_APPEND``'s atomicity, and ``flock`` there depends on the mount).
 
 The lookup is host-only: a set of ints, checked against the step's ids before the closure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -32,7 +35,31 @@ from ..errors.samples import SkipListError, skip_list_ignored
 
 __all__ = ["SkipList"]
 
+try:  # POSIX; elsewhere the O_APPEND write alone keeps lines whole
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
 _LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_lock(fd: int, exclusive: bool):
+    """``flock`` across processes: appends exclusive, reads shared (a no-op without fcntl)."""
+    if fcntl is None:
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _ends_torn(fd: int) -> bool:
+    """Whether the file's last byte is not a newline (a line cut short by a crash)."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 class SkipList:
@@ -42,13 +69,17 @@ class SkipList:
         self.path = Path(path)
         self.ids: set[int] = set()
         self.entries: list[dict[str, Any]] = []
-        self._newline_first = False
         if self.path.is_dir():
             raise SkipListError(path=str(self.path), problem="directory")
         data = b""
         if self.path.exists():
             try:
-                data = self.path.read_bytes()
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    with _file_lock(fd, exclusive=False):
+                        data = _read_all(fd)
+                finally:
+                    os.close(fd)
             except OSError as err:
                 raise SkipListError(
                     path=str(self.path), problem="unreadable", reason=_reason(err, self.path)
@@ -66,8 +97,6 @@ class SkipList:
         ignored: list[tuple[int, str]] = []
         lines = data.split(b"\n")
         torn = lines.pop() if lines else b""  # what follows the last newline: b"" when whole
-        if torn:
-            self._newline_first = True
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
@@ -127,19 +156,26 @@ class SkipList:
         if not lines:
             return 0
         with _LOCK:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                for entry in lines:
-                    data = json.dumps(entry, default=str) + "\n"
-                    if self._newline_first:
-                        data = "\n" + data
-                        self._newline_first = False
-                    os.write(fd, data.encode("utf-8"))  # one write per line: whole lines under O_APPEND
+                with _file_lock(fd, exclusive=True):
+                    first = "\n" if _ends_torn(fd) else ""  # decided under the lock, from the file
+                    for entry in lines:
+                        data = first + json.dumps(entry, default=str) + "\n"
+                        first = ""
+                        os.write(fd, data.encode("utf-8"))  # one write per line: whole under O_APPEND
             finally:
                 os.close(fd)
         self.entries += lines
         self.ids.update(new)
         return len(lines)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _reason(err: OSError, path: Path) -> str:

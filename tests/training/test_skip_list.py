@@ -156,6 +156,34 @@ def test_a_torn_last_line_is_ignored_with_a_warning_and_the_rest_kept(tmp_path):
         assert SkipList(path).ids == {7, 9, 13}
 
 
+@pytest.mark.skipif(not hasattr(os, "pread"), reason="POSIX file locks")
+def test_a_line_still_being_written_by_another_rank_is_not_taken_for_torn(tmp_path):
+    # Another rank holds the append lock with half its line on disk: opening the list waits
+    # for the whole line instead of warning of a torn one and writing a blank line later.
+    import fcntl
+    import threading
+
+    path = tmp_path / "skip.jsonl"
+    path.write_text('{"sample_id": 7, "step": 1}\n')
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b'{"sample_id": 8, "st')
+    opened: list[SkipList] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reader = threading.Thread(target=lambda: opened.append(SkipList(path)))
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive()  # waiting on the writer's lock, not reading half a line
+        os.write(fd, b'ep": 2}\n')
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        reader.join(10)
+    assert opened[0].ids == {7, 8}
+    opened[0].append([9], step=3, verdict="persistent", where=None, rank=None, reason="non_finite")
+    assert [e["sample_id"] for e in lines(path)] == [7, 8, 9]  # no blank line in between
+
+
 def test_a_line_without_an_integer_id_is_ignored(tmp_path):
     path = tmp_path / "skip.jsonl"
     path.write_text('{"sample_id": "a"}\n[1]\n{"sample_id": 3}\n')

@@ -216,16 +216,23 @@ def test_no_leak_over_thousands_of_injected_failures(device: str, inject_fault) 
     for name, fail in (("forward", fail_forward), ("backward", fail_backward)):
         # warm-up: allocator pools, lazy imports, the exception classes. 1,000 on the CPU: after
         # 200 backward failures glibc's arenas still grew by up to 2 MiB over the next 500, then
-        # stayed flat for 1,500 more (measured 2026-12-04), which a leak would not.
-        rss0, rss1, gpu0, gpu1 = memory_growth(fail, 1000 if device == "cpu" else 200, n, device)
-        grown = rss1 - rss0
+        # stayed flat for 1,500 more (measured 2026-12-04), which a leak would not. The arenas
+        # may also grow once later (1.8 MiB in one window of 2,000 backward failures, then flat
+        # for 10,000: 2026-12-06): a window that grows is followed by a second one, which must
+        # be flat. A leak grows in every window.
+        warmup = 1000 if device == "cpu" else 200
+        for window in range(2):
+            rss0, rss1, gpu0, gpu1 = memory_growth(fail, warmup if window == 0 else 0, n, device)
+            grown = rss1 - rss0
+            assert gpu1 == gpu0, f"GPU memory grew by {gpu1 - gpu0} B over {n} failures"  # every window
+            if grown < 1.5 * 2**20:
+                break
         print(
             f"\n[faults/{device}] {n} injected {name} failures: RSS {rss0 / 2**20:.1f} -> "
             f"{rss1 / 2**20:.1f} MiB ({grown / 2**10:+.0f} KiB); GPU allocated {gpu0} -> {gpu1} B"
         )
         # Tolerance 1.5 MiB (observed noise: ~0.1 MiB): a leak of 800 B per failure exceeds it.
         assert grown < 1.5 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over {n} failures"
-        assert gpu1 == gpu0, f"GPU memory grew by {gpu1 - gpu0} B over {n} failures"
         assert x.grad is None and safe.weight.grad is None
     assert_works(safe)
 

@@ -87,6 +87,12 @@ struct OpInfo {
   bool scan_written_args = false;  // returns nothing but writes arguments (_foreach_add_)
   bool composite = false;          // decomposes into dispatched ops, writes nothing itself
   bool product = false;            // a product or a square (the overflow note's is_product)
+  // The project's own guarded ops (cublas_guard::linear, its gradients, the grouped
+  // GEMMs): watched as one op each, with the watch key excluded while they run, so
+  // their inner steps (the output's allocation, the bias copy, a nested call of the
+  // same op from its autograd kernel) are neither hooked nor scanned: a birth in them
+  // is the guarded op's, in the user's layer.
+  bool sealed = false;
   // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments
   // holding its group ends and the weight's name (-1: none). A finding in its output
   // names the group of the first bad row (watch_device_report.cpp).

@@ -89,6 +89,7 @@ const OpInfo& op_info_slow(const c10::OperatorHandle& op) {
   static const std::string products =
       " mm addmm bmm baddbmm matmul linear mul mul_ pow pow_ square dot mv addmv einsum mse_loss "
       "_scaled_dot_product_flash_attention addcmul addcmul_ prod ";
+  info.sealed = starts_with(name, "cublas_guard::") || starts_with(name, "cublas_guard_internal::");
   info.product = aten && products.find(" " + base + " ") != std::string::npos;
   // Grouped GEMMs: rows sorted by group, `offs` their int32 group ends.
   for (size_t i = 0; i < info.num_args; ++i) {

@@ -109,3 +109,30 @@ def test_a_block_after_a_birth_reads_no_tag_of_it():
     err = second.value
     assert err.phase == "backward" and err.backward_node == "SqrtBackward0" and err.module == "0"
     assert err.posinf_count + err.neginf_count > 0 and err.op is not None
+
+
+# -- the project's guarded ops: one watched op each (their inner steps sealed) -----------------
+
+
+def test_a_guarded_layer_is_one_watched_op_with_one_scan():
+    # Its kernel allocates the output, copies the bias and, from its autograd kernel, calls
+    # the op again: none of those is the user's op, and each cost a hook and a scan.
+    layer = cg.SafeLinear(128, 384)
+    x = torch.randn(64, 128)
+    layer(x)
+    with cg.watch(mode="sync") as w:
+        layer(x)
+        assert w.stats() == (1, 1)
+
+
+def test_an_overflow_inside_a_guarded_backward_gemm_is_born_at_that_op():
+    layer = cg.SafeLinear(4, 1024, dtype=torch.float16)
+    with torch.no_grad():
+        layer.weight.fill_(0.25)
+        layer.bias.zero_()
+    x = torch.ones(2, 4, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(layer, mode="sync"):
+        layer(x).backward(torch.full((2, 1024), 300.0, dtype=torch.float16))  # 1024 x 300 x 0.25
+    err = info.value
+    assert err.op == "cublas_guard.linear_grad_input.default" and err.phase == "backward"
+    assert err.posinf_count == 8 and err.overflow_bound == 76800.0

@@ -91,8 +91,11 @@ struct OpInfo {
   // GEMMs): watched as one op each, with the watch key excluded while they run, so
   // their inner steps (the output's allocation, the bias copy, a nested call of the
   // same op from its autograd kernel) are neither hooked nor scanned: a birth in them
-  // is the guarded op's, in the user's layer.
+  // is the guarded op's, in the user's layer. torch's scaled GEMMs are sealed alike.
   bool sealed = false;
+  // Where an Inf may vanish into the float8 range (float8_swallow): 1 a clamp or clip
+  // (a saturated FP8 cast's first step), 2 _to_copy, 3 copy_.
+  uint8_t float8_step = 0;
   // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments
   // holding its group ends and the weight's name (-1: none). A finding in its output
   // names the group of the first bad row (watch_device_report.cpp).
@@ -196,6 +199,11 @@ const OpInfo& op_info(const c10::OperatorHandle& op);
 bool scalar_non_finite(const c10::IValue& v);
 std::string op_display_name(const c10::FunctionSchema& schema);
 bool op_allowed(const Session& s, const c10::FunctionSchema& schema);
+// A step of a cast to float8 where +-Inf becomes a finite value (a clamp to a float8
+// format's range, a cast to a float8 format without Inf): the tensor whose values it
+// loses (set into *input) and the sink's words; "" when this call is not one.
+std::string float8_swallow(const OpInfo& info, const std::vector<c10::IValue>& args,
+                           const at::Tensor** input);
 // Tensors whose values watch reads: floating, dense, with storage, not a wrapper.
 bool readable(const at::Tensor& t);
 // NaN, +Inf, -Inf and the first bad (flat, row-major) index of t, read on the

@@ -101,6 +101,13 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
       }
     }
     tags_before(s, info, saved);
+    // Consequence mode: a value that turns finite at a float8 cast never reaches the
+    // loss, so the cast is its sink (report="birth" raised at the birth already).
+    if (info.float8_step != 0 && consequence) {
+      const at::Tensor* input = nullptr;
+      const std::string where = float8_swallow(info, saved, &input);
+      if (input != nullptr) tags_reached(s, *input, where);
+    }
     if (s.verify) verify_before(s, op, info, saved);
   }
   if (s.pending) raise_pending(s);  // async: the next watched op reports the first finding

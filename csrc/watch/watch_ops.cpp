@@ -89,7 +89,15 @@ const OpInfo& op_info_slow(const c10::OperatorHandle& op) {
   static const std::string products =
       " mm addmm bmm baddbmm matmul linear mul mul_ pow pow_ square dot mv addmv einsum mse_loss "
       "_scaled_dot_product_flash_attention addcmul addcmul_ prod ";
-  info.sealed = starts_with(name, "cublas_guard::") || starts_with(name, "cublas_guard_internal::");
+  const std::string& overload = schema.overload_name();
+  if ((base == "clamp" || base == "clamp_" || base == "clip" || base == "clip_") && overload.empty())
+    info.float8_step = 1;
+  if (aten && base == "_to_copy" && overload.empty()) info.float8_step = 2;
+  if (aten && base == "copy_" && overload.empty()) info.float8_step = 3;
+  // Sealed too: the scaled GEMMs, one kernel on a GPU, on the CPU an upcast and an mm whose
+  // overflow is the scaled GEMM's own (named there, as on the GPU).
+  info.sealed = starts_with(name, "cublas_guard::") || starts_with(name, "cublas_guard_internal::") ||
+                (aten && (starts_with(base, "_scaled_mm") || starts_with(base, "_scaled_grouped_mm")));
   info.product = aten && products.find(" " + base + " ") != std::string::npos;
   // Grouped GEMMs: rows sorted by group, `offs` their int32 group ends.
   for (size_t i = 0; i < info.num_args; ++i) {
@@ -163,6 +171,9 @@ at::Tensor fused_scan(const at::Tensor& t) {
 
 HostCounts host_counts(const at::Tensor& t) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+  // float8: ATen's isfinite has no CPU kernel for it; read as float32 (exact: every
+  // float8 value, NaN and Inf included, is one), like the CUDA scan does.
+  if (c10::isFloat8Type(t.scalar_type())) return host_counts(t.to(at::kFloat));
   if (is_guarded_dtype(t.scalar_type())) {
     const at::Tensor counts = fused_scan(t).cpu();  // one host read (a sync on CUDA)
     return HostCounts::of_scan(counts.data_ptr<int64_t>());
@@ -181,7 +192,9 @@ bool all_finite(const std::vector<at::Tensor>& tensors) {
   c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
   std::vector<at::Tensor> counts, flags;  // a fused scan's counts each; other dtypes: a flag each
   for (const at::Tensor& t : tensors) {
-    if (is_guarded_dtype(t.scalar_type())) {
+    if (c10::isFloat8Type(t.scalar_type())) {
+      counts.push_back(fused_scan(t.to(at::kFloat)));  // float8: as float32 (host_counts says why)
+    } else if (is_guarded_dtype(t.scalar_type())) {
       counts.push_back(fused_scan(t));  // one launch per tensor on CUDA
     } else {
       flags.push_back(at::logical_not(at::isfinite(t)).any());
@@ -189,6 +202,76 @@ bool all_finite(const std::vector<at::Tensor>& tensors) {
   }
   if (!counts.empty() && at::stack(counts).select(1, kFirstBadIndex).max().item<int64_t>() >= 0) return false;
   return flags.empty() || !at::stack(flags).any().item<bool>();
+}
+
+namespace {
+
+// float8 formats by their largest value; those without an Inf lose one at any cast.
+struct Float8Format {
+  at::ScalarType type;
+  const char* name;
+  double max;
+  bool has_inf;
+};
+constexpr Float8Format kFloat8Formats[] = {
+    {at::ScalarType::Float8_e4m3fn, "float8_e4m3fn", 448.0, false},
+    {at::ScalarType::Float8_e5m2, "float8_e5m2", 57344.0, true},
+    {at::ScalarType::Float8_e4m3fnuz, "float8_e4m3fnuz", 240.0, false},
+    {at::ScalarType::Float8_e5m2fnuz, "float8_e5m2fnuz", 57344.0, false},
+};
+
+const Float8Format* format_of(at::ScalarType type) {
+  for (const auto& f : kFloat8Formats)
+    if (f.type == type) return &f;
+  return nullptr;
+}
+
+std::string number(double v) {
+  std::string out = std::to_string(v);
+  out.erase(out.find_last_not_of('0') + 1);
+  if (!out.empty() && out.back() == '.') out.pop_back();
+  return out;
+}
+
+}  // namespace
+
+std::string float8_swallow(const OpInfo& info, const std::vector<c10::IValue>& args,
+                           const at::Tensor** input) {
+  if (info.float8_step == 0 || args.empty() || !args[0].isTensor()) return "";
+  const at::Tensor& self = args[0].toTensor();
+  if (info.float8_step == 1) {  // clamp(self, min, max): both bounds a float8 format's range
+    if (args.size() < 3 || !args[1].isScalar() || !args[2].isScalar() || !readable(self)) return "";
+    const double lo = args[1].toScalar().toDouble(), hi = args[2].toScalar().toDouble();
+    for (const auto& f : kFloat8Formats) {
+      if (lo != -f.max || hi != f.max) continue;
+      *input = &self;
+      const std::string m = number(f.max);
+      return "aten.clamp to +-" + m + ", " + f.name +
+             "'s range (the first step of a saturated FP8 cast, as " + "torchao's): +Inf becomes " + m +
+             " and -Inf -" + m + " there, so the non-finite value is lost";
+    }
+    return "";
+  }
+  if (info.float8_step == 2) {  // _to_copy(self, *, dtype=...)
+    if (args.size() < 2 || !args[1].isInt() || !readable(self)) return "";
+    const Float8Format* f = format_of(static_cast<at::ScalarType>(args[1].toInt()));
+    if (f == nullptr || f->has_inf) return "";
+    *input = &self;
+    const std::string m = number(f->max);
+    return std::string("the cast to ") + f->name + " (aten._to_copy), a format without Inf: +Inf becomes " +
+           m + " and -Inf -" + m +
+           " there (torch >= 2.12 saturates; 2.11 made them NaN), so the value is lost";
+  }
+  // copy_(self, src): into a float8 tensor without Inf
+  if (args.size() < 2 || !args[1].isTensor()) return "";
+  const Float8Format* f = format_of(self.scalar_type());
+  const at::Tensor& src = args[1].toTensor();
+  if (f == nullptr || f->has_inf || !readable(src)) return "";
+  *input = &src;
+  const std::string m = number(f->max);
+  return std::string("the copy into a ") + f->name +
+         " tensor (aten.copy_), a format without Inf: +Inf becomes " + m + " and -Inf -" + m +
+         " there (torch >= 2.12 saturates; 2.11 made them NaN), so the value is lost";
 }
 
 bool op_allowed(const Session& s, const c10::FunctionSchema& schema) {

@@ -13,7 +13,8 @@ Adam's ``step``), ``steps_watched`` (else: which step of those watched in this p
 ``grad_absmax`` (the parameter's gradient's largest finite magnitude), ``grad_nonfinite``,
 ``grad_norm`` (all the optimizer's gradients, float64), ``lr``, ``hyper`` (the group's other
 settings), ``also_bad`` (other parameter/state pairs non-finite now), ``loss_history`` (the
-last losses passed to backward in watched blocks, oldest first).
+last losses passed to backward in watched blocks, or a TrainingGuard's, oldest first),
+``grad_norm_history`` (the TrainingGuard's gradient norms of its last steps, oldest first).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .magnitudes import format_max, format_number, range_note
 
 OPTIMIZER_FIELDS = (
     "optimizer", "optimizer_step", "steps_watched", "parameter", "state", "state_dtype", "state_nonfinite", "state_absmax",
-    "grad_absmax", "grad_nonfinite", "grad_norm", "lr", "hyper", "also_bad", "loss_history",
+    "grad_absmax", "grad_nonfinite", "grad_norm", "lr", "hyper", "also_bad", "loss_history", "grad_norm_history",
 )  # fmt: skip
 
 # States that accumulate the gradient squared: grad**2 past the dtype's largest value is Inf.
@@ -107,8 +108,14 @@ def details(f: dict[str, Any]) -> list[str]:
     if f.get("grad_norm") is not None:
         lines.append(f"gradient norm this step (all the optimizer's parameters): {_n(f['grad_norm'])}")
     history = f.get("loss_history")
+    norms = f.get("grad_norm_history")
     if history:
-        lines.append("recent losses (passed to backward, oldest first): " + ", ".join(_n(v) for v in history))
+        source = "TrainingGuard's steps" if norms else "passed to backward"
+        lines.append(f"recent losses ({source}, oldest first): " + ", ".join(_n(v) for v in history))
+    if norms:
+        lines.append(
+            "recent gradient norms (TrainingGuard's steps, oldest first): " + ", ".join(_n(v) for v in norms)
+        )
     return lines
 
 

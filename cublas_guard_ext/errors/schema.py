@@ -262,6 +262,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "hyper": "dict",  # the param group's other settings
     "also_bad": "list",
     "loss_history": "list",
+    "grad_norm_history": "list",
     # watch's entry finding (errors/entries.py): (dim, first, last, size) of the bad positions
     "bad_slices": "list",
     # a SafeLinear refusal inside a watch block (_native_callbacks.typed_error)

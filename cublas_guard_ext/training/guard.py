@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from ..watching import optimizer_step as _optimizer_step
 from . import checkpoint, replay
 from . import samples as _samples
 from . import skip_list as _skip_list
@@ -197,6 +198,8 @@ class TrainingGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
         self._history = _StepHistory(history)
+        if optimizer is not None and history:  # a finding born in its step quotes this history
+            _optimizer_step.keep_history(optimizer, self._history.read)
         self.scaler_skips = 0
         self.stepped = False  # whether the last step() took the optimizer step (for a scheduler)
         self._buffers = _Buffers(self.inner)

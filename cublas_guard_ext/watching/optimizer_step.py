@@ -7,8 +7,10 @@ When such a finding is raised (never per op), :func:`describe` reads the optimiz
 step, which parameter's state went non-finite and which state (``exp_avg_sq``,
 ``momentum_buffer``, the parameter itself), the gradient's and the state's magnitudes, the
 learning rate and this step's gradient norm; the losses passed to ``backward`` in watched blocks
-(the last few, kept as detached tensors, read only here) give the history. The lines are
-written by errors/optimizer_step.py.
+(the last few, kept as detached tensors, read only here) give the history, or, where a
+TrainingGuard drives this optimizer, the guard's own history of losses and gradient norms
+(:func:`keep_history`: computed by the guard anyway, so watch adds no work for it). The lines
+are written by errors/optimizer_step.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import collections
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +46,28 @@ def _state() -> Any:
 # The last losses passed to backward while each model was watched (across blocks: run --watch
 # opens one per step), detached, read only when a finding is raised.
 _losses: weakref.WeakKeyDictionary[torch.nn.Module, collections.deque] = weakref.WeakKeyDictionary()
+
+
+# Step histories kept by others, by optimizer: TrainingGuard's (step, loss, grad_norm) entries,
+# read through a weak method (a strong one would keep the guard, and so the key, alive).
+_histories: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.WeakMethod] = weakref.WeakKeyDictionary()
+
+
+def keep_history(optimizer: torch.optim.Optimizer, read: Callable[[], list[dict[str, Any]]]) -> None:
+    """``read()`` gives the recent steps of ``optimizer`` (dicts with ``loss`` and ``grad_norm``,
+    floats or None, oldest first): a finding born in its step quotes them."""
+    _histories[optimizer] = weakref.WeakMethod(read)  # type: ignore[arg-type]
+
+
+def _kept_history(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    ref = _histories.get(optimizer)
+    read = ref() if ref is not None else None
+    if read is None:
+        return []
+    try:
+        return list(read())
+    except Exception:  # a message's extra lines never replace the finding
+        return []
 
 
 def _innermost_model() -> torch.nn.Module | None:
@@ -184,8 +209,13 @@ def _describe(optimizer: torch.optim.Optimizer, fields: dict[str, Any], st: Any)
     # wrote it; a foreach op wrote several, listed as also non-finite).
     chosen = next((b for b in bad if list(b[3].shape) == shape), bad[0] if bad else None)
     model = _innermost_model()
-    losses = [_number(v) for v in list(_losses.get(model, ()))] if model is not None else []
-    out["loss_history"] = [v for v in losses if v is not None] or None
+    kept = _kept_history(optimizer)
+    if kept:  # the TrainingGuard's: every step's loss and gradient norm, watched or not
+        out["loss_history"] = [e["loss"] for e in kept if e.get("loss") is not None] or None
+        out["grad_norm_history"] = [e["grad_norm"] for e in kept if e.get("grad_norm") is not None] or None
+    else:
+        losses = [_number(v) for v in list(_losses.get(model, ()))] if model is not None else []
+        out["loss_history"] = [v for v in losses if v is not None] or None
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if grads:
         norms = torch.stack([torch.linalg.vector_norm(g.detach().double()).cpu() for g in grads])

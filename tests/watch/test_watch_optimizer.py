@@ -129,3 +129,35 @@ def test_a_birth_after_the_step_is_not_attributed_to_it():
     err = info.value
     assert err.phase == "forward" and err.optimizer is None
     assert "outside any module" in str(err)
+
+
+def test_under_a_training_guard_the_finding_quotes_its_losses_and_gradient_norms():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=5.0)
+    guard = cg.TrainingGuard(model, opt, history=4)
+    grads = iter([1.0, 2.0, 3.0, 1e21])
+
+    def closure() -> torch.Tensor:
+        loss = model(torch.ones(3, 4)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            model.emb.weight.grad.fill_(next(grads))
+        return loss
+
+    for _ in range(3):  # unwatched steps: the guard keeps them, watch does not see them
+        guard.step(closure)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
+        guard.step(closure)
+    err = info.value
+    assert err.optimizer == "AdamW" and err.state == "exp_avg_sq" and err.optimizer_step == 4
+    assert len(err.loss_history) == 4 and len(err.grad_norm_history) == 4
+    # emb.weight's 32 gradient values set to g (1, 2, 3, 1e21) dominate: about sqrt(32) g
+    assert err.grad_norm_history[0] == pytest.approx(32**0.5, rel=0.01)
+    assert err.grad_norm_history[0] < err.grad_norm_history[1] < err.grad_norm_history[2] < 100
+    assert err.grad_norm_history[3] > 1e21  # inf: the guard's norm is float32, and 1e42 is not
+    text = str(err)
+    assert "recent losses (TrainingGuard's steps, oldest first): " in text
+    assert "recent gradient norms (TrainingGuard's steps, oldest first): 5.6" in text
+    nothing_left()

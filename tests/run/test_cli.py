@@ -63,7 +63,8 @@ def test_quick_bench_explains_its_columns_and_noise() -> None:
     table = [line for line in text.splitlines() if line.startswith("forward ")]
     assert len(table) == 6
     for line in table:
-        assert re.search(r"(\d+\.\d\dx|~)\s+\+-\d\.\d\d$", line), line
+        # the noise may pass 10 on a loaded machine (+-18.86 seen in CI): any width
+        assert re.search(r"(\d+\.\d\dx|~)\s+\+-\d+\.\d\d$", line), line
     assert re.search(r"scan of 16,777,216 float32 with its decision: [\d.]+ GB/s", text)
 
 

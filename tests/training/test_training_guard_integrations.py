@@ -48,7 +48,7 @@ def plant(module: nn.Module, when) -> None:
     module.forward = types.MethodType(forward, module)
 
 
-def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4, accumulate: int = 1):
+def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4, accumulate: int = 1, **overrides):
     transformers = pytest.importorskip("transformers")
     from cublas_guard_ext.integrations.transformers import GuardedTrainer
 
@@ -74,6 +74,8 @@ def gpt2_trainer(tmp_path, on_nan: str, steps: int = 4, accumulate: int = 1):
         seed=0,
         gradient_accumulation_steps=accumulate,
     )
+    for key, value in overrides.items():
+        setattr(args, key, value)
     trainer = GuardedTrainer(model=model, args=args, train_dataset=data, guard_on_nan=on_nan)
     return trainer, model
 
@@ -331,6 +333,32 @@ def test_lightning_checkpoint_carries_the_guard_state(tmp_path):
     trainer2.fit(module, loader(data + data[:2]), ckpt_path=path)
     assert callback2.guard.steps == 5  # 3 restored + 2 more, as one run of 5 would count
     assert [h["step"] for h in json.loads(callback2.guard.state_dict()["history"])] == [1, 2, 3, 4, 5]
+
+
+def test_the_documented_trainer_checkpoint_example_resumes_the_guard_state(tmp_path):
+    # docs/training-guard.md, "Checkpointing the guard": the SaveGuard callback, word for word but
+    # for the trainer it reads, then a resume from the first checkpoint.
+    transformers = pytest.importorskip("transformers")
+    trainer, _ = gpt2_trainer(tmp_path, "skip", save_strategy="steps", save_steps=2)
+
+    class SaveGuard(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            path = f"{args.output_dir}/checkpoint-{state.global_step}/training_guard.pt"
+            torch.save(trainer.guard.state_dict(), path)
+
+    trainer.add_callback(SaveGuard())
+    trainer.train()
+    ckpt_dir = str(tmp_path / "checkpoint-2")
+    assert torch.load(f"{ckpt_dir}/training_guard.pt", weights_only=False)["steps"] == 2
+    final = trainer.guard.state_dict()
+    assert final["steps"] == 4
+
+    resumed, _ = gpt2_trainer(tmp_path / "resumed", "skip")
+    resumed.load_guard_state(torch.load(f"{ckpt_dir}/training_guard.pt", weights_only=False))
+    resumed.train(resume_from_checkpoint=ckpt_dir)
+    assert resumed.guard.steps == 4  # counted on from 2, as the uninterrupted run did
+    again = resumed.guard.state_dict()
+    assert again == final  # the history (losses, gradient norms) too: the same trajectory
 
 
 def test_transformers_mixin_loads_a_saved_guard_state_at_its_first_step():

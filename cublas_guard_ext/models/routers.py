@@ -12,8 +12,11 @@ weight refused naming the router), and on the CPU the same result bit for bit (t
 op's GEMM is ``F.linear``'s). Every other op of the router runs as it would. Nothing runs
 outside the routers' own calls.
 
-Not covered: a router that converts its weight before the product (DeepSeek-V3's
-``self.weight.type(torch.float32)`` of a bf16 weight makes a new tensor): its call runs unguarded.
+A router that converts its weight before the product (DeepSeek-V3's
+``F.linear(x.type(torch.float32), self.weight.type(torch.float32))``) multiplies a tensor made
+from its weight, not the weight itself: the conversions of the weight (``type``, ``to``,
+``float``, ...) during its forward are remembered, and an ``F.linear`` with one of them is guarded
+the same way (the weight's values, converted).
 """
 
 from __future__ import annotations
@@ -46,16 +49,38 @@ class _GuardedProduct(TorchFunctionMode):
     def __init__(self, router: nn.Module, label: str, mode: str | None) -> None:
         super().__init__()
         self.router, self.label, self.mode = router, label, mode
+        self.converted: list[torch.Tensor] = []  # the weight's conversions in this forward
+
+    def _is_weight(self, t: Any) -> bool:
+        return t is self.router._parameters.get("weight") or any(t is c for c in self.converted)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             x = args[0] if args else kwargs.get("input")
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            if weight is self.router._parameters.get("weight") and isinstance(x, torch.Tensor):
+            if self._is_weight(weight) and isinstance(x, torch.Tensor):
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return _ops.linear(x, weight, bias, layer=self.label, mode=self.mode)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _CONVERSIONS and args and args[0] is self.router._parameters.get("weight"):
+            if isinstance(out, torch.Tensor) and out.dim() == 2:
+                self.converted.append(out)  # kept for this forward only (the mode is per call)
+        return out
+
+
+# A weight's conversions a router may multiply instead of the weight (DeepSeek-V3's .type).
+_CONVERSIONS = frozenset(
+    {
+        torch.Tensor.type,
+        torch.Tensor.to,
+        torch.Tensor.float,
+        torch.Tensor.bfloat16,
+        torch.Tensor.half,
+        torch.Tensor.double,
+        torch.Tensor.contiguous,
+    }
+)
 
 
 def _pre(label: str, mode: str | None) -> Any:

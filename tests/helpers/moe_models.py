@@ -82,6 +82,33 @@ def gpt_oss(layers: int = 2) -> nn.Module:
     return _init(transformers.GptOssForCausalLM(config)).eval()
 
 
+def deepseek_v3(layers: int = 2) -> nn.Module:
+    """A router that converts its weight before the product (``self.weight.type(torch.float32)``)
+    and sigmoid group routing; a shared expert beside the routed ones."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        moe_intermediate_size=12,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        q_lora_rank=None,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_shared_experts=1,
+        max_position_embeddings=64,
+    )
+    return _init(transformers.DeepseekV3ForCausalLM(config)).eval()
+
+
 def ergo(layers: int = 2) -> nn.Module:
     """No gate (up projection and an activation), transposed weights, its own forward around the
     experts interface (per-route RMSNorm), a dense first layer and a shared expert."""

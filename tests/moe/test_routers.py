@@ -12,9 +12,9 @@ import torch
 
 import cublas_guard_ext as cg
 
-from helpers.moe_models import gpt_oss, mixtral, qwen3_moe
+from helpers.moe_models import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 
-MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss}
+MODELS = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "deepseek_v3": deepseek_v3}
 
 
 @pytest.mark.parametrize("build", MODELS.values(), ids=list(MODELS))
@@ -43,6 +43,33 @@ def test_a_nan_in_the_router_weight_is_refused_naming_the_router():
     err = info.value
     assert err.layer == "model.layers.0.mlp.gate" and err.role == "weight"
     assert "layer 'model.layers.0.mlp.gate'" in str(err)
+
+
+def test_a_router_that_converts_its_weight_first_is_guarded_too():
+    # DeepSeek-V3: F.linear(x.type(torch.float32), self.weight.type(torch.float32)); with a bf16
+    # weight the product's weight is a new float32 tensor, not the parameter.
+    torch.manual_seed(0)
+    model = cg.replace_linear(deepseek_v3().to(torch.bfloat16))
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight[2, 5] = float("inf")
+    with pytest.raises(cg.NonFiniteInputError) as info:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, 5)))
+    err = info.value
+    assert err.layer == "model.layers.1.mlp.gate" and err.role == "weight"
+    assert (err.posinf_count, err.first_bad_index) == (1, 2 * 16 + 5)
+
+
+def test_a_converting_router_guarded_is_bitwise_equal_when_clean():
+    torch.manual_seed(0)
+    plain = deepseek_v3().to(torch.bfloat16)
+    plain.set_experts_implementation("eager")  # torch's CPU grouped GEMM refuses these bf16 strides
+    guarded = copy.deepcopy(plain)
+    assert cg.models.routers.guard_routers(guarded) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, guarded(ids).logits)
 
 
 def test_restore_linear_unguards_the_routers():

@@ -27,6 +27,9 @@ MOVED = {
     "_capsule_file": "capsule.safe_read",
     "capsule_replay": "capsule.replaying",
     "swap": "models.swap",
+    # renamed apart from run/runtime.py and run/steps.py, which are other things
+    "errors.runtime": "errors.cuda_runtime",
+    "errors.steps": "errors.training_steps",
 }
 # cublas_guard_ext.training and cublas_guard_ext.capsule are the folders now; their
 # __init__ exports the names the modules of that path had.
@@ -43,7 +46,8 @@ def install() -> None:
         module = importlib.import_module(f"{_PACKAGE}.{new}")
         sys.modules[f"{_PACKAGE}.{old}"] = module
         if old not in PUBLIC_NAMES:
-            setattr(package, old, module)
+            parent, _, leaf = old.rpartition(".")  # errors.runtime: an attribute of errors
+            setattr(sys.modules[f"{_PACKAGE}.{parent}"] if parent else package, leaf, module)
 
 
 install()

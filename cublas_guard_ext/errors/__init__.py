@@ -38,6 +38,14 @@ from __future__ import annotations
 
 from .base import GuardError
 from .corruption import SilentCorruptionError
+from .cuda_runtime import (
+    CublasError,
+    CublasOutOfMemoryError,
+    CudaLaunchError,
+    GraphCaptureError,
+    OutOfMemoryError,
+    PendingCudaError,
+)
 from .experts import ExpertsImplementationError, GroupOffsetsError
 from .fp8 import Fp8ArgumentError, Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8ScaleError
 from .inputs import (
@@ -50,17 +58,9 @@ from .inputs import (
 )
 from .parse import PAYLOAD_MARKER, attach_capsule, from_native, from_payload, parse_payload
 from .run import NonFiniteGradientsError, PeerFailedError
-from .runtime import (
-    CublasError,
-    CublasOutOfMemoryError,
-    CudaLaunchError,
-    GraphCaptureError,
-    OutOfMemoryError,
-    PendingCudaError,
-)
 from .samples import SampleIdsError, SkipListError
 from .status import CUBLAS_STATUS
-from .steps import NonFiniteStepError, TrainingDivergedError
+from .training_steps import NonFiniteStepError, TrainingDivergedError
 from .watch_findings import (
     NonFiniteEntryError,
     NonFiniteFromNowhereError,

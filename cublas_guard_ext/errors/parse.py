@@ -9,6 +9,14 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import GuardError
+from .cuda_runtime import (
+    CublasError,
+    CublasOutOfMemoryError,
+    CudaLaunchError,
+    GraphCaptureError,
+    OutOfMemoryError,
+    PendingCudaError,
+)
 from .experts import GroupOffsetsError
 from .format import _dtype
 from .inputs import (
@@ -17,14 +25,6 @@ from .inputs import (
     NonFiniteInputError,
     ShapeMismatchError,
     SizeLimitError,
-)
-from .runtime import (
-    CublasError,
-    CublasOutOfMemoryError,
-    CudaLaunchError,
-    GraphCaptureError,
-    OutOfMemoryError,
-    PendingCudaError,
 )
 from .watch_findings import NonFiniteEntryError, NonFiniteFromNowhereError, NonFiniteOutputError
 

@@ -7,7 +7,7 @@ Their fields are in :mod:`.schema` with the rest.
 from __future__ import annotations
 
 from .base import GuardError
-from .steps import NonFiniteStepError
+from .training_steps import NonFiniteStepError
 
 
 class PeerFailedError(GuardError, RuntimeError):

@@ -204,7 +204,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "failed_report": "str",
     "local_error": "str",
     "when": "str",  # WatchCaptureError: when the capture was asked for
-    # TrainingGuard (errors/steps.py): NonFiniteStepError, TrainingDivergedError
+    # TrainingGuard (errors/training_steps.py): NonFiniteStepError, TrainingDivergedError
     "step": "int",
     "loss": "float",
     "bad_gradient_count": "int",

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..errors.steps import NonFiniteStepError, TrainingDivergedError
+from ..errors.training_steps import NonFiniteStepError, TrainingDivergedError
 from ..watching import optimizer_step as _optimizer_step
 from . import checkpoint, replay
 from . import samples as _samples

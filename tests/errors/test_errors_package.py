@@ -104,9 +104,15 @@ def test_a_planted_error_class_outside_errors_is_found(tmp_path: Path) -> None:
 
 def test_each_module_is_under_600_lines() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in Path(errors.__file__).parent.glob("*.py")}
-    assert {"status.py", "format.py", "base.py", "inputs.py", "runtime.py", "parse.py", "schema.py"} <= set(
-        sizes
-    )
+    assert {
+        "status.py",
+        "format.py",
+        "base.py",
+        "inputs.py",
+        "cuda_runtime.py",
+        "parse.py",
+        "schema.py",
+    } <= set(sizes)
     assert max(sizes.values()) < 600, sizes
 
 

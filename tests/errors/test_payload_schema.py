@@ -111,7 +111,7 @@ def test_a_field_only_csrc_writes_fails(tmp_path: Path) -> None:
 
 def test_a_field_only_python_reads_fails(tmp_path: Path) -> None:
     csrc, py = _copy(tmp_path)
-    path = py / "runtime.py"
+    path = py / "cuda_runtime.py"
     text = path.read_text()
     assert 'f.get("sticky", True)' in text
     path.write_text(text.replace('f.get("sticky", True)', 'f.get("stuck", True)'))

@@ -46,6 +46,17 @@ def test_the_old_paths_read_as_before() -> None:
     assert cg._training_state._RngState.__module__ == "cublas_guard_ext.training.state"
 
 
+def test_an_error_pickled_under_its_old_module_loads() -> None:
+    # errors/runtime.py and errors/steps.py were renamed apart from run/runtime.py and run/steps.py
+    import cublas_guard_ext.errors.runtime as runtime
+
+    assert cg.errors.runtime is runtime and runtime.CublasError is cg.CublasError
+    for cls, old in ((cg.CublasError, b"runtime"), (cg.NonFiniteStepError, b"steps")):
+        new = cls.__module__.rpartition(".")[2].encode()
+        data = pickle.dumps(cls, protocol=0).replace(b"errors." + new + b"\n", b"errors." + old + b"\n")
+        assert b"cublas_guard_ext.errors." + old in data and pickle.loads(data) is cls
+
+
 def test_a_pickle_naming_an_old_path_loads() -> None:
     cls = cg._training_state._RngState  # an object pickled in a checkpoint names its class
     data = pickle.dumps(cls, protocol=0).replace(b"training.state\n", b"_training_state\n")

@@ -185,17 +185,26 @@ def _upward(
 
 # -- the modules running now ------------------------------------------------------------------
 # The frames of a module call (torch.nn.Module's __call__ path): their `self` is the module.
-_MODULE_CALLS = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+# The one place the package reads them (run's Linear and the guarded experts name their
+# layers from the outermost one too).
+MODULE_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+
+
+def outermost_module_called() -> nn.Module | None:
+    """The outermost module whose call is on this thread's Python stack (the model), or None."""
+    running = _modules_on_stack()
+    return running[0] if running else None
 
 
 def _modules_on_stack() -> list[nn.Module]:
     """The modules being called on this thread's stack, outermost first: the model the user
-    called, its wrappers, its blocks. Read only when an error is being built, and only from the
-    module-call frames (reading a frame's locals copies them all: a dict per frame otherwise)."""
+    called, its wrappers, its blocks. Read only when an error is being built or a layer is
+    named on its first call, and only from the module-call frames (reading a frame's locals
+    copies them all: a dict per frame otherwise)."""
     frame = sys._getframe(1)
     found: list[nn.Module] = []
     while frame is not None:
-        if frame.f_code in _MODULE_CALLS:
+        if frame.f_code in MODULE_CALL_CODES:
             candidate = frame.f_locals.get("self")
             if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
                 found.append(candidate)

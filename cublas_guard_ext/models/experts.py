@@ -36,6 +36,7 @@ from torch import nn
 from .._import_hooks import AfterImport
 from ..errors import ExpertsImplementationError
 from ..guarded_linear import modes
+from ..guarded_linear import naming as _naming
 from ..guarded_linear import ops as _ops  # noqa: F401  (loads the native library)
 
 __all__ = [
@@ -187,30 +188,13 @@ def restore_experts(model: nn.Module) -> None:
 
 
 # -- naming on first call (a model guarded by set_experts_implementation alone) -----------------------
-_CALL_CODES = frozenset(
-    {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # type: ignore[attr-defined]
-)
-
-
-def _outermost_module_called() -> nn.Module | None:
-    frame = sys._getframe(2)
-    outermost = None
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, nn.Module):
-                outermost = candidate
-        frame = frame.f_back
-    return outermost
-
-
 def _name_of(module: nn.Module) -> str:
     name = module.__dict__.get(NAME_ATTR)
     if name is not None:
         return name
     if torch.compiler.is_compiling():  # no stack to walk in a trace
         return type(module).__name__
-    root = _outermost_module_called()
+    root = _naming.outermost_module_called()
     if root is not None and root is not module:
         root = getattr(root, "_orig_mod", root)  # a torch.compile wrapper
         name_experts(root)

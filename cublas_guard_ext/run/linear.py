@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..guarded_linear import naming as _naming
 from ..guarded_linear import ops as _ops
 from ..models import experts as _experts
 from ..training.state import _unwrap
@@ -37,9 +38,7 @@ _is_compiling = torch.compiler.is_compiling
 _is_exporting = torch.compiler.is_exporting
 _is_tracing = torch.jit.is_tracing  # (Dynamo folds it; torch._C._is_tracing would break the graph)
 _plain_linear = torch.nn.functional.linear
-_CALL_CODES = frozenset(
-    {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}  # type: ignore[attr-defined]
-)
+_CALL_CODES = _naming.MODULE_CALL_CODES
 _original: dict[str, Any] = {}
 # The outermost module of the latest first call: the model the report draws its tree from.
 _last_root: list[weakref.ref] = []
@@ -69,15 +68,7 @@ def _variable_name(linear: nn.Linear, frame: Any) -> str | None:
 
 def root_of_call() -> nn.Module | None:
     """The outermost module whose call is on this thread's Python stack."""
-    frame = sys._getframe(1)
-    outermost = None
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, nn.Module):
-                outermost = candidate
-        frame = frame.f_back
-    return outermost
+    return _naming.outermost_module_called()
 
 
 def _name_on_first_call(linear: nn.Linear) -> str:

@@ -222,7 +222,7 @@ def replay(path: str | os.PathLike, timeout: float = 600.0) -> dict[str, Any]:
     """Replays a capsule; returns {"reproduced", "verdict", "variants", "call", ...}."""
     path = str(path)
     data = _capsule.load(path)
-    if data.get(_scaled.KEY):  # a scaled (FP8) GEMM's capsule: the GEMM alone, as recorded
+    if data.get(_scaled.KEY) or data.get(_scaled.CAST_KEY):  # FP8: the scaled GEMM or the cast alone
         variants = _run_worker(path, ["as recorded"], timeout)[0]
         reproduced, text = _scaled.verdict(data, variants[0] if variants else None)
     else:

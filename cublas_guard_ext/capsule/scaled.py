@@ -3,6 +3,12 @@
 float8 operands, its scales and every other argument, so that ``python -m cublas_guard_ext replay``
 reruns that GEMM alone, unguarded, and says what it gives (NaN, Inf, or finite values).
 
+And the capsule of a guarded ``Float8Linear``'s operand refused at its cast (``CAST_KEY``): the
+high-precision operand, the amax and scale torchao computed, the float8 dtype and where (layer,
+GEMM, operand, recipe); ``replay`` reruns torchao's cast alone (its ``tensor_to_amax``,
+``amax_to_scale`` and saturated cast, per tensor or per row as the recorded amax's shape says)
+and gives its amax, scale and NaN codes: what the GEMM would have been fed.
+
 The arguments are stored encoded (:func:`encode`): tensors by name (their bytes as uint8 and their
 dtype: ``torch.load(weights_only=True)`` reads it back), dtypes and torch's scaling enums by name.
 Values over ``CUBLAS_GUARD_CAPSULE_MAX_BYTES`` keep only their descriptions (the replay then says
@@ -22,6 +28,7 @@ import torch
 from . import contents
 
 KEY = "scaled_gemm"
+CAST_KEY = "float8_cast"
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -89,49 +96,107 @@ def capture_scaled(err: BaseException, op: str, args: tuple, kwargs: dict) -> tu
         return None, None
     try:
         enc_args, enc_kwargs, tensors = encode(args, kwargs)
-        total = sum(t["tensor"].numel() * t["tensor"].element_size() for t in tensors.values())
-        kept = total <= contents.max_bytes()
-        for entry in tensors.values():
-            t = entry.pop("tensor")
-            entry["bytes"] = _tensor_bytes(t) if kept else None
-            entry["strides"] = list(t.stride())
-        folder = contents.directory()
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        kind = re.sub(r"[^a-z_0-9]", "", str(getattr(err, "kind", "error")))
-        path = folder / f"{stamp}-{os.getpid()}-{next(contents._counter)}-{kind}{contents.SUFFIX}"
-        data = {
-            "format": contents.FORMAT,
-            "version": contents.VERSION,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "pid": os.getpid(),
-            "kind": getattr(err, "kind", type(err).__name__),
-            "error_class": type(err).__name__,
-            "message": str(err),
-            "fields": contents._plain(dict(getattr(err, "fields", {}))),
-            "layer": None,
-            "phase": op,
-            "call": None,
-            "values": "values" if kept else f"not kept ({total} bytes over {contents.max_bytes()})",
-            KEY: {"op": op, "args": enc_args, "kwargs": enc_kwargs, "tensors": tensors, "values_kept": kept},
-            "python_stack": [
-                line.rstrip("\n") for line in traceback.format_list(traceback.extract_stack()[:-2])
-            ],
-            "environment": contents._plain(contents.environment()),
-        }
-        partial = path.with_name(path.name + ".partial")
-        torch.save(data, partial)
-        os.replace(partial, path)
-        contents._prune(folder, contents._int_env(contents.ENV_KEEP, contents.DEFAULT_KEEP))
-        return str(path), None
+        record = {"op": op, "args": enc_args, "kwargs": enc_kwargs, "tensors": tensors}
+        return _write(err, KEY, record, layer=None, phase=op)
     except Exception as problem:  # anything at all: the original error stands
-        text = str(problem).splitlines()[0] if str(problem) else ""
-        return None, f"{type(problem).__name__}: {text}"
+        return None, _why(problem)
+
+
+def capture_cast(
+    err: BaseException, x: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, where: dict[str, Any]
+) -> tuple[str | None, str | None]:
+    """Write the capsule of a guarded Float8Linear operand ``x`` refused at its float8 cast."""
+    if not contents.enabled():
+        return None, None
+    try:
+        _, _, tensors = encode((x, amax, scale), {})
+        record = {"where": contents._plain(where), "tensors": tensors, "fp8_dtype": where.get("fp8_dtype")}
+        phase = f"the cast of {where.get('operand')} for the {where.get('gemm')} GEMM"
+        return _write(err, CAST_KEY, record, layer=where.get("layer"), phase=phase)
+    except Exception as problem:  # anything at all: the original error stands
+        return None, _why(problem)
+
+
+def _why(problem: Exception) -> str:
+    text = str(problem).splitlines()[0] if str(problem) else ""
+    return f"{type(problem).__name__}: {text}"
+
+
+def _write(err: BaseException, key: str, record: dict[str, Any], layer: Any, phase: str) -> tuple[str, None]:
+    tensors = record["tensors"]
+    total = sum(t["tensor"].numel() * t["tensor"].element_size() for t in tensors.values())
+    kept = total <= contents.max_bytes()
+    for entry in tensors.values():
+        t = entry.pop("tensor")
+        entry["bytes"] = _tensor_bytes(t) if kept else None
+        entry["strides"] = list(t.stride())
+    record["values_kept"] = kept
+    folder = contents.directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    kind = re.sub(r"[^a-z_0-9]", "", str(getattr(err, "kind", "error")))
+    path = folder / f"{stamp}-{os.getpid()}-{next(contents._counter)}-{kind}{contents.SUFFIX}"
+    data = {
+        "format": contents.FORMAT,
+        "version": contents.VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "pid": os.getpid(),
+        "kind": getattr(err, "kind", type(err).__name__),
+        "error_class": type(err).__name__,
+        "message": str(err),
+        "fields": contents._plain(dict(getattr(err, "fields", {}))),
+        "layer": layer,
+        "phase": phase,
+        "call": None,
+        "values": "values" if kept else f"not kept ({total} bytes over {contents.max_bytes()})",
+        key: record,
+        "python_stack": [line.rstrip("\n") for line in traceback.format_list(traceback.extract_stack()[:-3])],
+        "environment": contents._plain(contents.environment()),
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(data, partial)
+    os.replace(partial, path)
+    contents._prune(folder, contents._int_env(contents.ENV_KEEP, contents.DEFAULT_KEEP))
+    return str(path), None
+
+
+def run_cast(data: dict[str, Any]) -> dict[str, Any]:
+    """Rerun the recorded operand's float8 cast alone with torchao's own steps: {"status", "detail"}
+    (failed: the amax or a scale is not finite and positive, or codes are NaN)."""
+    record = data[CAST_KEY]
+    if not record.get("values_kept"):
+        return {"status": "not run", "detail": f"the operand is not in this capsule ({data.get('values')})"}
+    try:
+        from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+    except ImportError:
+        return {"status": "not run", "detail": "torchao is not installed here: the cast is torchao's"}
+    x, recorded_amax, _ = (tensors_of(record, torch.device("cpu"))[f"t{i}"] for i in range(3))
+    name = str(record["fp8_dtype"]).removeprefix("torch.")  # "e4m3fn", the errors' spelling
+    dtype = getattr(torch, name if name.startswith("float8_") else "float8_" + name)
+    with torch.no_grad():
+        if recorded_amax.numel() == 1:  # tensorwise
+            amax = x.abs().max().to(torch.float64)
+        else:  # per row or column: the dim the recorded amax kept as 1
+            dim = next(d for d in range(x.dim()) if recorded_amax.shape[d] == 1 and x.shape[d] != 1)
+            amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float64)
+        scale = amax_to_scale(amax, dtype)
+        codes = to_fp8_saturated(x.to(torch.float32) * scale, dtype).float()
+    nan_codes, bad_scales = int(codes.isnan().sum()), int((~(torch.isfinite(scale) & (scale > 0))).sum())
+    detail = (
+        f"torchao's cast of the {record['where'].get('operand')} alone: amax {float(amax.max()):.4g}, "
+        f"{bad_scales} of {scale.numel()} scales not finite and positive (smallest "
+        f"{float(scale.min()):.4g}), {nan_codes} of {codes.numel()} float8 codes NaN and "
+        f"{int((codes == 0).sum())} zero (a NaN code makes every output of its GEMM row NaN)"
+    )
+    failed = nan_codes or bad_scales or not bool(torch.isfinite(amax).all())
+    return {"status": "failed" if failed else "passed", "detail": detail}
 
 
 def run_recorded(data: dict[str, Any]) -> dict[str, Any]:
     """Rerun the capsule's scaled GEMM alone, unguarded: {"status": failed | passed | not run, "detail"}
     (failed: it raised, or its output holds NaN/Inf). Runs in the replay's worker process."""
+    if data.get(CAST_KEY):
+        return run_cast(data)
     record = data[KEY]
     if not record.get("values_kept"):
         return {
@@ -164,8 +229,9 @@ def run_recorded(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict(data: dict[str, Any], first: dict[str, Any] | None) -> tuple[bool, str]:
-    """(reproduced, the text) for a scaled GEMM's capsule and its rerun."""
-    op, error = data[KEY]["op"], data.get("error_class")
+    """(reproduced, the text) for a scaled GEMM's (or a float8 cast's) capsule and its rerun."""
+    op = data[KEY]["op"] if data.get(KEY) else data.get("phase")
+    error = data.get("error_class")
     if first is None or first["status"] not in ("passed", "failed"):
         return (
             False,

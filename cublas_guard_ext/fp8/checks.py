@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..capsule import scaled as _scaled_capsule
 from ..errors.fp8 import Fp8NonFiniteError, Fp8RangeError, Fp8RangeWarning, Fp8ScaleError, range_message
 from .formats import THRESHOLDS, Format
 
@@ -205,6 +206,21 @@ def verdict(p: Pending, host: list[float], warned: set | None = None) -> None:
     warnings.warn(Fp8RangeWarning(range_message(fields)), stacklevel=4)
 
 
+def _verdict_with_capsule(p: Pending, host: list[float], warned: set | None) -> None:
+    """:func:`verdict`; a guarded layer's refused operand also writes its capsule (the direct
+    calls write theirs around the whole scaled GEMM, fp8/direct.py)."""
+    try:
+        verdict(p, host, warned)
+    except (Fp8NonFiniteError, Fp8ScaleError) as err:
+        if p.where.layer is not None and p.where.op is None:
+            where = {**p.where.fields(), "fp8_dtype": p.fmt.name}
+            path, note = _scaled_capsule.capture_cast(err, p.x, p.amax, p.scale, where)
+            if path is not None or note is not None:
+                err.capsule, err.capsule_note = path, note
+                err.args = (err._format(),)
+        raise
+
+
 class Checker:
     """The checks of one guarded layer (or of direct calls): sync now, async later, off never."""
 
@@ -227,7 +243,7 @@ class Checker:
         stats = stats_of(x, amax, scale, codes, fmt)
         p = Pending(where, x, amax, scale, fmt, stats)
         if mode == "sync":
-            verdict(p, stats.tolist(), self.warned)
+            _verdict_with_capsule(p, stats.tolist(), self.warned)
             return
         if stats.device.type != "cpu":
             p.stats = stats.to("cpu", non_blocking=True)
@@ -247,6 +263,6 @@ class Checker:
                     continue
                 if p.event is not None:
                     p.event.synchronize()
-                verdict(p, p.stats.tolist(), self.warned)
+                _verdict_with_capsule(p, p.stats.tolist(), self.warned)
         finally:
             self.pending = keep + self.pending

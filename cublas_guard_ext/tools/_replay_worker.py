@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
     path, names = argv[0], argv[1:] or list(VARIANTS)
     data = load(path)
     loader.load()
-    if data.get(_scaled.KEY):  # a scaled (FP8) GEMM: rerun it alone, as recorded (capsule/scaled.py)
+    if data.get(_scaled.KEY) or data.get(_scaled.CAST_KEY):  # FP8: the GEMM or cast alone (capsule/scaled.py)
         for name in names:
             result = _scaled.run_recorded(data) if name == "as recorded" else {"status": "not applicable"}
             print(

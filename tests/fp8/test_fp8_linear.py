@@ -4,6 +4,7 @@ checked (non-finite values, the scale, saturation and flush to zero), restore_li
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -75,6 +76,30 @@ def test_inf_in_input_names_the_layer_gemm_and_scale() -> None:
     text = str(err)
     assert "layer '0', forward GEMM, operand input (e4m3fn, tensorwise): 0 NaN, 1 +Inf, 0 -Inf of 512" in text
     assert "input[3, 5] (inf)" in text and "scale = max / amax = 0" in text and "watch" in text
+
+
+@pytest.mark.slow  # the replay runs in a fresh process
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_refused_operand_writes_a_capsule_whose_replay_reruns_the_cast(recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUBLAS_GUARD_CAPSULE_DIR", str(tmp_path))
+    model = cge.replace_linear(_model(recipe))
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    x[3, 5] = float("inf")
+    with pytest.raises(Fp8NonFiniteError) as info:
+        model(x)
+    path = info.value.capsule
+    assert path is not None and path in str(info.value)
+    data = cge.capsule.load(path)
+    assert data["layer"] == "0" and data["phase"] == "the cast of input for the forward GEMM"
+    assert data["float8_cast"]["where"]["recipe"] == recipe and data["float8_cast"]["values_kept"]
+    result = cge.replay(path)
+    assert result["reproduced"], result["verdict"]
+    rows = "1 of 1 scales" if recipe == "tensorwise" else "1 of 8 scales"  # the Inf's row alone
+    assert f"torchao's cast of the input alone: amax inf, {rows} not finite and positive" in result["verdict"]
+    # scale 0: Inf * 0 is the one NaN code, every other value of the tensor (or of the row) is 0
+    zeros = 511 if recipe == "tensorwise" else 63
+    assert re.search(r"1 of 512 float8 codes NaN and (\d+) zero", result["verdict"])
+    assert int(re.search(r"NaN and (\d+) zero", result["verdict"]).group(1)) >= zeros
 
 
 def test_nan_in_grad_output_is_named_in_the_backward_gemm() -> None:

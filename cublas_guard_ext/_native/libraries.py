@@ -65,6 +65,11 @@ def _loaded_handle(path: str) -> ctypes.CDLL | None:
         return None
 
 
+# Real paths of mapped files, per process: every failing call's capsule asks for the whole
+# map (112 files under a CUDA torch: ~1,100 lstat calls a time otherwise).
+_real_path = functools.lru_cache(maxsize=4096)(os.path.realpath)
+
+
 def mapped(own_path: str | None = None, maps_text: str | None = None) -> dict[str, list[str]]:
     """The files each followed library is mapped from in this process: key -> paths (one
     per distinct file, in map order). More than one path for a key is a library mapped twice."""
@@ -79,7 +84,7 @@ def mapped(own_path: str | None = None, maps_text: str | None = None) -> dict[st
         if path in seen:
             continue
         seen.add(path)
-        key = OWN_LIBRARY if own and os.path.realpath(path) == own else _library_key(path)
+        key = OWN_LIBRARY if own and _real_path(path) == own else _library_key(path)
         if key is not None:
             out.setdefault(key, []).append(path)
     return out

@@ -117,6 +117,14 @@ def capture_cast(
         return None, _why(problem)
 
 
+def attach(err: BaseException, captured: tuple[str | None, str | None]) -> None:
+    """Put a capture's (path, why not) on the FP8 error being raised, its message rewritten."""
+    path, note = captured
+    if path is not None or note is not None:
+        err.capsule, err.capsule_note = path, note  # type: ignore[attr-defined]
+        err.args = (err._format(),)  # type: ignore[attr-defined]
+
+
 def _why(problem: Exception) -> str:
     text = str(problem).splitlines()[0] if str(problem) else ""
     return f"{type(problem).__name__}: {text}"

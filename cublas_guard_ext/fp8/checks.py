@@ -214,10 +214,7 @@ def _verdict_with_capsule(p: Pending, host: list[float], warned: set | None) -> 
     except (Fp8NonFiniteError, Fp8ScaleError) as err:
         if p.where.layer is not None and p.where.op is None:
             where = {**p.where.fields(), "fp8_dtype": p.fmt.name}
-            path, note = _scaled_capsule.capture_cast(err, p.x, p.amax, p.scale, where)
-            if path is not None or note is not None:
-                err.capsule, err.capsule_note = path, note
-                err.args = (err._format(),)
+            _scaled_capsule.attach(err, _scaled_capsule.capture_cast(err, p.x, p.amax, p.scale, where))
         raise
 
 

@@ -214,10 +214,7 @@ def _checked(op: str, original: Any, positions: tuple[int, int, int, int], mm: b
         try:
             return checked(*args, **kwargs)
         except (Fp8NonFiniteError, Fp8ScaleError) as err:  # with the capsule: replay reruns the GEMM
-            path, note = _scaled_capsule.capture_scaled(err, op, args, kwargs)
-            if path is not None or note is not None:
-                err.capsule, err.capsule_note = path, note
-                err.args = (err._format(),)
+            _scaled_capsule.attach(err, _scaled_capsule.capture_scaled(err, op, args, kwargs))
             raise
 
     def checked(*args: Any, **kwargs: Any) -> Any:

@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     own = []
     for _ in range(rounds):
         c0 = time.process_time()
-        guard._begin()
-        _training._bad_flag(torch.ones((), device=args.device), guard._grads(), True).item()
+        guard.begin()
+        grads = [p.grad for p in guard.parameters() if p.grad is not None]
+        _training._bad_flag(torch.ones((), device=args.device), grads, True).item()
         own.append(time.process_time() - c0)
     guard.steps -= rounds
     own_ms = statistics.median(own) * 1e3

@@ -132,13 +132,13 @@ class TrainingGuardCallback(_callback_base()):  # type: ignore[misc]
             raise refusal
         self._refused = True
         self._drop = True
-        guard._refused_step(self._replay_closure(pl_module), rng, refusal)
+        guard.reject(self._replay_closure(pl_module), rng, refusal=refusal)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.guard is None:
             self.on_fit_start(trainer, pl_module)
         assert self.guard is not None
-        self._rng = self.guard._begin()
+        self._rng = self.guard.begin()
         self._batch = (batch, batch_idx)
         self._refused = False
 
@@ -147,10 +147,10 @@ class TrainingGuardCallback(_callback_base()):  # type: ignore[misc]
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         guard, rng, kept = self.guard, self._rng, self._batch
-        if self._refused or guard is None or rng is None or kept is None or not guard._is_bad(self._loss):
+        if self._refused or guard is None or rng is None or kept is None or not guard.is_bad(self._loss):
             return
         self._drop = True
-        guard._bad_step(self._replay_closure(pl_module), rng, self._loss, guard.steps)  # or raises
+        guard.reject(self._replay_closure(pl_module), rng, self._loss)  # or raises
 
     def _replay_closure(self, pl_module: Any) -> Any:
         """The micro-batch again: the module's own training_step (not the wrapper) and backward."""

@@ -43,7 +43,7 @@ def state_dict(guard: Any) -> dict[str, Any]:
         "scaler_skips": guard.scaler_skips,
         "list_skips": guard.list_skips,
         "skipped_steps": json.dumps([e.fields.get("step") for e in guard.skipped]),
-        "history": json.dumps(guard._history.read()),
+        "history": json.dumps(guard.history.read()),
         "spikes": json.dumps(saved_spikes),
     }
 
@@ -65,10 +65,7 @@ def load_state_dict(guard: Any, state: dict[str, Any]) -> None:
     guard.scaler_skips = int(state["scaler_skips"])
     guard.list_skips = int(state["list_skips"])
     guard.restored_skipped_steps = json.loads(state["skipped_steps"])
-    guard._history.entries.clear()
-    maxlen = guard._history.entries.maxlen
-    if maxlen:
-        guard._history.entries.extend(json.loads(state["history"])[-maxlen:])
+    guard.history.load(json.loads(state["history"]))
     saved = json.loads(state["spikes"])
     spikes = _spikes(guard)
     if saved is None or spikes is None:

@@ -56,6 +56,8 @@ from . import skip_list as _skip_list
 from .replay import NON_FINITE_REFUSALS
 from .silent_corruption import SilentCorruptionChecks
 from .state import (
+    Collective,
+    StepHistory,
     _bad_flag,
     _Buffers,
     _default_group,
@@ -65,7 +67,6 @@ from .state import (
     _refusal_fields,
     _refusal_layer,
     _RngState,
-    _StepHistory,
     _unwrap,
 )
 
@@ -135,6 +136,11 @@ class TrainingGuard:
     Costs: ~1% of an all-MiniLM-L6-v2 AdamW step on a CPU (docs/training-guard.md), one host
     read (none deferred), one 4-byte all-reduce when distributed; a bad step one more forward
     and backward under ``watch``. More: docs/training-guard.md.
+
+    For integrations that own no closure (a trainer's hooks): :meth:`begin`, :meth:`is_bad`,
+    then :meth:`apply` or :meth:`reject` (what :meth:`step` is made of), :meth:`restore`,
+    ``collective``, ``history``, ``batch``, :meth:`parameters` (docs/training-guard.md, "For
+    integrations"); nothing else of the guard is theirs to touch.
     """
 
     def __init__(
@@ -192,12 +198,12 @@ class TrainingGuard:
         self.scaler = scaler
         self.deferred = deferred
         self.allow = list(allow) if not isinstance(allow, str) else [allow]
-        self.group = _default_group() if process_group == "auto" else process_group
+        self.collective = Collective(_default_group() if process_group == "auto" else process_group)
         self.steps = 0
         self.skipped: list[NonFiniteStepError] = []
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
-        self._history = _StepHistory(history)
+        self._history = StepHistory(history)
         if optimizer is not None and history:  # a finding born in its step quotes this history
             _optimizer_step.keep_history(optimizer, self._history.read)
         self.scaler_skips = 0
@@ -209,19 +215,46 @@ class TrainingGuard:
         self._batch: _samples.StepBatch | None = None  # this step's sample_ids, if given
         self.list_skips = 0  # batches skipped before their closure: they held a listed sample
         self.restored_skipped_steps: list[int] = []  # on_nan="skip"'s steps before a resume
-        self.skip_list, self._skip_group = _skip_list.open_skip_list(self, skip_list)
+        self.skip_list = _skip_list.open_skip_list(self, skip_list)
 
-    # -- parameters and their gradients --------------------------------------------------
-    def _params(self) -> list[torch.Tensor]:
+    # -- for the integrations and the checks (docs/training-guard.md, "For integrations") --------
+    @property
+    def group(self) -> Any:
+        """The process group the ranks decide over (None: one process); ``collective`` uses it."""
+        return self.collective.group
+
+    @property
+    def history(self) -> StepHistory:
+        """The last ``history`` steps' loss, gradient norm, skip and refusal (messages read it)."""
+        return self._history
+
+    @property
+    def batch(self) -> _samples.StepBatch | None:
+        """This step's ``sample_ids`` and the batch they name, or None (no ids given)."""
+        return self._batch
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters the guard checks: the optimizer's, in its param groups' order (without
+        an optimizer, the model's that require a gradient)."""
         if self.optimizer is not None:
             return [p for g in self.optimizer.param_groups for p in g["params"]]
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def restore(self, rng: _RngState, *, optimizer: bool = False) -> None:
+        """Undo what this step's closure did: the RNG states ``rng`` (from :meth:`begin`) and every
+        buffer put back, every gradient set to None; ``optimizer=True`` also calls the
+        optimizer's ``zero_grad(set_to_none=True)`` (a step that is dropped, not run again)."""
+        rng.restore()
+        self._buffers.restore()
+        self._zero_grads()
+        if optimizer and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._params() if p.grad is not None]
+        return [p.grad for p in self.parameters() if p.grad is not None]
 
     def _zero_grads(self) -> None:
-        for p in self._params():
+        for p in self.parameters():
             p.grad = None
         for p in self.inner.parameters():
             p.grad = None
@@ -230,37 +263,12 @@ class TrainingGuard:
         if self._names is None:
             self._names = {id(p): n for n, p in self.inner.named_parameters()}
         bad = []
-        for p in self._params():
+        for p in self.parameters():
             g = p.grad
             g = g.to_local() if hasattr(g, "to_local") else g
             if g is not None and not bool(torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()):
                 bad.append(self._names.get(id(p), f"<parameter {tuple(p.shape)}>"))
         return bad
-
-    # -- distributed ---------------------------------------------------------------------
-    def _rank_world(self) -> tuple[int | None, int | None]:
-        if self.group is None:
-            return None, None
-        import torch.distributed as dist
-
-        return dist.get_rank(self.group), dist.get_world_size(self.group)
-
-    def _agree(self, flag: torch.Tensor, async_op: bool = False) -> Any:
-        import torch.distributed as dist
-
-        if dist.get_backend(self.group) == "gloo" and flag.device.type != "cpu":
-            flag = flag.cpu()
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
-        return flag, work
-
-    def _gather(self, item: Any) -> list[Any]:
-        if self.group is None:
-            return [item]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, item, group=self.group)
-        return out
 
     # -- the step --------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any], *, sample_ids: Any = None, batch: Any = None) -> Any:
@@ -281,7 +289,7 @@ class TrainingGuard:
         self._batch = _samples.StepBatch.of(self, sample_ids, batch)
         if self.skip_list is not None and _skip_list.skip_listed(self):
             return None  # before the closure: no forward, backward or collective
-        rng = self._begin()
+        rng = self.begin()
         checks = self.silent_corruption
         try:
             with self._batch.capture if self._batch is not None else contextlib.nullcontext():
@@ -297,33 +305,30 @@ class TrainingGuard:
         flag = _bad_flag(loss, grads, True)
         self._note(loss, grads)
         if flag is None:  # nothing to check: no loss, no gradient
-            return self._take(loss)
+            return self.apply(loss)
         if self.deferred:
             return self._step_deferred(closure, rng, loss, flag)
         if checks is not None:  # replicas, spikes, checked steps: still one collective, one read
             return checks.decide(closure, rng, loss, flag)
         if not self._read(flag):
-            return self._take(loss)
+            return self.apply(loss)
         return self._bad_step(closure, rng, loss, self.steps)
 
-    # The pieces step() is made of; the integrations (Trainer, Lightning) call them from hooks.
-    def _begin(self) -> _RngState:
-        """Before a step's forward: count it, keep the RNG states and the buffers."""
+    # The pieces step() is made of, public for the integrations (Trainer, Lightning: they call
+    # them from hooks) and the silent-corruption checks: begin, is_bad, then apply or reject.
+    def begin(self) -> _RngState:
+        """Before a step's forward: count it, keep the RNG states (returned: hand them to
+        :meth:`reject` or :meth:`restore`) and copy every buffer."""
         self.steps += 1
         self.stepped = False
         rng = _RngState()
         self._buffers.snapshot()
         return rng
 
-    def _read(self, flag: torch.Tensor) -> bool:
-        """Whether some rank's step was bad: the all-reduce (if any), then the one host read."""
-        if self.silent_corruption is not None:
-            return self.silent_corruption.read(flag)
-        if self.group is not None:
-            flag, _ = self._agree(flag)
-        return flag.item() != 0.0
-
-    def _is_bad(self, loss: Any) -> bool:
+    def is_bad(self, loss: Any) -> bool:
+        """After the backward: whether the step was bad on some rank (the loss or a gradient
+        NaN/Inf). Notes the loss and gradient norm for the messages, joins the ranks (one
+        all-reduce) and reads the flag (one host sync); a good step resets the skip count."""
         grads = self._grads()
         flag = _bad_flag(loss, grads, True)
         self._note(loss, grads)
@@ -334,17 +339,41 @@ class TrainingGuard:
             self.consecutive_skips = 0
         return bad
 
-    def _note(self, loss: Any, grads: list[torch.Tensor]) -> None:
-        """Keep this step's loss and gradient norm for the messages (device tensors, no sync)."""
-        if self._history.entries.maxlen:
-            self._history.add(self.steps, loss, _grad_norm(grads))
-
-    def _take(self, loss: Any) -> Any:
+    def apply(self, loss: Any) -> Any:
+        """A good step: ``optimizer.step()`` (when there is an optimizer); returns ``loss``."""
         self.consecutive_skips = 0
         if self.optimizer is not None:
             self.optimizer.step()
             self.stepped = True
         return loss
+
+    def reject(
+        self,
+        closure: Callable[[], Any],
+        rng: _RngState,
+        loss: Any = None,
+        *,
+        refusal: BaseException | None = None,
+    ) -> None:
+        """A bad step (this one, :attr:`steps`): replay ``closure`` from ``rng`` under ``watch``,
+        put everything back as before the step, then raise :class:`NonFiniteStepError` or skip
+        (``on_nan``). ``refusal``: the error a guarded layer raised inside the step instead of
+        returning a loss (it becomes the cause); the other ranks are met in their flag's
+        all-reduce first. Returns None on a skip; every rank must call it together."""
+        if refusal is not None:
+            return self._refused_step(closure, rng, refusal)
+        return self._bad_step(closure, rng, loss, self.steps)
+
+    def _read(self, flag: torch.Tensor) -> bool:
+        """Whether some rank's step was bad: the all-reduce (if any), then the one host read."""
+        if self.silent_corruption is not None:
+            return self.silent_corruption.read(flag)
+        return self.collective.agree(flag).item() != 0.0
+
+    def _note(self, loss: Any, grads: list[torch.Tensor]) -> None:
+        """Keep this step's loss and gradient norm for the messages (device tensors, no sync)."""
+        if self._history.entries.maxlen:
+            self._history.add(self.steps, loss, _grad_norm(grads))
 
     def _refused_step(self, closure: Callable[[], Any], rng: _RngState, refusal: BaseException) -> None:
         """A guarded layer (or the user's watch) raised about a NaN/Inf inside the closure: a
@@ -369,10 +398,9 @@ class TrainingGuard:
         if loss_flag is not None:
             parts.insert(0, loss_flag.to(parts[0].device if parts else loss_flag.device))
         if not parts:
-            return self._take(loss)
+            return self.apply(loss)
         flags = torch.stack(parts)
-        if self.group is not None:
-            flags, _ = self._agree(flags)
+        flags = self.collective.agree(flags)
         loss_bad, *grads_bad = flags.tolist() if loss_flag is not None else [0.0, *flags.tolist()]
         if loss_bad:
             # the scaler has unscaled but not stepped: forget that, as if the step never ran
@@ -384,7 +412,7 @@ class TrainingGuard:
             self.scaler_skips += 1
             scaler.update()  # lowers the scale; no optimizer step (what scaler.step would do)
             return loss
-        self._take(loss)
+        self.apply(loss)
         scaler.update()
         return loss
 
@@ -393,9 +421,8 @@ class TrainingGuard:
     ) -> Any:
         opt = self.optimizer
         assert opt is not None
-        if self.group is not None:
-            flag, _ = self._agree(flag)  # NCCL: ordered on the stream, no host wait
-        opt.grad_scale, opt.found_inf = None, flag.to(self._params()[0].device, non_blocking=True)
+        flag = self.collective.agree(flag)  # NCCL: ordered on the stream, no host wait
+        opt.grad_scale, opt.found_inf = None, flag.to(self.parameters()[0].device, non_blocking=True)
         try:
             opt.step()  # skipped on the device when the flag is 1
         finally:
@@ -452,7 +479,7 @@ class TrainingGuard:
             replay.place_transient(self, closure, rng, result, refusal, record)
         cause = refusal if refusal is not None else result.pop("exception")
         result.pop("exception", None)
-        rank, world = self._rank_world()
+        rank, world = self.collective.rank, self.collective.world
         report = {
             "rank": rank,
             "local_bad": local_bad,
@@ -462,13 +489,8 @@ class TrainingGuard:
             "refusal": _refusal_fields(refusal) if refusal is not None else None,
             **result,
         }
-        reports = self._gather(report)
-        # restore once more: the replay drew random numbers and wrote buffers
-        rng.restore()
-        self._buffers.restore()
-        self._zero_grads()
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        reports = self.collective.gather(report)
+        self.restore(rng, optimizer=True)  # once more: the replay drew random numbers, wrote buffers
         if self.on_nan == "skip":
             self._history.mark(step, skipped=True)
         history = self._history.read()

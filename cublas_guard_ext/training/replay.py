@@ -51,11 +51,11 @@ def run(guard: Any, closure: Callable[[], Any], rng: Any) -> dict[str, Any]:
     # mattered, so the first birth is the producer unless the model also makes harmless
     # infinities on purpose (T5's log(0)), which only the consequence rule can tell apart.
     report = "birth" if guard.group is not None and _fsdp_modules(guard.inner) else "consequence"
-    ids = guard._batch.ids if guard._batch is not None else None
-    capture = _samples.BatchCapture(guard.model, guard._batch.given) if ids is not None else None
+    batch = guard.batch
+    ids = batch.ids if batch is not None else None
+    capture = _samples.BatchCapture(guard.model, batch.given) if ids is not None else None
     rows = _samples.RowRecorder(guard.inner, capture) if capture is not None else None
-    rng.restore()
-    guard._buffers.restore()
+    guard.restore(rng)  # (the gradients are None already: the bad step set them so)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(replay_context(guard))
@@ -97,9 +97,7 @@ def run(guard: Any, closure: Callable[[], Any], rng: Any) -> dict[str, Any]:
     out.pop("coords", None)
     if compiled and not out["reproduced"]:
         # eager found nothing: does the compiled code reproduce it?
-        rng.restore()
-        guard._buffers.restore()
-        guard._zero_grads()
+        guard.restore(rng)
         with replay_context(guard):
             replay_loss = closure()
             flag = _bad_flag(replay_loss, replay_grads(guard), guard.scaler is None)
@@ -150,9 +148,7 @@ def place_transient(
     from .run_signatures import Record, Recorder, compare
 
     rerun = Record()
-    rng.restore()
-    guard._buffers.restore()
-    guard._zero_grads()
+    guard.restore(rng)
     with replay_context(guard), Recorder(guard.inner, rerun):
         closure()
     index, _ = compare(record, rerun, None)

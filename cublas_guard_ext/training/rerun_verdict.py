@@ -53,7 +53,7 @@ class _Result:
         names = {id(p): n for n, p in guard.inner.named_parameters()}
         self.names: list[str] = []
         ints, floats = [], []
-        for p in guard._params():
+        for p in guard.parameters():
             if p.grad is None:
                 continue
             i, f = signatures.stats(p.grad)
@@ -112,9 +112,7 @@ def _diff(a: _Result, b: _Result, tolerance: float | None) -> dict[str, Any]:
 def _rerun(
     guard: Any, closure: Callable[[], Any], rng: Any, record: bool = True, capture: Capture | None = None
 ) -> _Result:
-    rng.restore()
-    guard._buffers.restore()
-    guard._zero_grads()
+    guard.restore(rng)
     rec = Record() if record else None
     with torch.enable_grad():
         if capture is not None:
@@ -139,11 +137,11 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
     a = _rerun(guard, closure, rng)
     tolerance = None if checks.tolerance == "calibrate" else float(checks.tolerance)
     comparison = "bitwise" if tolerance is None else f"within your relative tolerance {tolerance:g}"
-    oa = guard._gather({**_diff(o, a, tolerance), "who": me, "trigger": trigger})
+    oa = guard.collective.gather({**_diff(o, a, tolerance), "who": me, "trigger": trigger})
     verdict = "reproducible" if all(r["same"] for r in oa) else None
     if verdict is None and tolerance is None:
         b = _rerun(guard, closure, rng)
-        ab = guard._gather(_diff(a, b, None))
+        ab = guard.collective.gather(_diff(a, b, None))
         if all(r["same"] for r in ab):
             comparison = "bitwise (two reruns agree bit for bit, the step does not)"
             verdict = "transient"
@@ -152,7 +150,7 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
             # calibrate with; the first place where they part is the verdict's
             comparison = "the two reruns themselves took different paths: no tolerance can be calibrated"
             verdict = "transient"
-            oa = guard._gather({**_diff(a, b, None), "who": me, "trigger": trigger})
+            oa = guard.collective.gather({**_diff(a, b, None), "who": me, "trigger": trigger})
         else:
             noise = max(r["worst"] for r in ab)
             tolerance = checks.calibration_factor * noise
@@ -161,7 +159,7 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
                 f"x {noise:.3g}, the largest relative difference between two reruns: these kernels "
                 "are not bitwise reproducible)"
             )
-            oa = guard._gather({**_diff(o, a, tolerance), "who": me, "trigger": trigger})
+            oa = guard.collective.gather({**_diff(o, a, tolerance), "who": me, "trigger": trigger})
             verdict = "reproducible" if all(r["same"] for r in oa) else "transient"
             a = b  # the last run: its gradients are the ones in place
     elif verdict is None:
@@ -179,7 +177,7 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
     if verdict == "reproducible":
         persistent = _cross_rank(checks, closure, rng, a, step, trigger_text, comparison)
         if persistent is not None:
-            checks._restore(rng)
+            guard.restore(rng, optimizer=True)
             return checks.skip_or_raise(persistent)
         if not spike:
             return _apply(checks, loss)
@@ -196,12 +194,14 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
         from ..errors.samples import spike_text
         from . import samples as _samples
 
-        entry["samples"] = _samples.spike_culprits(checks, guard._gather(_samples.spike_samples(checks)))
+        entry["samples"] = _samples.spike_culprits(
+            checks, guard.collective.gather(_samples.spike_samples(checks))
+        )
         checks.verdicts.append(entry)
         checks._track(entry)
         if checks.on_spike == "skip":
-            checks._restore(rng)
-            guard._history.mark(step, skipped=True)
+            guard.restore(rng, optimizer=True)
+            guard.history.mark(step, skipped=True)
             _samples.list_spike(guard, entry["samples"], step)
             warnings.warn(
                 f"training step {step}: a reproducible spike ({trigger_text}); skipped (on_spike='skip')\n  "
@@ -212,14 +212,14 @@ def run(checks: Any, closure: Callable[[], Any], rng: Any, loss: Any, spike: boo
             return None
         return _apply(checks, loss)
     err = _transient(checks, closure, rng, oa, step, trigger_text, comparison)
-    checks._restore(rng)
+    guard.restore(rng, optimizer=True)
     return checks.skip_or_raise(err)
 
 
 def _apply(checks: Any, loss: Any) -> Any:
     if checks.spikes is not None:
         checks.spikes.keep()
-    return checks.guard._take(loss)
+    return checks.guard.apply(loss)
 
 
 def _largest(result: _Result) -> str | None:
@@ -403,7 +403,7 @@ def _cross_rank(
         and key[2] == "output"
         and is_gemm_module(modules.get(key[0], torch.nn.Module()))
     ]
-    suspect = _suspect(checks, guard._gather(mine))
+    suspect = _suspect(checks, guard.collective.gather(mine))
     if suspect is None:
         return None
     group_rank, module, call = suspect
@@ -419,7 +419,7 @@ def _cross_rank(
     with torch.no_grad():
         out = torch.func.functional_call(target, params, (payload["operands"]["input"].to(device),))
     me = checks.identity()
-    replays = guard._gather({**me, "signature": int(signatures.fold(out).item())})
+    replays = guard.collective.gather({**me, "signature": int(signatures.fold(out).item())})
     theirs = [r["signature"] for r in replays if r["rank"] != src]
     if not theirs:
         return None

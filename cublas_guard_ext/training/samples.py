@@ -222,11 +222,7 @@ class StepBatch:
         try:
             self.capture.layout(len(self.ids), guard.steps)
         except SampleIdsError:
-            rng.restore()
-            guard._buffers.restore()
-            guard._zero_grads()
-            if guard.optimizer is not None:
-                guard.optimizer.zero_grad(set_to_none=True)
+            guard.restore(rng, optimizer=True)
             guard.steps -= 1
             raise
 
@@ -374,8 +370,8 @@ def spike_samples(checks: Any) -> dict[str, Any]:
     outlier within the batch (robust z-score, the spike detector's threshold and floor), as
     plain values (they are gathered over the ranks)."""
     guard = checks.guard
-    rank = guard._rank_world()[0]
-    batch = guard._batch
+    rank = guard.collective.rank
+    batch = guard.batch
     if batch is None:
         return {"rank": rank, "ids": [], "why": "no sample_ids were given, so it names the batch"}
     if batch.per_sample is None:
@@ -430,7 +426,7 @@ def list_spike(guard: Any, found: dict[str, Any], step: int) -> int:
     skip = guard.skip_list
     if skip is None or not found.get("ids"):
         return 0
-    me = guard._rank_world()[0]
+    me = guard.collective.rank
     written = 0
     for rank, ids in found["by_rank"].items():
         if rank == me:

@@ -214,10 +214,12 @@ class SilentCorruptionChecks:
         return closure()
 
     def _grad_norm(self) -> torch.Tensor | None:
-        entries = self.guard._history.entries
-        if entries and entries[-1]["step"] == self.guard.steps and entries[-1]["grad_norm"] is not None:
-            return entries[-1]["grad_norm"]
-        return _grad_norm(self.guard._grads())
+        """The step's gradient norm: the one the guard noted, else computed."""
+        guard = self.guard
+        noted = guard.history.grad_norm(guard.steps)
+        if noted is not None:
+            return noted
+        return _grad_norm([p.grad for p in guard.parameters() if p.grad is not None])
 
     def exchange(self, flag: torch.Tensor, loss: Any) -> tuple[int, dict[str, Any] | None]:
         """The step's collective(s) and its one host read: (the code all ranks agree on, the
@@ -232,8 +234,7 @@ class SilentCorruptionChecks:
         code = code.reshape(1)
         check = self.replicas
         if check is None or not check.due(guard.steps):
-            if guard.group is not None:
-                code, _ = guard._agree(code)
+            code = guard.collective.agree(code)
             return int(code.item()), None
         sigs = check.local().to(device)
         if guard.group is None or _same_ranks(guard.group, check.group):
@@ -246,7 +247,7 @@ class SilentCorruptionChecks:
             # before the flag's all-reduce over every rank, so every rank learns it
             summary = check.summary(check.gather(sigs))
             code = torch.maximum(code, REPLICAS * summary[:1].to(code.device))
-            code, _ = guard._agree(code)
+            code = guard.collective.agree(code)
         values = torch.cat([code.reshape(1).to(summary.device), summary]).tolist()  # the one read
         found = check.verdict(values[1:])
         if found is not None:
@@ -260,33 +261,25 @@ class SilentCorruptionChecks:
         guard = self.guard
         code, disagreement = self.exchange(flag, loss)
         if disagreement is not None:
-            self._restore(rng)
+            guard.restore(rng, optimizer=True)
             raise self._replicas_error(disagreement)
         if code == NONFINITE:  # (the bad step takes self.original: it places a transient)
-            return guard._bad_step(closure, rng, loss, guard.steps)
+            return guard.reject(closure, rng, loss)
         if code == SPIKE or self.original is not None:
             from . import rerun_verdict
 
             return rerun_verdict.run(self, closure, rng, loss, spike=code == SPIKE)
         if self.spikes is not None:
             self.spikes.keep()
-        return guard._take(loss)
+        return guard.apply(loss)
 
     def read(self, flag: torch.Tensor) -> bool:
-        """TrainingGuard._read with these checks (a guarded layer's refusal inside the step
+        """TrainingGuard's flag read with these checks (a guarded layer's refusal inside the step
         meets the other ranks in the same collectives): whether some rank's step was bad."""
         code, disagreement = self.exchange(flag, None)
         if disagreement is not None:
             raise self._replicas_error(disagreement)
         return code == NONFINITE
-
-    def _restore(self, rng: Any) -> None:
-        guard = self.guard
-        rng.restore()
-        guard._buffers.restore()
-        guard._zero_grads()
-        if guard.optimizer is not None:
-            guard.optimizer.zero_grad(set_to_none=True)
 
     def _replicas_error(self, found: dict[str, Any]) -> SilentCorruptionError:
         """Every rank builds the same error: what each replica group found and who everyone
@@ -384,7 +377,7 @@ class SilentCorruptionChecks:
         guard = self.guard
         if self.on_verdict == "raise":
             raise err from cause
-        guard._history.mark(err.fields.get("step"), skipped=True)
+        guard.history.mark(err.fields.get("step"), skipped=True)
         warnings.warn(str(err), RuntimeWarning, stacklevel=4)
         return None
 

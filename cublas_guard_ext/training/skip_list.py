@@ -63,10 +63,13 @@ def _ends_torn(fd: int) -> bool:
 
 
 class SkipList:
-    """The skip list at ``path``: ``ids`` (a set of ints), ``entries`` (the parsed lines)."""
+    """The skip list at ``path``: ``ids`` (a set of ints), ``entries`` (the parsed lines),
+    ``group`` (the host-side group the ranks agree on a skip over, set by :func:`open_skip_list`;
+    None in one process)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.group: Any = None
         self.ids: set[int] = set()
         self.entries: list[dict[str, Any]] = []
         if self.path.is_dir():
@@ -189,8 +192,8 @@ def _reason(err: OSError, path: Path) -> str:
 # -- what TrainingGuard does with it (functions of the guard, to keep guard.py short) --------
 
 
-def open_skip_list(guard: Any, path: Any) -> tuple[SkipList | None, Any]:
-    """(the list, the host-side group the ranks agree on a skip over) at construction.
+def open_skip_list(guard: Any, path: Any) -> SkipList | None:
+    """The list at construction, with the host-side group the ranks agree on a skip over.
 
     Every rank must skip alike, before its closure: the flag cannot ride on the step's own
     collective (the flag's all-reduce comes after the backward, and a rank that skipped its
@@ -198,16 +201,15 @@ def open_skip_list(guard: Any, path: Any) -> tuple[SkipList | None, Any]:
     all-reduce on a gloo group (the guard's own when it is gloo): host memory only, no device
     work, no wait on the GPU's queue."""
     if path is None:
-        return None, None
+        return None
     skip = SkipList(path)
-    group = None
     if guard.group is not None:
         import torch.distributed as dist
 
-        group = guard.group
-        if dist.get_backend(group) != "gloo":
-            group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
-    return skip, group
+        skip.group = guard.group
+        if dist.get_backend(skip.group) != "gloo":
+            skip.group = dist.new_group(ranks=dist.get_process_group_ranks(skip.group), backend="gloo")
+    return skip
 
 
 def skip_listed(guard: Any) -> bool:
@@ -218,22 +220,22 @@ def skip_listed(guard: Any) -> bool:
     from ..errors.samples import listed_batch_skipped
 
     skip = guard.skip_list
-    batch = guard._batch
+    batch = guard.batch
     hits = skip.listed(batch.ids) if batch is not None else []
     decided = bool(hits)
-    if guard._skip_group is not None:
+    if skip.group is not None:
         import torch.distributed as dist
 
         flag = torch.tensor([1 if hits else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=guard._skip_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=skip.group)
         decided = bool(flag[0])
     if not decided:
         return False
     guard.steps += 1
     guard.stepped = False
     guard.list_skips += 1
-    guard._history.mark(guard.steps, skipped=True)
-    rank = guard._rank_world()[0]
+    guard.history.mark(guard.steps, skipped=True)
+    rank = guard.collective.rank
     warnings.warn(listed_batch_skipped(guard.steps, hits, rank, str(skip.path)), RuntimeWarning, stacklevel=3)
     return True
 
@@ -245,7 +247,7 @@ def record_culprits(guard: Any, err: Any, reports: list[dict[str, Any]]) -> None
     skip = guard.skip_list
     if skip is None or err.fields.get("classification") != "persistent":
         return
-    me = guard._rank_world()[0]
+    me = guard.collective.rank
     written = 0
     for r in reports:
         found = r.get("samples") or {}

@@ -1,7 +1,8 @@
 """The pieces of a guarded training step that hold no policy (see :mod:`cublas_guard_ext.training`):
-what a step keeps to be undone (RNG states, buffers), the fused finite check, how to reach
-the module inside DDP / torch.compile wrappers, and FSDP2 set up for a replay without
-collectives. A module of its own so that guard.py stays under ~600 lines.
+what a step keeps to be undone (RNG states, buffers), the fused finite check, the steps' history
+and the process group as the guard's collaborators use them (:class:`StepHistory`,
+:class:`Collective`), how to reach the module inside DDP / torch.compile wrappers, and FSDP2 set
+up for a replay without collectives. A module of its own so that guard.py stays under ~600 lines.
 """
 
 from __future__ import annotations
@@ -22,18 +23,8 @@ from ..watching.session import watch
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module that holds the parameters under DDP / torch.compile wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if isinstance(inner, torch.nn.Module):
-            model = inner
-            continue
-        if _is_ddp(model):
-            model = model.module
-            continue
-        break
-    return model
+    *_, inner = _wrappers(model)  # the innermost
+    return inner
 
 
 def _is_ddp(model: Any) -> bool:
@@ -43,11 +34,12 @@ def _is_ddp(model: Any) -> bool:
 
 
 def _wrappers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` and each module inside its torch.compile / DDP wrappers, outermost first."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
         yield model
-        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
         if isinstance(inner, torch.nn.Module):
             model = inner
         elif _is_ddp(model):
@@ -161,9 +153,10 @@ def _grad_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.linalg.vector_norm(torch.cat([n.to(device, non_blocking=True) for n in norms]))
 
 
-class _StepHistory:
-    """The last ``size`` steps: step number, loss and gradient norm as kept (tensors, read only
-    when a message needs them: no host sync on a healthy step), skipped, refused by."""
+class StepHistory:
+    """The last ``size`` steps (``guard.history``): step number, loss and gradient norm as kept
+    (tensors, read only when a message needs them: no host sync on a healthy step), skipped,
+    refused by. The messages of the guard's errors and ``state_dict`` read it."""
 
     def __init__(self, size: int) -> None:
         self.entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=max(size, 0))
@@ -187,6 +180,13 @@ class _StepHistory:
         self.add(step, None, None)
         self.entries[-1].update(changes)
 
+    def grad_norm(self, step: int) -> torch.Tensor | None:
+        """The gradient norm noted for ``step`` when it is the latest entry (a device tensor,
+        not read), else None."""
+        if self.entries and self.entries[-1]["step"] == step:
+            return self.entries[-1]["grad_norm"]
+        return None
+
     def read(self) -> list[dict[str, Any]]:
         """The entries with plain floats (a host read per tensor: only for a message)."""
 
@@ -196,6 +196,61 @@ class _StepHistory:
             return float(v) if isinstance(v, (int, float)) else None
 
         return [{**e, "loss": value(e["loss"]), "grad_norm": value(e["grad_norm"])} for e in self.entries]
+
+    def load(self, entries: list[dict[str, Any]]) -> None:
+        """Replace the entries by ``entries`` (what :meth:`read` gave), the last ``size`` kept."""
+        self.entries.clear()
+        if self.entries.maxlen:
+            self.entries.extend(entries[-self.entries.maxlen :])
+
+
+class Collective:
+    """The guard's process group as its collaborators use it (``guard.collective``). Every rank
+    calls :meth:`agree` and :meth:`gather` together and in the same order; without a group (one
+    process) both are local and ``rank`` and ``world`` are None."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    @property
+    def rank(self) -> int | None:
+        """This process's rank in the group (None without one)."""
+        if self.group is None:
+            return None
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    @property
+    def world(self) -> int | None:
+        """The group's size (None without one)."""
+        if self.group is None:
+            return None
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    def agree(self, flag: torch.Tensor) -> torch.Tensor:
+        """``flag``'s MAX over the ranks (an all-reduce, no host read; a gloo group reduces a CPU
+        copy of a device tensor): the tensor to read, ``flag`` itself when not copied."""
+        if self.group is None:
+            return flag
+        import torch.distributed as dist
+
+        if dist.get_backend(self.group) == "gloo" and flag.device.type != "cpu":
+            flag = flag.cpu()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag
+
+    def gather(self, item: Any) -> list[Any]:
+        """Every rank's ``item`` (any picklable value), in rank order: ``[item]`` without a group."""
+        if self.group is None:
+            return [item]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, item, group=self.group)
+        return out
 
 
 def _param_absmax(model: torch.nn.Module) -> tuple[float | None, str | None, str | None]:

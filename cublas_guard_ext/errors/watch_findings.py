@@ -5,7 +5,11 @@ Raised by cublas_guard_ext.watching; written here with every other message."""
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
+
+import torch
 
 from . import nan_from_inf as _nan_from_inf
 from . import optimizer_step as _optimizer_step
@@ -26,7 +30,7 @@ from .format import (
     _where,
 )
 from .inputs import NonFiniteInputError
-from .magnitudes import counts_line, magnitude_line
+from .magnitudes import counts_line, format_number, magnitude_line
 from .overflow import finding_lines, finding_overflow, narrow_format, next_steps
 
 
@@ -112,7 +116,12 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             lines.append(inputs)
         if self._in_optimizer_step():  # the state's and gradient's magnitudes, read from the optimizer
             counts = counts_line(f)
-            return lines + ([f"counts at that op: {counts}"] if counts else []) + _optimizer_step.details(f)
+            return (
+                lines
+                + ([f"counts at that op: {counts}"] if counts else [])
+                + _optimizer_step.details(f)
+                + _where_it_went(f)
+            )
         lines += past_groups_details(f) or self._explained()
         lines += finding_lines(f)
         if _nan_from_inf.applies(f):
@@ -126,7 +135,7 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
                 "recorded at that op (mode='async') and reported now: outputs computed since then "
                 "are not to be trusted"
             )
-        return lines
+        return lines + _where_it_went(f)
 
     def _next_steps(self) -> list[str]:
         if self.fields.get("op") is None:
@@ -141,14 +150,53 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             return _nan_from_inf.next_steps(self.fields)
         op = str(self.fields.get("op", "")).split(".")
         base = op[1] if len(op) > 1 else ""
-        steps = past_groups_steps(self.fields)
+        sink = _float8_sink(self.fields)
+        steps = _float8_sink_steps(sink) if sink else past_groups_steps(self.fields)
         hint = _PRODUCER_HINTS.get(base.rstrip("_")) or _PRODUCER_HINTS.get(base.split("_")[0])
         if hint:
             steps.append(f"likely {hint}")
-        steps.append(
-            "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
-        )
+        if not sink:  # a value a float8 cast clipped is lost, not intended
+            steps.append(
+                "if these values are intended there, pass the op or the module to watch(..., allow=[...])"
+            )
         return steps
+
+
+def _where_it_went(f: dict[str, Any]) -> list[str]:
+    """Where the values went (watch's consequence rule) and what was lost, before the Next steps."""
+    lines = [f"reached: {f['reached']}"] if f.get("reached") and f.get("op") is not None else []
+    return lines + ([f"lost: {f['lost']}"] if f.get("lost") and f.get("op") is not None else [])
+
+
+@functools.cache
+def _float8_without_inf() -> dict[str, torch.dtype]:
+    """The float8 dtypes this torch has that cannot hold Inf (asked of torch: +Inf cast to each)."""
+    found = {}
+    for name in dir(torch):
+        dtype = getattr(torch, name)
+        if name.startswith("float8_") and isinstance(dtype, torch.dtype):
+            if not torch.tensor(float("inf")).to(dtype).float().isinf().item():
+                found[name] = dtype
+    return found
+
+
+def _float8_sink(f: dict[str, Any]) -> torch.dtype | None:
+    """The Inf-less float8 format whose cast or copy swallowed the values (watch names it in
+    ``reached``), or None."""
+    words = re.findall(r"\bfloat8_\w+", str(f.get("reached") or ""))
+    return next((_float8_without_inf()[w] for w in words if w in _float8_without_inf()), None)
+
+
+def _float8_sink_steps(dtype: torch.dtype) -> list[str]:
+    name, largest = str(dtype).replace("torch.", ""), format_number(float(torch.finfo(dtype).max))
+    return [
+        f"fix the values here, where they were born, not at the cast: {name} has no Inf, so the "
+        f"cast saturated them to +-{largest} and training would have gone on with them, with no "
+        "error and no NaN downstream",
+        "the inputs' magnitudes above say how far out of range they were: bring that activation "
+        "back in range before its FP8 GEMM (a normalization, or a clamp), and if it grew over "
+        "steps, lower the learning rate or clip gradients",
+    ]
 
 
 _SCORE_OPS = ("matmul", "bmm", "baddbmm", "mm", "einsum")

@@ -99,10 +99,8 @@ def _typed(message: str) -> errors.GuardError:
         err = errors.NonFiniteOutputError(**fields)
     f = err.fields
     extra = []
-    if f.get("reached"):
+    if f.get("reached") and not isinstance(err, errors.NonFiniteOutputError):  # its own details say it
         extra.append(f"  reached: {f['reached']}")
-    if f.get("lost") and f.get("op") is not None:
-        extra.append(f"  lost: {f['lost']}")
     if f.get("birth_stack"):
         frames = str(f["birth_stack"]).splitlines()
         extra.append("  born at (innermost Python frame first): " + frames[0])

@@ -169,6 +169,7 @@ def test_watch_names_the_guarded_gemm_that_overflowed_with_its_bound():
         "  overflow: float16's largest value is 65504; each output of this GEMM sums K = 1024 products of "
         "x and weight, so it can reach 1024 x 300 x 0.25 + 0 (max|x| x max|weight| + max|bias|) = 76800: "
         "up to 1.17x past the range\n"
+        "  reached: the input of cublas_guard.linear.default, which refused it\n"
         "Next: " + FP16_STEPS.format(where="module '0'").lstrip() + "\n"
     ) in text
     assert "allow=" not in text

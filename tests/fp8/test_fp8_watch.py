@@ -37,6 +37,35 @@ def test_a_cast_to_e4m3_is_the_sink_of_an_inf_born_before_it():
     ]
 
 
+def _next_steps(err: Exception) -> str:
+    text = str(err)
+    return text[text.index("\nNext: ") :]
+
+
+def test_the_next_step_of_a_swallowed_inf_is_its_birth_not_allow():
+    err = _finding(lambda: (BIG * 10).to(E4M3))
+    steps = _next_steps(err)
+    assert steps.startswith(
+        "\nNext: fix the values here, where they were born, not at the cast: float8_e4m3fn has no Inf, "
+        "so the cast saturated them to +-448 and training would have gone on with them"
+    )
+    assert "allow=" not in steps  # a value the cast clipped is lost, not intended
+    text = str(err)  # where the values went is said before what to do
+    assert text.index("\n  reached: the cast to float8_e4m3fn") < text.index("\nNext: ")
+
+
+class _Times10(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 10
+
+
+def test_an_inf_no_float8_cast_swallowed_keeps_the_generic_steps():
+    model = _Times10()
+    err = _finding(lambda: model(BIG).to(torch.float8_e5m2), model)  # e5m2 keeps it: the output sinks
+    assert "reached: the model's output" in str(err)
+    assert "not at the cast" not in str(err) and "allow=" in _next_steps(err)
+
+
 def test_a_copy_into_an_e4m3_tensor_is_a_sink_too():
     def copy() -> None:
         torch.empty(3, dtype=E4M3).copy_(BIG * 10)
@@ -79,6 +108,7 @@ def test_torchao_float8_linear_names_the_birth_and_the_clamp_that_hid_it():
         "reached: aten.clamp to +-448, float8_e4m3fn's range (the first step of a saturated FP8 cast, as "
         "torchao's): +Inf becomes 448 and -Inf -448 there, so the non-finite value is lost"
     ]
+    assert _next_steps(err).startswith("\nNext: fix the values here, where they were born, not at the cast")
 
 
 def test_an_overflow_in_a_scaled_gemm_is_born_there():

@@ -1,7 +1,9 @@
 // Every public op schema (torch.ops.cublas_guard) and the device-independent
 // ops, in both builds of the core (core/tensor_api.h). The Meta kernels that
 // torch.compile / FakeTensor use are the locked library's (ops_meta.cpp: they
-// need SymInts); the stable core's are Python's (_native/fake.py). The test
+// need SymInts); the stable core's are Python's (register_fake in
+// cublas_guard_ext/_native/stable_core.py and stable_core_grouped.py, which
+// call argument_rules below for the rules). The test
 // hooks have their own namespace (testing.cpp), the package's private entry
 // points theirs (cublas_guard_internal, defined where they are implemented),
 // so what a user sees under torch.ops.cublas_guard is the product only.

@@ -1,5 +1,5 @@
 // Declarations shared by the CUDA translation units (scan.cu, linear.cu,
-// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; watch_scan.cu in the locked
+// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; locked/watch/watch_scan.cu in the locked
 // library). Written against core/tensor_api.h and core/cuda_api.h, so that the
 // core's CUDA sources compile into both builds.
 #pragma once

@@ -84,7 +84,7 @@ class ErrorReport {
 };
 
 // When Python is running: throws the typed Python exception for `message`
-// (python_errors.cpp), handing it the report's attached tensors and the
+// (locked/report/python_errors.cpp), handing it the report's attached tensors and the
 // operands of this thread's guarded call (report/call_scope.h); otherwise
 // returns and the caller throws the c10 error.
 void throw_python_error_if_possible(const std::string& message, const ErrorReport* report = nullptr);

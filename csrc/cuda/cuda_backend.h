@@ -5,8 +5,8 @@
 #pragma once
 
 #include "core/cuda_api.h"
-#include "cuda/launch_limits.h"
 #include "linear/gemm_route.h"
+#include "linear/launch_limits.h"
 #include "linear/linear_op.h"
 
 #include <cuda_runtime.h>

@@ -34,8 +34,8 @@ CORE_CPU_SOURCES = (
     "report/async_registry.cpp",
     "report/pending_errors.cpp",
     "report/call_scope.cpp",
-    "report/gemm_report.cpp",
-    "report/replay_cpu.cpp",
+    "linear/gemm_report.cpp",
+    "replay/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
 )
 LOCKED_CPU_SOURCES = (
@@ -65,7 +65,7 @@ CORE_CUDA_SOURCES = (
     "cuda/cublas_gemm.cu",
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
-    "report/replay_cuda.cu",
+    "replay/replay_cuda.cu",
     "moe/grouped_cuda.cu",
 )
 LOCKED_CUDA_SOURCES = ("locked/watch/watch_scan.cu",)

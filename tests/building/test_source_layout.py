@@ -5,6 +5,9 @@ cublas_guard_ext/_native/sources.py); everywhere else the stable core's (``CORE_
 both libraries and so never including a header from csrc/locked/ (the core is built against the
 stable ABI alone: a locked header would pull ATen or Python's C API into it). sources.py and the
 tree are held to the same rule here, and each rule is shown to catch a violation.
+
+The folders are layers too (csrc/README.md, "The layers"): a file includes only from its own
+layer or below, so no include runs back up.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from cublas_guard_ext._native import sources
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LOCKED = "locked/"
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+# Bottom to top; "" is the top-level files (ops.cpp, testing.cpp). locked/ is one layer, above all.
+LAYERS = ("core", "report", "scan", "linear", "cuda", "moe", "replay", "", "locked")
 
 pytestmark = pytest.mark.skipif(not CSRC.is_dir(), reason="needs csrc/ (a source checkout)")
 
@@ -87,6 +93,44 @@ def layout_problems(csrc: Path, lists: dict[str, tuple[str, ...]]) -> list[str]:
                 if chain is not None:
                     problems.append(f"core source {name} includes a locked header: {' -> '.join(chain)}")
     return problems
+
+
+def _layer(name: str) -> str:
+    return name.split("/")[0] if "/" in name else ""
+
+
+def upward_includes(csrc: Path) -> list[str]:
+    """Every include from a lower layer of ``csrc`` to a higher one, and every file in a folder
+    that is no layer."""
+    problems = []
+    for path in sorted(p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp", ".cu")):
+        name = path.relative_to(csrc).as_posix()
+        if _layer(name) not in LAYERS:
+            problems.append(
+                f"{name}: folder {_layer(name)}/ is in no layer (add it to LAYERS and csrc/README.md)"
+            )
+            continue
+        for inc in _includes(csrc, name):
+            if _layer(inc) in LAYERS and LAYERS.index(_layer(inc)) > LAYERS.index(_layer(name)):
+                problems.append(
+                    f"{name} includes {inc}: {_layer(name) or 'top'} -> {_layer(inc) or 'top'} runs back up"
+                )
+    return problems
+
+
+def test_no_include_runs_back_up() -> None:
+    assert upward_includes(CSRC) == []
+
+
+def test_an_include_running_back_up_and_a_folder_of_no_layer_are_named(tree: Path) -> None:
+    errors = tree / "report" / "errors.cpp"
+    errors.write_text('#include "linear/linear_op.h"\n' + errors.read_text())
+    (tree / "extra").mkdir()
+    (tree / "extra" / "thing.h").write_text("#pragma once\n")
+    assert upward_includes(tree) == [
+        "extra/thing.h: folder extra/ is in no layer (add it to LAYERS and csrc/README.md)",
+        "report/errors.cpp includes linear/linear_op.h: report -> linear runs back up",
+    ]
 
 
 def test_sources_py_and_the_tree_follow_one_rule() -> None:

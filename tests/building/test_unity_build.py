@@ -54,7 +54,7 @@ def test_cuda_files_stay_alone_and_a_group_takes_its_first_files_place(tmp_path:
         str(csrc / "cuda/scan.cu"),
         str(csrc / "ops.cpp"),
         str(csrc / "locked/watch/watch_ops.cpp"),
-        str(csrc / "report/replay_cuda.cu"),
+        str(csrc / "replay/replay_cuda.cu"),
         str(csrc / "testing.cpp"),
         str(csrc / "locked/watch/watch_verify.cpp"),
         str(tmp_path / "elsewhere.cpp"),  # not a csrc/ file: compiled as given

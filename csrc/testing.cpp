@@ -9,7 +9,7 @@
 //   simulate_cuda_errors  run pending_errors.h's decisions against a model of the
 //                         CUDA runtime's last-error rules (any build, no GPU needed)
 //   clean_cache_stats     the parameter cache's counters (defined in linear/param_cache.cpp)
-// The watch hooks (the version-locked library's) are in watch/watch_testing.cpp.
+// The watch hooks (the version-locked library's) are in locked/watch/watch_testing.cpp.
 #include "core/registration.h"
 #include "linear/linear_op.h"
 #include "report/pending_errors.h"

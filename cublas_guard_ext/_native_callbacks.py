@@ -1,7 +1,7 @@
 """What the native library calls in Python, by module and attribute name.
 
-csrc/ reaches Python in three places (report/python_errors.cpp, watch/watch_reraise.cpp,
-watch/watch_session.cpp) with ``PyImport_ImportModule`` and ``PyObject_CallMethod`` /
+csrc/ reaches Python in three places (locked/report/python_errors.cpp, locked/watch/watch_reraise.cpp,
+locked/watch/watch_session.cpp) with ``PyImport_ImportModule`` and ``PyObject_CallMethod`` /
 ``PyObject_GetAttrString``, which no import graph sees. Every such name is this module's and
 only this module's, so moving the code behind one cannot break a call silently:
 tests/package/test_native_callbacks.py checks that each name csrc/ mentions is here.
@@ -17,11 +17,11 @@ from .watching import session as _watch
 
 __all__ = ["typed_error", "watch_op_failure", "watch_finding", "GuardError"]
 
-# GuardError: csrc/watch/watch_reraise.cpp (is_guard_error) tells ours from other exceptions.
+# GuardError: csrc/locked/watch/watch_reraise.cpp (is_guard_error) tells ours from other exceptions.
 
 
 def typed_error(message: str, native: dict[str, Any] | None) -> GuardError | None:
-    """csrc/report/python_errors.cpp: the typed exception for a native error's message (None
+    """csrc/locked/report/python_errors.cpp: the typed exception for a native error's message (None
     if it is not one of ours); ``native``: the failing call's tensors, for its capsule."""
     err = _typed_from_native_message(message, native)
     if isinstance(err, NonFiniteInputError) and _watch.AVAILABLE and _watch._native._watch_active():
@@ -33,12 +33,12 @@ def typed_error(message: str, native: dict[str, Any] | None) -> GuardError | Non
 
 
 def watch_op_failure(payload: str, original: Any, message: str) -> BaseException:
-    """csrc/watch/watch_reraise.cpp: an op that failed inside a watch block, re-raised typed,
+    """csrc/locked/watch/watch_reraise.cpp: an op that failed inside a watch block, re-raised typed,
     naming the op and module, with the original as ``__cause__``."""
     return _watch._op_failure(payload, original, message)
 
 
 def watch_finding(message: str) -> GuardError:
-    """csrc/watch/watch_session.cpp: watch's typed finding for a native message, with where it
+    """csrc/locked/watch/watch_session.cpp: watch's typed finding for a native message, with where it
     arrived and where it was born."""
     return _watch._typed(message)

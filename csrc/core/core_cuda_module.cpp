@@ -1,7 +1,7 @@
 // The stable core's CUDA Python module, cublas_guard_ext._core_cuda: empty.
 // Importing it loads the library, whose static registrations
 // (STABLE_TORCH_LIBRARY_IMPL for the CUDA key: cuda/linear.cu,
-// report/replay_cuda.cu) implement the core's ops on CUDA tensors; the ops
+// replay/replay_cuda.cu) implement the core's ops on CUDA tensors; the ops
 // themselves are defined by the CPU core (_core, core/core_module.cpp).
 // Built against the limited C API (abi3): one binary for every CPython >= 3.10.
 #ifdef CUBLAS_GUARD_STABLE

@@ -1,12 +1,12 @@
 // Declarations shared by the CUDA translation units (scan.cu, linear.cu,
-// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; watch_scan.cu in the locked
+// cublas_gemm.cu, lt_gemm.cu, async_slot.cu; locked/watch/watch_scan.cu in the locked
 // library). Written against core/tensor_api.h and core/cuda_api.h, so that the
 // core's CUDA sources compile into both builds.
 #pragma once
 
 #include "core/cuda_api.h"
-#include "cuda/launch_limits.h"
 #include "linear/gemm_route.h"
+#include "linear/launch_limits.h"
 #include "linear/linear_op.h"
 
 #include <cuda_runtime.h>

@@ -27,10 +27,6 @@ namespace cublas_guard {
                              anchor_name + " is on " + device_str(anchor));
 }
 
-bool is_guarded_dtype(ScalarType dtype) {
-  return dtype == kFloat || dtype == kBFloat16 || dtype == kHalf || dtype == kDouble;
-}
-
 void raise_dtype_error(const Tensor& t, const char* role, const std::string& layer) {
   ErrorReport report("dtype");
   report.add("layer", layer).add("role", role).add("dtype", dtype_name(t.scalar_type()));

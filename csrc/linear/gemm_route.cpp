@@ -3,10 +3,10 @@
 // route, cuBLASLt's verdicts, alignments and plan cache, cublasGemmEx's
 // refusal of split-K off (gemm_route.h), the bias prefill's CPU twin, the
 // strided scan's index walk (scan/strided_index.h), and the launch-limit
-// check's error and lowered limits (cuda/launch_limits.h).
+// check's error and lowered limits (linear/launch_limits.h).
 #include "linear/gemm_route.h"
 
-#include "cuda/launch_limits.h"
+#include "linear/launch_limits.h"
 #include "linear/linear_op.h"
 #include "scan/strided_index.h"
 

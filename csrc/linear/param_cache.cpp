@@ -2,6 +2,7 @@
 // package's optimizer-step hook and the tests' view of it.
 #ifndef CUBLAS_GUARD_STABLE
 #include "linear/param_cache.h"
+#include "report/async_registry.h"
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
@@ -162,6 +163,12 @@ CleanParameterCache& clean_parameters() {
 bool parameter_known_clean(const at::Tensor& t) { return clean_parameters().known_clean(t); }
 void mark_parameter_clean(const at::Tensor& t) { clean_parameters().mark_clean(t); }
 void forget_clean_parameters() { clean_parameters().clear(); }
+
+namespace {
+// A parameter an async report names must be scanned again: the registry below
+// (report/async_registry.h) calls this whenever it takes a finding.
+const bool forget_on_async_findings = (on_async_finding_taken(&forget_clean_parameters), true);
+}  // namespace
 
 }  // namespace cublas_guard
 

@@ -1,5 +1,6 @@
 // The grouped linear's argument rules, each written once: the real kernels
-// and the Meta kernels (ops.cpp) call these, so a traced or compiled model
+// and the Meta kernels (locked/ops_meta.cpp; the core's Python fake kernels through
+// grouped_argument_rules, ops.cpp) call these, so a traced or compiled model
 // refuses the same inputs with the same typed errors. Shapes are compared as
 // SymInts (a token count traced dynamic stays symbolic). The rules on the
 // offsets' values (group_ends) need the values, so only real kernels run them,

@@ -6,8 +6,7 @@
 // naming the layer and its call number.
 #include "report/async_registry.h"
 
-#include "linear/linear_op.h"
-#include "linear/param_cache.h"
+#include "report/error_report.h"
 
 #include "core/registration.h"
 
@@ -72,6 +71,11 @@ struct RegisteredRecord {
 std::mutex& records_mutex() {
   static std::mutex m;
   return m;
+}
+// What runs when a finding is taken from a record (on_async_finding_taken).
+std::atomic<void (*)()>& finding_taken_hook() {
+  static std::atomic<void (*)()> hook{nullptr};
+  return hook;
 }
 std::vector<RegisteredRecord>& records() {
   static std::vector<RegisteredRecord> all;
@@ -157,6 +161,8 @@ void register_async_record(Device device, AsyncRecord* record, int* claim, Recor
   }
 }
 
+void on_async_finding_taken(void (*hook)()) { finding_taken_hook().store(hook, std::memory_order_release); }
+
 void raise_if_async_recorded(bool synchronize) {
   // Without a synchronization to run, a record whose flag is clear has nothing to report.
   if (!synchronize && !any_record_flagged()) return;
@@ -177,7 +183,8 @@ void raise_if_async_recorded(bool synchronize) {
     // the copy, that no CUDA call can fail or misorder, so the report taken
     // here is always raised and the claim never stays taken.
     __atomic_store_n(&reg.record->epoch, copy.epoch + 1, __ATOMIC_RELEASE);
-    forget_clean_parameters();  // a recorded parameter must be scanned again
+    // A recorded parameter must be scanned again (linear/param_cache.cpp).
+    if (const auto hook = finding_taken_hook().load(std::memory_order_acquire)) hook();
     raise_recorded(copy, reg.device);
   }
 }

@@ -22,6 +22,10 @@ void register_async_record(Device device, AsyncRecord* record, int* claim, Recor
 // `synchronize`, after waiting for each device (the explicit check), else
 // without waiting (the check every guarded call makes first).
 void raise_if_async_recorded(bool synchronize);
+// `hook` runs whenever a finding is taken from a record, before it is raised:
+// the clean-parameter cache (linear/param_cache.cpp, a layer above) forgets
+// its parameters there, so a recorded one is scanned again.
+void on_async_finding_taken(void (*hook)());
 
 // (layer id, this call's number for the layer, counting from 1) for an async
 // scan's record; forward and backward calls are counted apart.

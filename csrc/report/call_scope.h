@@ -8,7 +8,7 @@
 // every guarded call publishes its operands in a thread-local scope: three
 // pointers and a number, no allocation, no lock. A report raised while the
 // scope is alive hands them to the Python error constructor with the payload
-// (python_errors.cpp), while they are still alive; the capsule copies what it
+// (locked/report/python_errors.cpp), while they are still alive; the capsule copies what it
 // keeps before the exception leaves the call.
 //
 // The call number counts every guarded call of the process (forward and both

@@ -1,6 +1,6 @@
 // Error reports: structured fields -> the JSON payload line Python parses,
 // with the fields of the thread's report place (report/report_place.h).
-#include "linear/linear_op.h"
+#include "report/error_report.h"
 #include "report/report_place.h"
 
 #include <algorithm>

@@ -1,8 +1,8 @@
 // How a report is raised in the version-locked library: as the typed Python
-// exception when Python runs (report/python_errors.cpp), else as the c10 error
+// exception when Python runs (locked/report/python_errors.cpp), else as the c10 error
 // of the built-in class users catch, with the payload line.
 #ifndef CUBLAS_GUARD_STABLE
-#include "linear/linear_op.h"
+#include "report/error_report.h"
 
 #include <c10/util/Exception.h>
 

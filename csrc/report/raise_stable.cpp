@@ -9,8 +9,8 @@
 // replaces them.
 #ifdef CUBLAS_GUARD_STABLE
 #include "core/registration.h"
-#include "linear/linear_op.h"
 #include "report/call_scope.h"
+#include "report/error_report.h"
 
 #include <stdexcept>
 

@@ -8,7 +8,8 @@
 // counting pass runs only over the blocks where that answer is yes. On x86 an
 // AVX2 copy of the hot loop is picked at run time (the build targets baseline
 // x86-64, i.e. SSE2); see benchmarks/investigations/NOTES.md for why and what it gains.
-#include "linear/linear_op.h"
+#include "report/error_report.h"
+#include "scan/scan_layout.h"
 
 #ifdef CUBLAS_GUARD_STABLE
 #include <torch/csrc/stable/ops.h>

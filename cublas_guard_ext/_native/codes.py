@@ -13,7 +13,7 @@ MODE_CODES: dict[str, int] = {"off": 0, "sync": 1, "async": 2}
 MODE_OFF = MODE_CODES["off"]
 MODE_SYNC = MODE_CODES["sync"]
 MODE_ASYNC = MODE_CODES["async"]
-# The fast eager entry's "read CUBLAS_GUARD_MODE yourself" (csrc/python_module.cpp).
+# The fast eager entry's "read CUBLAS_GUARD_MODE yourself" (csrc/locked/python_module.cpp).
 MODE_ENV_DEFAULT = -1
 
 # TensorRole in csrc/report/async_record.h: what a scanned tensor is to the layer.

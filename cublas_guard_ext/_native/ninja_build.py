@@ -44,7 +44,7 @@ PCH_INCLUDES = ("ATen/ATen.h", "torch/library.h")
 # it), so they compile on the second core while the first builds the PCH: the 2-core
 # critical path is 88 CPU-s instead of 104 (benchmarks/investigations/NOTES.md, "Build time").
 NO_PCH_SOURCES = frozenset(
-    {"linear/checks.cpp", "report/errors.cpp", "scan/scan_cpu.cpp", "report/python_errors.cpp"}
+    {"linear/checks.cpp", "report/errors.cpp", "scan/scan_cpu.cpp", "locked/report/python_errors.cpp"}
 )
 # The unity build's generated files (unity_build.py) start with this: they parse torch's
 # headers once each, so they do without the PCH (building it would cost more than it saves).
@@ -82,12 +82,12 @@ SLOW_SOURCES = {
     # The unity groups without the PCH (2026-12-06): the locked library's own 26 s, the core's 14.
     "unity_locked.cpp": 26.0,
     "unity_core.cpp": 14.0,
-    "watch/watch_fallback.cpp": 12.0,
-    "watch/watch_python.cpp": 10.0,
-    "watch/watch_session.cpp": 10.0,
-    "linear/autograd.cpp": 25.0,
-    "report/python_errors.cpp": 19.0,
-    "python_module.cpp": 19.0,
+    "locked/watch/watch_fallback.cpp": 12.0,
+    "locked/watch/watch_python.cpp": 10.0,
+    "locked/watch/watch_session.cpp": 10.0,
+    "locked/linear/autograd.cpp": 25.0,
+    "locked/report/python_errors.cpp": 19.0,
+    "locked/python_module.cpp": 19.0,
     "linear/linear_common.cpp": 10.0,
     "linear/checks.cpp": 9.0,
 }

@@ -5,6 +5,9 @@ The core's sources (``CORE_*``) are compiled into both native libraries: the sta
 ``_core`` (LibTorch's stable ABI, one binary for every torch from its floor on) and the
 version-locked ``_C`` (ATen, for one torch), which adds ``LOCKED_*`` (csrc/core/tensor_api.h
 says why). ``CPU_SOURCES``/``CUDA_SOURCES`` are the locked library's whole list.
+
+A file's library is its folder: the ``LOCKED_*`` sources are exactly those under csrc/locked/,
+and no core source includes a header from there (tests/building/test_source_layout.py).
 """
 
 # By concern (csrc/README.md). Every base name is unique: torch's JIT builder names each
@@ -31,27 +34,27 @@ CORE_CPU_SOURCES = (
     "report/async_registry.cpp",
     "report/pending_errors.cpp",
     "report/call_scope.cpp",
-    "report/gemm_report.cpp",
-    "report/replay_cpu.cpp",
+    "linear/gemm_report.cpp",
+    "replay/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
 )
 LOCKED_CPU_SOURCES = (
-    "ops_meta.cpp",
-    "moe/grouped_autograd.cpp",
-    "python_module.cpp",
-    "linear/autograd.cpp",
-    "linear/autocast.cpp",
-    "report/python_errors.cpp",
-    "watch/watch_ops.cpp",
-    "watch/watch_session.cpp",
-    "watch/watch_verify.cpp",
-    "watch/watch_fallback.cpp",
-    "watch/watch_reraise.cpp",
-    "watch/watch_python.cpp",
-    "watch/watch_device.cpp",
-    "watch/watch_device_report.cpp",
-    "watch/watch_device_cpu.cpp",
-    "watch/watch_testing.cpp",
+    "locked/ops_meta.cpp",
+    "locked/moe/grouped_autograd.cpp",
+    "locked/python_module.cpp",
+    "locked/linear/autograd.cpp",
+    "locked/linear/autocast.cpp",
+    "locked/report/python_errors.cpp",
+    "locked/watch/watch_ops.cpp",
+    "locked/watch/watch_session.cpp",
+    "locked/watch/watch_verify.cpp",
+    "locked/watch/watch_fallback.cpp",
+    "locked/watch/watch_reraise.cpp",
+    "locked/watch/watch_python.cpp",
+    "locked/watch/watch_device.cpp",
+    "locked/watch/watch_device_report.cpp",
+    "locked/watch/watch_device_cpu.cpp",
+    "locked/watch/watch_testing.cpp",
 )
 CORE_CUDA_SOURCES = (
     "core/cuda_api_aten.cpp",
@@ -62,10 +65,10 @@ CORE_CUDA_SOURCES = (
     "cuda/cublas_gemm.cu",
     "cuda/lt_gemm.cu",
     "cuda/async_slot.cu",
-    "report/replay_cuda.cu",
+    "replay/replay_cuda.cu",
     "moe/grouped_cuda.cu",
 )
-LOCKED_CUDA_SOURCES = ("cuda/watch_scan.cu",)
+LOCKED_CUDA_SOURCES = ("locked/watch/watch_scan.cu",)
 # The stable core's module (core_build.py): the empty module whose import registers the ops.
 CORE_MODULE_SOURCE = "core/core_module.cpp"
 

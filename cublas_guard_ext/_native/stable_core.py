@@ -5,8 +5,8 @@ Meta kernels, and only ``std::runtime_error`` crosses it. So, for the core alone
 registers:
 
 * autograd for the three GEMM ops (``torch.library.register_autograd``), the formulas of
-  csrc/linear/autograd.cpp: closed under differentiation, so double backward works;
-* autocast for ``linear`` on CPU and CUDA, csrc/linear/autocast.cpp's rule: the eligible
+  csrc/locked/linear/autograd.cpp: closed under differentiation, so double backward works;
+* autocast for ``linear`` on CPU and CUDA, csrc/locked/linear/autocast.cpp's rule: the eligible
   floating arguments cast to the autocast dtype in effect *at run time*, float64 left alone;
 * fake kernels (``torch.library.register_fake``) for torch.compile and torch.export: the output
   shapes, with symbolic sizes kept symbolic (the argument rules run in the real kernel);
@@ -90,7 +90,7 @@ def _take_failure_context() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
-# Autograd (csrc/linear/autograd.cpp's formulas), as the Autograd kernel of each op: every
+# Autograd (csrc/locked/linear/autograd.cpp's formulas), as the Autograd kernel of each op: every
 # call of the op on ordinary tensors passes it (torch.ops.cublas_guard.* called directly
 # too), so it is also where the core's errors become typed, forward and backward alike.
 # ---------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class _GradWeight(torch.autograd.Function):
 def _untracked_inference_weight(weight: torch.Tensor) -> bool:
     """nn.Linear reads its weight through weight.t(): outside inference mode, a view of an
     inference tensor is not tracked, so such a weight gets no gradient there (its bias does).
-    The same here (csrc/linear/autograd.cpp)."""
+    The same here (csrc/locked/linear/autograd.cpp)."""
     return weight.is_inference() and weight.requires_grad and not torch.is_inference_mode_enabled()
 
 
@@ -199,7 +199,7 @@ def _call(op: Any, *args: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------
-# The fast eager entry under the core (the locked library's is C++: csrc/python_module.cpp):
+# The fast eager entry under the core (the locked library's is C++: csrc/locked/python_module.cpp):
 # SafeLinear's call goes straight to the autograd node or below autograd, without the
 # dispatcher's round trip through the Python Autograd kernel (about 9 us of a 16x16 call).
 # The caller (guarded_linear/ops.py's fast_linear) has ruled out torch.compile and torch.func.
@@ -332,7 +332,7 @@ def _autograd_kernel(
 
 
 # ---------------------------------------------------------------------------
-# Autocast (csrc/linear/autocast.cpp's rule)
+# Autocast (csrc/locked/linear/autocast.cpp's rule)
 # ---------------------------------------------------------------------------
 def _autocast_kernel(device_type: str, op: Any, positions: tuple[int, ...]) -> Callable[..., torch.Tensor]:
     """``op``'s Autocast kernel: the floating arguments at ``positions`` cast to the autocast

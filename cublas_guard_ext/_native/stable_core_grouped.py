@@ -1,4 +1,4 @@
-"""The grouped linear's Python side under the stable core alone: csrc/moe/grouped_autograd.cpp's
+"""The grouped linear's Python side under the stable core alone: csrc/locked/moe/grouped_autograd.cpp's
 Autograd and Autocast kernels and ops_meta.cpp's Meta kernels, for the three grouped ops, as
 stable_core.py does them for the linear op (its helpers: one kernel shape, typed errors)."""
 

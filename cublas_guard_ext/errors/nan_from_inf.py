@@ -1,6 +1,6 @@
 """A NaN born from inputs that held +/-Inf but no NaN: the lines of watch's finding.
 
-watch's rule (csrc/watch/watch_device_logic.h, ``kTagInf``) makes such a NaN a birth: the
+watch's rule (csrc/locked/watch/watch_device_logic.h, ``kTagInf``) makes such a NaN a birth: the
 infinities were intended (a ``masked_fill(..., -inf)`` mask, a mask made before the block) but
 the NaN is new. The ops named here never make a NaN from finite values, so a NaN birth at one of
 them says its inputs held infinities: a softmax over a row whose every score is -inf (a query

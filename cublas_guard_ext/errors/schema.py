@@ -141,7 +141,7 @@ NATIVE_FIELDS: dict[str, str] = {
     "sticky": "bool",
     "launch_blocking": "bool",
     "kernel": "str",
-    "grid": "ints",  # a launch refused before it was made (cuda/launch_limits.h)
+    "grid": "ints",  # a launch refused before it was made (linear/launch_limits.h)
     "block": "ints",
     "shared_memory_bytes": "int",
     "built_archs": "str",

@@ -1,6 +1,6 @@
 """The guarded ops under ``torch.func`` transforms and forward-mode AD.
 
-The native ops differentiate through C++ autograd nodes (csrc/linear/autograd.cpp),
+The native ops differentiate through C++ autograd nodes (csrc/locked/linear/autograd.cpp),
 the fast path for eager training. PyTorch refuses C++ autograd functions while
 a functorch transform (``grad``, ``vjp``, ``jacrev``, ``jvp``, ``hessian``,
 ``vmap``) is active, and they have no forward-mode formula. In those cases

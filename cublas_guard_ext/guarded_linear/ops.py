@@ -3,7 +3,7 @@
 All rules live in the native ops; these functions only pick the op and pass
 the layer name and mode. Native errors arrive already typed: the native side
 raises the exception class from :mod:`cublas_guard_ext.errors` itself (see
-csrc/report/python_errors.cpp), in forward, in backward and in compiled graphs.
+csrc/locked/report/python_errors.cpp), in forward, in backward and in compiled graphs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _ops = torch.ops.cublas_guard
 
 from . import _transforms  # noqa: E402  (needs the ops loaded)
 
-# The fast eager entry of the prebuilt library (csrc/python_module.cpp): the same op
+# The fast eager entry of the prebuilt library (csrc/locked/python_module.cpp): the same op
 # through a typed dispatcher handle, skipping torch.ops' generic argument
 # parsing. It returns None whenever the torch.ops path could behave otherwise
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,

@@ -2,7 +2,7 @@
 
 Started by :mod:`cublas_guard_ext.capsule_replay` with ``CUDA_LAUNCH_BLOCKING=1``. Runs
 each named variant of the capsule's GEMM through the native replay op
-(csrc/report/replay_cpu.cpp, replay_cuda.cu) on fresh buffers (the stored values, or
+(csrc/replay/replay_cpu.cpp, replay_cuda.cu) on fresh buffers (the stored values, or
 seeded synthetic ones of the recorded layout and alignment) and prints one JSON line
 per variant: {"name", "status": passed | failed | not applicable | not run, "detail"}.
 Exits with status 3 right after a variant that left a CUDA error (the context is

@@ -1,5 +1,5 @@
 """``watch``: which op and module first produced a NaN/Inf. session.py holds the public
-``watch`` class and the findings it raises from the native side (csrc/watch/);
+``watch`` class and the findings it raises from the native side (csrc/locked/watch/);
 global_patches.py the process-wide patches a block needs (``Tensor.backward``,
 ``torch.autograd.grad``, CUDA graph capture).
 

@@ -2,7 +2,7 @@
 
 While any thread watches, torch's global optimizer step hooks tell the native session when
 ``optimizer.step()`` begins and ends in a watching thread: an op it runs outside every module
-and autograd node is then born in phase ``"optimizer step"`` (csrc/watch/watch_session.cpp).
+and autograd node is then born in phase ``"optimizer step"`` (csrc/locked/watch/watch_session.cpp).
 When such a finding is raised (never per op), :func:`describe` reads the optimizer: its class and
 step, which parameter's state went non-finite and which state (``exp_avg_sq``,
 ``momentum_buffer``, the parameter itself), the gradient's and the state's magnitudes, the

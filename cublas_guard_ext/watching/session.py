@@ -174,7 +174,7 @@ def _tensors_in(value: Any, path: str) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def _op_failure(payload: str, original: Any, message: str) -> BaseException:
-    """Called by csrc/watch/watch_reraise.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
+    """Called by csrc/locked/watch/watch_reraise.cpp: the typed error for an op that failed with a cuBLAS/CUDA error."""
     fields = json.loads(payload)
     fields.pop("kind", None)
     for key, value in list(fields.items()):

@@ -53,10 +53,10 @@ def test_cuda_files_stay_alone_and_a_group_takes_its_first_files_place(tmp_path:
     sources = [
         str(csrc / "cuda/scan.cu"),
         str(csrc / "ops.cpp"),
-        str(csrc / "watch/watch_ops.cpp"),
-        str(csrc / "report/replay_cuda.cu"),
+        str(csrc / "locked/watch/watch_ops.cpp"),
+        str(csrc / "replay/replay_cuda.cu"),
         str(csrc / "testing.cpp"),
-        str(csrc / "watch/watch_verify.cpp"),
+        str(csrc / "locked/watch/watch_verify.cpp"),
         str(tmp_path / "elsewhere.cpp"),  # not a csrc/ file: compiled as given
     ]
     compiled = _unity.unity_sources(sources, tmp_path / "u")
@@ -68,12 +68,12 @@ def test_cuda_files_stay_alone_and_a_group_takes_its_first_files_place(tmp_path:
         sources[6],
     ]
     assert included(compiled[1]) == ["ops.cpp", "testing.cpp"]
-    assert included(compiled[2]) == ["watch/watch_ops.cpp", "watch/watch_verify.cpp"]
+    assert included(compiled[2]) == ["locked/watch/watch_ops.cpp", "locked/watch/watch_verify.cpp"]
 
 
 @needs_sources
 def test_a_group_of_one_file_is_that_file(tmp_path: Path) -> None:
-    sources = [str(_build.CSRC_DIR / "ops.cpp"), str(_build.CSRC_DIR / "watch/watch_ops.cpp")]
+    sources = [str(_build.CSRC_DIR / "ops.cpp"), str(_build.CSRC_DIR / "locked/watch/watch_ops.cpp")]
     assert _unity.unity_sources(sources, tmp_path) == sources
     assert not list(tmp_path.iterdir())
 

@@ -102,7 +102,7 @@ def _copy(tmp_path: Path) -> tuple[Path, Path]:
 def test_a_field_only_csrc_writes_fails(tmp_path: Path) -> None:
     csrc, py = _copy(tmp_path)
     assert disagreements(csrc, py) == []
-    path = csrc / "report" / "gemm_report.cpp"
+    path = csrc / "linear" / "gemm_report.cpp"
     path.write_text(path.read_text().replace('report.add("chunk"', 'report.add("piece"'))
     problems = disagreements(csrc, py)
     assert "csrc/ writes field 'piece', which the schema does not list" in problems
@@ -120,7 +120,7 @@ def test_a_field_only_python_reads_fails(tmp_path: Path) -> None:
 
 def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
     csrc, py = _copy(tmp_path)
-    path = csrc / "report" / "gemm_report.cpp"
+    path = csrc / "linear" / "gemm_report.cpp"
     text = path.read_text().replace('+ "_alignment").c_str()', '+ "_align").c_str()')
     path.write_text(text.replace('ErrorReport report("cublas")', 'ErrorReport report("cublas_v2")'))
     cuda = csrc / "cuda" / "linear.cu"

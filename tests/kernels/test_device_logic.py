@@ -1,7 +1,7 @@
 """The CUDA kernels' host-independent logic, run on the CPU through the test hooks: the strided
 scan's index -> offset walk (csrc/scan/strided_index.h, with divisors precomputed for tensors
 below 2^31 elements) and the launch-limit check every kernel of ours passes before it is
-launched (csrc/cuda/launch_limits.h), with the error it raises. The same functions run on the GPU.
+launched (csrc/linear/launch_limits.h), with the error it raises. The same functions run on the GPU.
 """
 
 from __future__ import annotations

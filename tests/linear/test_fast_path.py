@@ -1,7 +1,7 @@
 """The fast eager entry: the same op as torch.ops, the same results and errors.
 
 ``cublas_guard_ext.ops._fast_linear`` calls ``cublas_guard::linear`` through a
-typed dispatcher handle (csrc/python_module.cpp). It must agree with
+typed dispatcher handle (csrc/locked/python_module.cpp). It must agree with
 ``torch.ops.cublas_guard.linear.default`` bit for bit and error for error, and
 hand every call it cannot take exactly like torch.ops back to that path (None).
 """

@@ -58,7 +58,7 @@ def test_every_name_csrc_calls_exists() -> None:
 def test_a_planted_call_by_another_name_fails(tmp_path: Path) -> None:
     root = tmp_path / "csrc"
     shutil.copytree(CSRC, root)
-    target = root / "watch" / "watch_session.cpp"
+    target = root / "locked" / "watch" / "watch_session.cpp"
     target.write_text(target.read_text().replace('"watch_finding"', '"_typed"'))
     assert problems(root) == [
         f"csrc/ reads {CALLBACKS}._typed, which does not exist",

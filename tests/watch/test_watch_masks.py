@@ -1,6 +1,6 @@
 """watch: a NaN made from inputs that held Inf but no NaN is a birth (issue 47, point 2).
 
-The rule is csrc/watch/watch_device_logic.h's (``kTagInf``), shared with the CUDA kernel: a
+The rule is csrc/locked/watch/watch_device_logic.h's (``kTagInf``), shared with the CUDA kernel: a
 ``masked_fill(..., -inf)`` output holds -inf and no NaN; a softmax over a row whose every score is
 -inf makes NaN (0/0) from it, so that softmax is where the NaN was born. Masks that leave every
 query a key (causal, sliding window, padding on either side) stay silent, and SDPA, which returns

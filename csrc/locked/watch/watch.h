@@ -1,4 +1,4 @@
-// csrc/watch/watch.h: what the watch's translation units share (the map).
+// csrc/locked/watch/watch.h: what the watch's translation units share (the map).
 //
 // cublas_guard_ext.watch: the op that first produced NaN/Inf, and the module
 // it ran in. One protocol on every device (docs/watch-design.md):
@@ -33,7 +33,7 @@
 // attribution, origins and findings), watch_fallback.cpp (the hook),
 // watch_device.cpp (tag slots, the ring, the launches), watch_device_report.cpp
 // (the record read back into errors), watch_device_cpu.cpp and
-// cuda/watch_scan.cu (the kernels), watch_verify.cpp (verify_inputs),
+// locked/watch/watch_scan.cu (the kernels), watch_verify.cpp (verify_inputs),
 // watch_reraise.cpp, watch_python.cpp (the methods of cublas_guard_ext._C).
 #pragma once
 

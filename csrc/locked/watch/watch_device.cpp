@@ -5,7 +5,7 @@
 // whether a value is finite, only where its tag lives (an input on another
 // device than the output is the exception: its tag is read on the host and
 // passed by value). The reports are built in watch_device_report.cpp.
-#include "watch/watch_device.h"
+#include "locked/watch/watch_device.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -1,9 +1,9 @@
 // Op traits for watch: what each operator writes, which of its outputs may
 // hold new values, whether it is composite. Computed once per operator (per
 // thread) from its schema and its kernels; see watch.h for the whole design.
-#include "watch/watch.h"
+#include "locked/watch/watch.h"
 
-#include "op_handles.h"
+#include "locked/op_handles.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/ops/any.h>

@@ -1,5 +1,5 @@
-// What the C++ autograd Functions of the linear op (linear/autograd.cpp) and the grouped
-// op (moe/grouped_autograd.cpp) share: one rule for when a node is recorded, one for what
+// What the C++ autograd Functions of the linear op (locked/linear/autograd.cpp) and the grouped
+// op (locked/moe/grouped_autograd.cpp) share: one rule for when a node is recorded, one for what
 // is saved. Version-locked library only (torch/csrc/autograd).
 #pragma once
 

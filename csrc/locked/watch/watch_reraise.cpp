@@ -2,7 +2,7 @@
 // as the project's typed error (CublasError, CublasOutOfMemoryError,
 // PendingCudaError) naming the op, the module and the inputs, with the
 // original as __cause__ (cublas_guard_ext._native_callbacks.watch_op_failure builds it).
-#include "watch/watch.h"
+#include "locked/watch/watch.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>

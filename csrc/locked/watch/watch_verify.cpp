@@ -5,7 +5,7 @@
 // at the same version is scanned again: non-finite now, no op the watch saw
 // wrote it (a write outside stream order, through numpy or .data, another
 // process), and NonFiniteFromNowhereError names the producer and the reader.
-#include "watch/watch.h"
+#include "locked/watch/watch.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 

@@ -1,4 +1,4 @@
-// The CPU kernels of watch: what cuda/watch_scan.cu does in one launch, done
+// The CPU kernels of watch: what locked/watch/watch_scan.cu does in one launch, done
 // here in the calling thread, on the same structs and with the same rule
 // (watch_device_logic.h). Counting: a contiguous output of at most
 // kInlineScanMax elements of float32, float64, float16 or bfloat16 is counted
@@ -6,7 +6,7 @@
 // more than its loop); larger ones by the project's fused scan, other dtypes
 // by ATen. Everything a birth adds (zeros, the first bad value, the inputs'
 // absolute maxima) is computed only on a birth.
-#include "watch/watch_device.h"
+#include "locked/watch/watch_device.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eq.h>

@@ -1,12 +1,12 @@
-// The replay of one captured GEMM (report/replay.h): the schema, the call and
+// The replay of one captured GEMM (replay/replay.h): the schema, the call and
 // its checks (checked_replay_call: the device-independent part, here once for
 // both kernels), and the CPU kernel, which runs torch's CPU addmm as the CPU
 // backend does (linear/linear_cpu.cpp) and consults the same "gemm" fault
 // site, so that a capsule from an injected failure replays as reproduced while
 // the fault is armed (CUBLAS_GUARD_EXT_FAULT in the replay's environment) and
-// as not reproduced without it. The CUDA kernel is report/replay_cuda.cu.
+// as not reproduced without it. The CUDA kernel is replay/replay_cuda.cu.
 #include "linear/linear_op.h"
-#include "report/replay.h"
+#include "replay/replay.h"
 
 #include "core/registration.h"
 

@@ -1,6 +1,6 @@
-// csrc/watch/watch_device_kernels.h: the device-specific part of watch, as the
+// csrc/locked/watch/watch_device_kernels.h: the device-specific part of watch, as the
 // host code sees it: a set of functions each device type registers at load
-// time (watch_device_cpu.cpp for the CPU, cuda/watch_scan.cu for CUDA), so the
+// time (watch_device_cpu.cpp for the CPU, locked/watch/watch_scan.cu for CUDA), so the
 // host side never includes CUDA and the CUDA file never includes Python or the
 // dispatcher (watch.h). Only ATen's Tensor class and the PODs of
 // watch_device_logic.h.
@@ -9,7 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
-#include "watch/watch_device_logic.h"
+#include "locked/watch/watch_device_logic.h"
 
 namespace cublas_guard {
 namespace watch {

@@ -1,5 +1,5 @@
 // Autograd and autocast for the grouped linear, in C++ like the linear op's
-// (linear/autograd.cpp says why: a Python autograd.Function per call costs
+// (locked/linear/autograd.cpp says why: a Python autograd.Function per call costs
 // tens of microseconds). Per expert e, with rows r of e and W_e its weight as
 // [out, in] (whatever the stored layout):
 //   y_r  = x_r W_e^T + b_e   dy -> dx_r = dy_r W_e          (grouped_linear_grad_input)
@@ -12,13 +12,13 @@
 //   gw = g^T x  dgw -> dg = grouped_linear(x, dgw),  dx = grouped_grad_input(g, dgw)
 // Rows past the last group end get no gradient (zero), as they got no output.
 //
-// Autocast: like the linear op's kernel (linear/autocast.cpp), the floating
+// Autocast: like the linear op's kernel (locked/linear/autocast.cpp), the floating
 // operands are cast to the autocast dtype in effect, through autocast's weight
 // cache. torch's grouped_mm is not autocast-aware (transformers casts the
 // input to the weight's dtype by hand); this op is, as nn.Linear is.
-#include "linear/autograd_common.h"
+#include "locked/linear/autograd_common.h"
+#include "locked/op_handles.h"
 #include "moe/grouped_op.h"
-#include "op_handles.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/arange.h>

@@ -1,7 +1,7 @@
-// The CUDA kernel of watch (watch/watch_device.h): one launch per scanned
+// The CUDA kernel of watch (locked/watch/watch_device.h): one launch per scanned
 // output, on the current stream, with no host sync. The launch counts
 // NaN/+Inf/-Inf and the first bad (logical, row-major, int64) index; its last
-// block to finish applies apply_rule of watch/watch_device_logic.h (the CPU
+// block to finish applies apply_rule of locked/watch/watch_device_logic.h (the CPU
 // kernels run the same function) to the inputs' tags, writes the output's tag
 // slot, and writes the record (pinned host memory mapped into the device,
 // async_record.h's pattern) only when it finds a birth or a finding. On a
@@ -14,7 +14,7 @@
 // NEVER RUN ON A GPU: written and compile-checked (nvcc, sm_80 and sm_90) on a
 // machine with no GPU; the CPU kernels (watch_device_cpu.cpp) are what the tests run.
 #include "cuda/cuda_backend.h"
-#include "watch/watch_device_kernels.h"
+#include "locked/watch/watch_device_kernels.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>

@@ -3,8 +3,8 @@
 // attribution (forward: the module stack; backward: the forward module kept
 // under the node's sequence number), the origins the host read from the
 // record, and the findings they make when they reach a sink.
-#include "watch/watch.h"
-#include "watch/watch_device.h"
+#include "locked/watch/watch.h"
+#include "locked/watch/watch_device.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

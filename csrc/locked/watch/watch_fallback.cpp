@@ -5,8 +5,8 @@
 // verify_inputs, the rescans). The op, with cuBLAS/CUDA failures re-raised
 // typed. After the op: one scan launch per output (watch_device.cpp). See
 // watch.h for the whole design.
-#include "watch/watch.h"
-#include "watch/watch_device.h"
+#include "locked/watch/watch.h"
+#include "locked/watch/watch_device.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/core/GradMode.h>

@@ -9,9 +9,9 @@
 //                            db = sum(dy)
 //   gi = g W           dgi -> dg = dgi W^T = linear(dgi, W^T) via grad_weight's dual
 //   gw = g^T x         dgw -> dg = x dgw^T,  dx = g dgw
-#include "linear/autograd_common.h"
 #include "linear/linear_op.h"
-#include "op_handles.h"
+#include "locked/linear/autograd_common.h"
+#include "locked/op_handles.h"
 
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>

@@ -12,7 +12,7 @@
 // autocast's weight cache, and redispatch. float64 tensors are not eligible
 // and stay float64, as for nn.Linear.
 #include "linear/linear_op.h"
-#include "op_handles.h"
+#include "locked/op_handles.h"
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

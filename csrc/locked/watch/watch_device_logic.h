@@ -1,6 +1,6 @@
-// csrc/watch/watch_device_logic.h: watch's rule, the one decision, shared word
+// csrc/locked/watch/watch_device_logic.h: watch's rule, the one decision, shared word
 // for word by the CPU kernels (watch_device_cpu.cpp) and the CUDA kernel
-// (cuda/watch_scan.cu).
+// (locked/watch/watch_scan.cu).
 //
 // Why a header of plain structs and inline functions: the decision a scan
 // makes from its counts and its inputs' tags (new origin, inherited origin,

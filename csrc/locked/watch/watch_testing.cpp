@@ -2,7 +2,7 @@
 // defines; refused unless CUBLAS_GUARD_EXT_TESTING=1): the version-locked
 // library's, as watch is.
 #include "linear/linear_op.h"  // require_testing_env
-#include "watch/watch_device.h"
+#include "locked/watch/watch_device.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
@@ -13,7 +13,7 @@
 
 namespace cublas_guard {
 namespace watch {
-// watch/watch_device.cpp: the CPU as two devices, a late harvest, a small tag array.
+// locked/watch/watch_device.cpp: the CPU as two devices, a late harvest, a small tag array.
 void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
 }  // namespace watch
 

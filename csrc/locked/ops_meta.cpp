@@ -2,7 +2,8 @@
 // torch.compile and torch.export trace with SymInts, which only ATen has. They
 // run the same rule functions as the real kernels (linear/checks.cpp), so a
 // traced or compiled model refuses the same inputs with the same errors. The
-// stable core registers Python fake kernels instead (_native/fake.py).
+// stable core registers Python fake kernels instead (register_fake in
+// cublas_guard_ext/_native/stable_core.py and stable_core_grouped.py).
 #include "linear/linear_op.h"
 #include "moe/grouped_op.h"
 

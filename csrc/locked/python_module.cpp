@@ -1,14 +1,14 @@
 // The Python module cublas_guard_ext._C: importing it loads this library,
 // whose static initializers register the ops (ops.cpp and the kernels'
 // files); the module holds the fast eager entry below and watch's methods
-// (watch/watch_python.cpp). A JIT build is not a Python module: the op
+// (locked/watch/watch_python.cpp). A JIT build is not a Python module: the op
 // cublas_guard_internal::python_module_install puts the same module into
 // sys.modules there.
 #include <Python.h>
 
 #include "linear/linear_op.h"
-#include "op_handles.h"
-#include "watch/watch.h"
+#include "locked/op_handles.h"
+#include "locked/watch/watch.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/TracerMode.h>

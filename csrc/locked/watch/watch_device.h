@@ -1,4 +1,4 @@
-// csrc/watch/watch_device.h: watch's tags, host side.
+// csrc/locked/watch/watch_device.h: watch's tags, host side.
 //
 // Per-storage tag slots (an int32 array per device; the host's slot map keeps
 // only a storage's slot index, never whether its values are finite), one scan
@@ -15,8 +15,8 @@
 // autograd device threads running its backward nodes share it, under its mutex.
 #pragma once
 
-#include "watch/watch.h"
-#include "watch/watch_device_kernels.h"
+#include "locked/watch/watch.h"
+#include "locked/watch/watch_device_kernels.h"
 
 #include <torch/csrc/autograd/function.h>
 

@@ -3,8 +3,8 @@
 // pushes and pops of the Python hooks, the pending async finding, sinks and
 // entries, and the probes the Python side and the tests use. Hand-written
 // (not pybind11) to keep the per-module hook calls cheap.
-#include "watch/watch.h"
-#include "watch/watch_device.h"
+#include "locked/watch/watch.h"
+#include "locked/watch/watch_device.h"
 
 #include <ATen/SequenceNumber.h>
 #include <ATen/record_function.h>

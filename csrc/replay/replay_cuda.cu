@@ -1,4 +1,4 @@
-// The CUDA kernel of the GEMM replay (report/replay.h; the schema, the call's
+// The CUDA kernel of the GEMM replay (replay/replay.h; the schema, the call's
 // checks and the CPU kernel are in replay_cpu.cpp): one captured cuBLAS call,
 // run with the routine, math mode and workspace the replay's variant asks for:
 //   routine    cublasSgemm, cublasGemmEx, cublasSgemmEx, cublasDgemm, their
@@ -15,7 +15,7 @@
 #include "core/cuda_api.h"
 #include "core/registration.h"
 #include "linear/linear_op.h"
-#include "report/replay.h"
+#include "replay/replay.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>

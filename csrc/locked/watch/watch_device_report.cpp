@@ -5,7 +5,7 @@
 // absolute maxima); findings go through reached(). Nothing is dropped: a birth
 // the record lapped, a descriptor the ring overwrote, a finding whose origin
 // is not known are counted and said in the finding that is raised.
-#include "watch/watch_device.h"
+#include "locked/watch/watch_device.h"
 
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/function.h>

@@ -33,7 +33,8 @@
 #   CI_WHEEL_DIR       where the wheel is left (default: .ci-cache/dist)
 #   CI_TEST_WORKERS    pytest-xdist workers for the installed package's whole suite (default: 2;
 #                      0 runs it in one process)
-# Extra arguments are passed to pytest.
+# Extra arguments are passed to pytest. `--prepare-venv` alone only makes the venv (.ci/run starts
+# it in the background while the tests run; this script then finds it ready: disk.sh's ensure_venv).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -74,6 +75,13 @@ summary() {
   drop_venv "$VENV"
   return "$rc"
 }
+# --prepare-venv (.ci/run, in the background while the tests run): make the venv, nothing else.
+if [[ ${1:-} == --prepare-venv ]]; then
+  export CI_PREFETCHING=1
+  mkdir -p "$CACHE"
+  ensure_venv "$VENV" "${VENV_PACKAGES[*]}" "$BASE_PYTHON" "${VENV_PACKAGES[@]}" >"$VENV.prefetch.log" 2>&1
+  exit 0
+fi
 trap summary EXIT
 
 [[ -x $CUDA_HOME/bin/nvcc && -f $CUDA_HOME/include/cuda_runtime.h ]] \
@@ -81,16 +89,7 @@ trap summary EXIT
 
 # ---- 1. the CUDA torch venv ---------------------------------------------------------
 stage "venv ($CUDA_TORCH_SPEC)"
-spec="${VENV_PACKAGES[*]}"
-if [[ -x $VPY && -f $VENV/.spec && $(cat "$VENV/.spec") == "$spec" ]]; then
-  echo "reusing $VENV"
-else
-  rm -rf "$VENV"
-  disk_check "$CACHE" 9 "the CUDA torch venv"
-  "$BASE_PYTHON" -m venv "$VENV"
-  "$VPY" -m pip install --quiet "${VENV_PACKAGES[@]}"
-  echo "$spec" >"$VENV/.spec"
-fi
+ensure_venv "$VENV" "${VENV_PACKAGES[*]}" "$BASE_PYTHON" "${VENV_PACKAGES[@]}"
 "$VPY" -c 'import torch, sys
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu:", torch.cuda.is_available())
 sys.exit(0 if torch.version.cuda else "this torch is a CPU-only build: no CUDA build to check")'
@@ -205,7 +204,7 @@ PY
 )
 # The stable core alone (its CUDA part loaded), the fast tier: what a user of another torch runs.
 stage "pytest (installed package, the stable core alone)"
-(cd "$SRC" && CUBLAS_GUARD_EXT_NATIVE=core "$VPY" - <<'PY'
+(cd "$SRC" && CUBLAS_GUARD_EXT_NATIVE=core "$VPY" - -n "${CI_TEST_WORKERS:-2}" <<'PY'
 import os, sys
 cwd = os.path.realpath(os.getcwd())
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
@@ -214,7 +213,7 @@ import pytest
 from cublas_guard_ext._native import loader
 assert not os.path.realpath(cublas_guard_ext.__file__).startswith(cwd + os.sep)
 assert loader.info().library == "core", loader.info()
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests"]))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests", *sys.argv[1:]]))
 PY
 )
 if [[ -d $TORCH_EXTENSIONS_DIR ]] && find "$TORCH_EXTENSIONS_DIR" -name '*.so' | grep -q .; then
@@ -289,7 +288,7 @@ print(module.pip_toolkit_spec())
 PY
 )
 echo "pip install \"$TOOLKIT_SPEC\""
-"$VPY" -m pip install --quiet "$TOOLKIT_SPEC"
+"$VPY" -m pip install --quiet --no-compile "$TOOLKIT_SPEC"
 NO_SYSTEM_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste -sd:)
 PIP_LOG=$CACHE/cuda_build_pip_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true

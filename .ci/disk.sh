@@ -35,3 +35,48 @@ drop_venv() {
     echo "removed $1 ($(free_gib "$(dirname "$1")") GiB free now; CI_KEEP_VENVS=1 keeps it)"
   fi
 }
+
+# ensure_venv VENV SPEC BASE_PYTHON PACKAGES...: VENV, made by BASE_PYTHON with PACKAGES
+# installed, unless it already holds SPEC (its .spec file: a kept or prefetched venv). Under an
+# exclusive lock on VENV.lock: a stage whose venv .ci/run or the matrix started making in the
+# background (prefetch_venv) waits for it here instead of racing it; if that prefetch failed,
+# the stage makes the venv itself. --no-compile: no .pyc for the thousands of modules no test
+# imports (CPU time CI lacks).
+ensure_venv() {
+  local venv=$1 spec=$2 base=$3
+  shift 3
+  mkdir -p "$(dirname "$venv")"
+  (
+    flock 9
+    if [[ -z ${CI_PREFETCHING:-} && -f $venv.prefetch.log ]]; then
+      echo "its prefetch said:" && sed 's/^/  | /' "$venv.prefetch.log" | tail -n 8 && rm -f "$venv.prefetch.log"
+    fi
+    if [[ -x $venv/bin/python && -f $venv/.spec && $(cat "$venv/.spec") == "$spec" ]]; then
+      echo "ready: $venv (made earlier: a prefetch, or kept with CI_KEEP_VENVS=1)"
+    else
+      rm -rf "$venv"
+      disk_check "$(dirname "$venv")" 9 "the venv $(basename "$venv")"
+      "$base" -m venv "$venv"
+      "$venv/bin/python" -m pip install -qq --no-compile "$@"
+      echo "$spec" >"$venv/.spec"
+    fi
+  ) 9>"$venv.lock"
+}
+
+# prefetch_venv DIR SCRIPT ARGS...: runs `bash SCRIPT ARGS...` (a stage's --prepare-venv, which
+# sets CI_PREFETCHING=1 and writes its own log beside its venv: VENV.prefetch.log, shown by the stage's ensure_venv) in the
+# background, when DIR's disk has room for a second venv beside the one in use
+# (CI_PREFETCH_MIN_GIB, default 20): pip is mostly download and disk writes, so the venv is made
+# while the CPU runs the tests before it.
+prefetch_venv() {
+  local dir=$1 free
+  shift
+  mkdir -p "$dir"
+  free=$(free_gib "$dir")
+  if ((free < ${CI_PREFETCH_MIN_GIB:-20})); then
+    echo "prefetch ($*) skipped: ${free} GiB free (< ${CI_PREFETCH_MIN_GIB:-20}); its stage makes the venv" >&2
+    return 0
+  fi
+  echo "prefetch, in the background: $*"
+  bash "$@" >/dev/null 2>&1 </dev/null &
+}

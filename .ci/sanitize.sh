@@ -26,6 +26,7 @@
 #   SANITIZE        checks to build with (default: address,undefined)
 #   SANITIZE_TESTS  test files to run (default: see TESTS below)
 #   CI_CACHE        cache directory (default: .ci-cache)
+#   CI_TEST_WORKERS pytest-xdist workers (default: 2; 0 runs the tests in one process)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -135,7 +136,7 @@ echo
 echo "=== sanitize: pytest under $SANITIZE: $TESTS"
 # -p no:cacheprovider: nothing written into the tree. -m "not slow": the fast suite.
 rc=0
-LD_PRELOAD=$PRELOAD "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" --durations=10 $TESTS "$@" \
+LD_PRELOAD=$PRELOAD "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" -n "${CI_TEST_WORKERS:-2}" --durations=10 $TESTS "$@" \
   || rc=$?
 END=$(date +%s)
 reports=$(find "$REPORTS" -type f | sort)

@@ -34,6 +34,7 @@
 #   MATRIX_CUDA_ARCH_LIST  TORCH_CUDA_ARCH_LIST of those builds (default: 9.0)
 #   CI_CACHE               cache directory (default: .ci-cache)
 #   CI_KEEP_VENVS          1: keep the venvs between runs (default: delete each when done)
+#   CI_TEST_WORKERS        pytest-xdist workers for the fast suite (default: 2; 0: one process)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -52,7 +53,10 @@ COMPILE_TESTS=${MATRIX_COMPILE_TESTS-tests/linear/test_compile.py \
 tests/linear/test_dtypes.py::test_torch_compile_per_dtype tests/linear/test_dtypes.py::test_autocast_under_compile \
 tests/linear/test_modes.py::test_torch_compile_fullgraph_matches_eager \
 tests/training/test_training_guard.py::test_compiled_model_is_guarded_and_the_replay_names_modules}
-PACKAGES=(ninja pybind11 pytest hypothesis numpy 'setuptools>=77' wheel)
+PACKAGES=(ninja pybind11 pytest pytest-xdist==3.8.0 hypothesis numpy 'setuptools>=77' wheel)
+# pytest-xdist workers for the fast suite (0: one process). Not for the torch.compile tests: each
+# worker would warm Inductor up again for a handful of tests.
+WORKERS=${CI_TEST_WORKERS:-2}
 CUDA_VERSIONS=${MATRIX_CUDA_VERSIONS-2.15.0}
 CUDA_ARCH_LIST=${MATRIX_CUDA_ARCH_LIST:-9.0}
 
@@ -60,10 +64,24 @@ die() { echo "version_matrix: $*" >&2; exit 1; }
 # shellcheck source=disk.sh
 source "$ROOT/.ci/disk.sh"
 
+# --prepare-venv [VERSION] (default: the first): make that version's venv, nothing else (.ci/run
+# starts it in the background while the stage before runs; disk.sh's ensure_venv).
+PREPARE=
+if [[ ${1:-} == --prepare-venv ]]; then
+  PREPARE=1
+  VERSIONS=${2:-${VERSIONS%% *}}
+  VERSIONS=${VERSIONS%% *}
+fi
+
 # ---- several versions: one child run each (every version is checked, also after a failure) ----
-if [[ ${1:-} != --one ]] && (($(wc -w <<<"$VERSIONS") > 1)); then
+if [[ ${1:-} != --one && -z $PREPARE ]] && (($(wc -w <<<"$VERSIONS") > 1)); then
   failed=() lines=()
-  for version in $VERSIONS; do
+  read -r -a versions <<<"$VERSIONS"
+  for i in "${!versions[@]}"; do
+    version=${versions[$i]}
+    # The next version's venv is made in the background while this one's tests run.
+    next=${versions[$((i + 1))]:-}
+    [[ -n $next ]] && prefetch_venv "$CACHE" "$0" --prepare-venv "$next"
     start=$(date +%s)
     if MATRIX_TORCH_VERSIONS=$version bash "$0" --one "$@"; then result=OK; else result=FAILED; failed+=("$version"); fi
     lines+=("$(printf '  torch %-10s %5ss  %s' "$version" $(($(date +%s) - start)) "$result")")
@@ -134,6 +152,20 @@ summary() {
   [[ -n ${venv:-} ]] && drop_venv "$venv"  # also after a failure: the next version needs the space
   return "$rc"
 }
+# make_venv: $venv for torch $version, pinned; the machine's constraint (torch<=2.14.1) lifted
+# for this venv only.
+make_venv() {
+  PIP_CONSTRAINT=/dev/null ensure_venv "$venv" "$BASE_PYTHON torch==$version ${PACKAGES[*]}" \
+    "$BASE_PYTHON" "torch==$version" "${PACKAGES[@]}"
+}
+if [[ -n $PREPARE ]]; then
+  version=$VERSIONS venv=$CACHE/venv-torch$VERSIONS-py$PY_TAG
+  export CI_PREFETCHING=1
+  mkdir -p "$CACHE"
+  make_venv >"$venv.prefetch.log" 2>&1
+  rm -rf "$WORK"
+  exit 0
+fi
 trap summary EXIT
 
 copy_tree() {  # copy_tree DEST: what a commit of the working tree would hold
@@ -170,6 +202,8 @@ assert not path.startswith(cwd + os.sep), f"imported the copy ({path}), not the 
 info = loader.info()
 print("testing", path, "native:", info.library, info.kind, info.path)
 assert info.library == sys.argv[1], info
+# xdist's workers inherit this: tests/conftest.py checks each imported the installed package.
+os.environ["CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE"] = path
 # pytest runs from outside the copy: the tests' subprocesses (python -c) put their cwd on
 # sys.path, and Python 3.10 has no PYTHONSAFEPATH, so from the copy they would import its
 # package (no library there: a JIT build, with no compiler). Paths given relative to the copy.
@@ -198,20 +232,10 @@ mkdir -p "$WORK/elsewhere"
 for version in $VERSIONS; do
   venv=$CACHE/venv-torch$version-py$PY_TAG
   vpy=$venv/bin/python
-  spec="$BASE_PYTHON torch==$version ${PACKAGES[*]}"
 
   # ---- 1. the venv ------------------------------------------------------------------
   stage "torch $version: venv"
-  if [[ -x $vpy && -f $venv/.spec && $(cat "$venv/.spec") == "$spec" ]]; then
-    echo "reusing $venv"
-  else
-    rm -rf "$venv"
-    disk_check "$CACHE" 9 "the torch $version venv"
-    "$BASE_PYTHON" -m venv "$venv"
-    # Pinned, and the machine's constraint (torch<=2.14.1) lifted for this venv only.
-    PIP_CONSTRAINT=/dev/null "$vpy" -m pip install -qq "torch==$version" "${PACKAGES[@]}"
-    echo "$spec" >"$venv/.spec"
-  fi
+  make_venv
   "$vpy" -c 'import sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
   "$vpy" - "$version" <<'PY'
@@ -285,7 +309,7 @@ PY
   stage "torch $version: pytest (fast suite, the stable core)"
   # --durations: the slowest tests, to keep the stage within its budget.
   (cd "$src" && export "${no_compiler[@]}" && installed_pytest "$vpy" core \
-    -m "not slow" --durations=10 tests "${ignore_args[@]}" "$@")
+    -m "not slow" -n "$WORKERS" --durations=10 tests "${ignore_args[@]}" "$@")
   if [[ -n $COMPILE_TESTS ]]; then
     stage "torch $version: pytest (torch.compile tests, the stable core)"
     # shellcheck disable=SC2086  # a list of test ids, split on purpose

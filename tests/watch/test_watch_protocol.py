@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 
+from helpers import requires_cuda
+
 watch_module = importlib.import_module("cublas_guard_ext.watching.session")
 SEAM = torch.ops.cublas_guard_testing.watch_test_seam
 
@@ -353,3 +355,21 @@ def test_help_describes_arguments_an_example_and_costs():
     doc = cg.watch.__doc__ or ""
     for part in ("Arguments:", "capacity:", "verify_inputs:", "Example", "Costs:", "force_eager"):
         assert part in doc
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("number", [10, 10.0], ids=["int", "float"])
+def test_a_python_numbers_magnitude_is_the_number_never_unknown(number, device):
+    # x * 10 passes 10 as a wrapped 0-dim CPU tensor (int64 or float64): its magnitude is read on
+    # the host when the op is tagged (also beside a CUDA op, where the tensor is on another device).
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * number
+
+    model = Scale()
+    with pytest.raises(cg.NonFiniteOutputError) as info:
+        with cg.watch(model, mode="sync"):
+            model(torch.tensor([3e38, 1.0], device=device))
+    err = info.value
+    assert err.op == "aten.mul.Tensor" and err.input_absmax == [torch.tensor(3e38).item(), 10.0]
+    assert "inputs' absolute maxima: 3.000e+38, 10 (" in str(err)

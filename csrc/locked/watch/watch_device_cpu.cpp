@@ -90,6 +90,7 @@ double absmax_of(const InputView& v) {
     case kViewDouble: return absmax_typed<double>(v.data, v.numel);
     case kViewHalf: return absmax_typed<c10::Half>(v.data, v.numel);
     case kViewBFloat16: return absmax_typed<c10::BFloat16>(v.data, v.numel);
+    case kViewValue: return std::isfinite(v.value) ? v.value : 0.0;  // finite values only, as above
     default: return std::numeric_limits<double>::quiet_NaN();
   }
 }

@@ -53,8 +53,17 @@ enum ScanKind : int32_t {
 constexpr int64_t kSinkBirth = -2;          // report="birth": the birth itself is the finding
 constexpr int64_t kSinkBackwardBirth = -3;  // born in backward from finite values: a gradient
 
-// The dtypes a view is read as (the kernels' own codes, no c10 here).
-enum ViewDtype : int32_t { kViewNone = 0, kViewFloat = 1, kViewDouble = 2, kViewHalf = 3, kViewBFloat16 = 4 };
+// The dtypes a view is read as (the kernels' own codes, no c10 here). kViewValue: a Python
+// number (a wrapped 0-dim CPU tensor, also beside a CUDA op), its magnitude read on the host when
+// the op is tagged, free, and carried in `value`.
+enum ViewDtype : int32_t {
+  kViewNone = 0,
+  kViewFloat = 1,
+  kViewDouble = 2,
+  kViewHalf = 3,
+  kViewBFloat16 = 4,
+  kViewValue = 5,
+};
 
 // An input of the op, read only on a birth (its absolute maximum): dense and on
 // the output's device, `numel` elements from `data` (a dense tensor's elements
@@ -64,6 +73,7 @@ struct InputView {
   int64_t numel = 0;
   int32_t dtype = kViewNone;
   int32_t input = 0;  // which tensor input of the op (the report's input<n>_absmax)
+  double value = 0;   // kViewValue: the number's absolute value
 };
 
 // The kernel's arguments (by value).

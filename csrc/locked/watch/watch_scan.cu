@@ -94,7 +94,9 @@ __device__ void birth_extras(const T* data, long long n, const WatchGeometry& g,
   for (int v = 0; v < kMaxViews; ++v) {
     const bool known = v < a.n_views && a.views[v].dtype != kViewNone;
     double m = 0.0;
-    if (known) {
+    if (known && a.views[v].dtype == kViewValue) {  // a Python number, read on the host
+      m = tid == 0 && isfinite(a.views[v].value) ? a.views[v].value : 0.0;
+    } else if (known) {
       for (long long i = tid; i < a.views[v].numel; i += threads) {
         const double x = fabs(view_value(a.views[v], i));
         if (isfinite(x) && x > m) m = x;

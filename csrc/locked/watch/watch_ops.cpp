@@ -95,9 +95,13 @@ const OpInfo& op_info_slow(const c10::OperatorHandle& op) {
   if (aten && base == "_to_copy" && overload.empty()) info.float8_step = 2;
   if (aten && base == "copy_" && overload.empty()) info.float8_step = 3;
   // Sealed too: the scaled GEMMs, one kernel on a GPU, on the CPU an upcast and an mm whose
-  // overflow is the scaled GEMM's own (named there, as on the GPU).
+  // overflow is the scaled GEMM's own (named there, as on the GPU); and the foreach ops (the
+  // optimizers' and clip_grad_norm_'s), one fused kernel per list on a GPU, on the CPU a loop of
+  // per-tensor ops that watch would check one by one and then again as the list's outputs (the
+  // foreach AdamW step cost 3x): a birth is named at the foreach op, on both devices alike.
   info.sealed = starts_with(name, "cublas_guard::") || starts_with(name, "cublas_guard_internal::") ||
-                (aten && (starts_with(base, "_scaled_mm") || starts_with(base, "_scaled_grouped_mm")));
+                (aten && (starts_with(base, "_scaled_mm") || starts_with(base, "_scaled_grouped_mm") ||
+                          starts_with(base, "_foreach_")));
   info.product = aten && products.find(" " + base + " ") != std::string::npos;
   // Grouped GEMMs: rows sorted by group, `offs` their int32 group ends.
   for (size_t i = 0; i < info.num_args; ++i) {

@@ -54,6 +54,7 @@ LOCKED_CPU_SOURCES = (
     "locked/watch/watch_device.cpp",
     "locked/watch/watch_device_report.cpp",
     "locked/watch/watch_device_cpu.cpp",
+    "locked/watch/watch_views.cpp",
     "locked/watch/watch_testing.cpp",
 )
 CORE_CUDA_SOURCES = (

@@ -164,6 +164,8 @@ struct TagState {
 std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity);
 // The op's hooks (watch_fallback.cpp calls them with the session locked).
 void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
+// The arg-th argument `t` (the op's input-th tensor input) as a view a birth reads (watch_views.cpp).
+void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, int32_t input, bool same_home);
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
                 const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index);
 // A guarded layer refused its input: the earliest origin its inputs carry,

@@ -115,8 +115,8 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
 
   try {
     KernelDepthScope kernel(!info.composite);
-    const c10::impl::ExcludeDispatchKeyGuard seal(info.sealed ? c10::DispatchKeySet(kWatchKey)
-                                                              : c10::DispatchKeySet());
+    const c10::impl::ExcludeDispatchKeyGuard seal(
+        info.sealed || !info.composite ? c10::DispatchKeySet(kWatchKey) : c10::DispatchKeySet());
     op.redispatchBoxed(after, stack);
   } catch (python_error& e) {
     pybind11::gil_scoped_acquire gil;

@@ -288,7 +288,7 @@ print(module.pip_toolkit_spec())
 PY
 )
 echo "pip install \"$TOOLKIT_SPEC\""
-"$VPY" -m pip install --quiet --no-compile "$TOOLKIT_SPEC"
+"$VPY" -m pip install --quiet "$TOOLKIT_SPEC"
 NO_SYSTEM_PATH=$(tr ':' '\n' <<<"$PATH" | grep -v -e '^/usr/local/cuda' | paste -sd:)
 PIP_LOG=$CACHE/cuda_build_pip_toolkit.log
 "$VPY" -m pip uninstall --quiet --yes cublas_guard_ext >/dev/null 2>&1 || true

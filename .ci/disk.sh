@@ -40,8 +40,9 @@ drop_venv() {
 # installed, unless it already holds SPEC (its .spec file: a kept or prefetched venv). Under an
 # exclusive lock on VENV.lock: a stage whose venv .ci/run or the matrix started making in the
 # background (prefetch_venv) waits for it here instead of racing it; if that prefetch failed,
-# the stage makes the venv itself. --no-compile: no .pyc for the thousands of modules no test
-# imports (CPU time CI lacks).
+# the stage makes the venv itself. Never `pip install --no-compile`: this machine (and CI) sets
+# PYTHONDONTWRITEBYTECODE=1, so no .pyc would ever be written and every Python the tests start
+# would compile torch's modules from source (the installed suite took 1,137 s instead of 683 s).
 ensure_venv() {
   local venv=$1 spec=$2 base=$3
   shift 3
@@ -57,7 +58,7 @@ ensure_venv() {
       rm -rf "$venv"
       disk_check "$(dirname "$venv")" 9 "the venv $(basename "$venv")"
       "$base" -m venv "$venv"
-      "$venv/bin/python" -m pip install -qq --no-compile "$@"
+      "$venv/bin/python" -m pip install -qq "$@"
       echo "$spec" >"$venv/.spec"
     fi
   ) 9>"$venv.lock"

@@ -120,3 +120,13 @@ def test_an_overflow_in_a_scaled_gemm_is_born_there():
     err = info.value
     assert err.op == "aten._scaled_mm.default" and err.posinf_count == 32
     assert err.dtype == "torch.float32" and err.first_bad_index == 0
+
+
+def test_the_swallowed_inf_is_typed_under_run_s_checked_casts_too():
+    # run --watch also checks every float8 cast (fp8.checked_fp8): naming the sink's format must
+    # not cast anything itself, or that check refuses it and the finding arrives untyped.
+    from cublas_guard_ext import fp8
+
+    with fp8.checked_fp8():
+        err = _finding(lambda: (BIG * 10).to(E4M3))
+    assert _next_steps(err).startswith("\nNext: fix the values here, where they were born, not at the cast")

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -219,22 +220,30 @@ def test_unreadable_and_unwritable_files_are_refused(tmp_path):
         cg.TrainingGuard(model, opt, skip_list=path)
 
 
-def _writer(path: str, start: int, count: int) -> None:
-    skip = SkipList(path)
-    for i in range(start, start + count):
-        skip.append([i], step=i, verdict="persistent", where="x" * 300, rank=start, reason="non_finite")
+_WRITER = """
+import sys
+from cublas_guard_ext.training.skip_list import SkipList
+path, start, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+skip = SkipList(path)
+for i in range(start, start + count):
+    skip.append([i], step=i, verdict="persistent", where="x" * 300, rank=start, reason="non_finite")
+"""
 
 
 def test_two_processes_appending_write_whole_lines(tmp_path):
+    # Fresh interpreters, not fork: a forked child of an xdist worker can inherit a lock another
+    # thread held (execnet's I/O thread, a stream's) and hang before it writes a line.
     path = str(tmp_path / "skip.jsonl")
     SkipList(path)
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(path, start, 400)) for start in (0, 10_000)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, path, str(start), "400"], stderr=subprocess.PIPE, text=True
+        )
+        for start in (0, 10_000)
+    ]
     for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
     entries = lines(path)  # every line parses: none was interleaved with another
     assert sorted(e["sample_id"] for e in entries) == list(range(400)) + list(range(10_000, 10_400))
 

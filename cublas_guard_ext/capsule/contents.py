@@ -25,6 +25,7 @@ line.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import itertools
@@ -140,6 +141,45 @@ def _loaded_libraries(own_path: str | None) -> dict[str, Any]:
 
 _BUILD_INFO: dict[str, Any] | None = None  # the extension's build facts do not change
 
+# The library facts of the last capsule, and what they were read from. Every failing call writes
+# a capsule, and these facts cost ~5 ms a time (the maps parsed four times, every folder on
+# sys.path listed for cuBLAS wheels), while they change only when a library is mapped or
+# unmapped, LD_LIBRARY_PATH changes, or a wheel is installed or removed (its folder's mtime).
+_LIBRARY_FACTS: tuple[tuple, dict[str, Any]] | None = None
+
+
+_MAPPED_FILE = re.compile(r" (/[^\n]*)$", re.MULTILINE)  # a maps line's path, when it is a file
+
+
+def _library_facts_key(own_path: str | None) -> tuple:
+    # The files mapped (one regex pass: splitting each line cost a millisecond), not the whole
+    # text: the heap's and anonymous mappings' addresses move without any library changing.
+    files = tuple(dict.fromkeys(_MAPPED_FILE.findall(libraries._maps_text())))
+    folders = []
+    for folder in sys.path:
+        try:
+            folders.append((folder, os.stat(folder or ".").st_mtime_ns))
+        except OSError:
+            folders.append((folder, None))
+    return (own_path, files, os.environ.get("LD_LIBRARY_PATH"), tuple(folders))
+
+
+def _library_facts(own_path: str | None) -> dict[str, Any]:
+    """loaded_cublas(), the loaded libraries and the nvidia wheels, read again only when what
+    they are read from changed (a fresh copy each time: callers may edit theirs)."""
+    global _LIBRARY_FACTS
+    key = _library_facts_key(own_path)
+    if _LIBRARY_FACTS is None or _LIBRARY_FACTS[0] != key:
+        _LIBRARY_FACTS = (
+            key,
+            {
+                "libraries": loaded_cublas(),
+                "loaded_libraries": _loaded_libraries(own_path),
+                "nvidia_wheels": _nvidia_wheels(),
+            },
+        )
+    return copy.deepcopy(_LIBRARY_FACTS[1])
+
 
 def environment() -> dict[str, Any]:
     """What the capsule says about the machine (the doctor compares it with its own)."""
@@ -173,10 +213,9 @@ def environment() -> dict[str, Any]:
         if ext.get("driver_version")
         else "unknown",
         "cublas_runtime_version": ext.get("cublas_runtime_version") or "not loaded",
-        "libraries": loaded_cublas(),
-        # Which file each CUDA library came from, and the conflicts (doctor --capsule compares them).
-        "loaded_libraries": _loaded_libraries(ext.get("path")),
-        "nvidia_wheels": _nvidia_wheels(),
+        # loaded_cublas(), which file each CUDA library came from and the conflicts (doctor
+        # --capsule compares them), the nvidia wheels:
+        **_library_facts(ext.get("path")),
         "tf32": {
             "allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -225,9 +225,9 @@ def _jit_build() -> NativeInfo:
 def _jit_build_plan(plan: BuildPlan, label: str = "no installed _C") -> NativeInfo:
     from torch.utils import cpp_extension
 
+    from ...errors import ExtensionBuildError  # late: see the module docstring
     from ..building import build as _build  # late: building is imported only to build
     from ..building import unity_build as _unity  # late: building is imported only to build
-    from ...errors import ExtensionBuildError  # late: see the module docstring
 
     _preflight(plan)
     _build.apply_env(plan)

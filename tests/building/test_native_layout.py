@@ -114,15 +114,19 @@ def test_the_ops_read_the_loaded_library_through_the_seam() -> None:
         assert seam.typed_errors(len) is len  # the locked library raises typed errors itself
 
 
-def test_the_seam_types_the_cores_errors() -> None:
-    seam = _seam.seam()
-    if seam.info.library != "core":
-        pytest.skip("the locked library raises typed errors from C++")
+@pytest.mark.parametrize("library", ["core", "locked"])
+def test_the_seam_types_the_cores_errors_only(library: str) -> None:
+    from cublas_guard_ext._native.core_twins import stable_core
+
+    info = _seam._loader.NativeInfo("prebuilt", "lib.so", False, "test", library=library)
+    seam = _seam.Seam(info, None, None, library == "locked", library == "locked")
 
     def fails() -> None:
-        raise RuntimeError("plain failure without a payload")
+        raise RuntimeError(f"linear failed {stable_core._VALUE_TAG}in_features 3 != weight columns 4")
 
     wrapped = seam.typed_errors(fails)
-    assert wrapped is not fails
-    with pytest.raises(RuntimeError, match="plain failure without a payload"):
+    if library == "locked":
+        assert wrapped is fails  # the locked library raises typed errors from C++
+        return
+    with pytest.raises(ValueError, match=r"^in_features 3 != weight columns 4$"):
         wrapped()

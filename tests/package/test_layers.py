@@ -379,3 +379,34 @@ def test_the_public_op_namespace_holds_the_product_only() -> None:
     if loader.info().library == "locked":  # the fast entry's installer is the locked library's
         internal.add("python_module_install")
     assert internal <= _ops_in("cublas_guard_internal")
+
+
+def unresolved_relative_imports(root: Path) -> list[str]:
+    """Relative imports naming no module or package of the package under ``root``: after a
+    module moves a folder down, ``from ..errors import X`` names ``_native.errors``, which fails
+    only when the (often late, error-path) import runs; the layer check above skips it."""
+    modules = module_names(root)
+    problems = []
+    for name, path in modules.items():
+        base_parts = name.split(".") if _is_package(name, modules) else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+                if base not in modules:
+                    problems.append(f"{name}:{node.lineno}: {'.' * node.level}{node.module or ''} is {base}")
+    return problems
+
+
+def test_every_relative_import_names_a_module_of_the_package() -> None:
+    assert unresolved_relative_imports(PACKAGE_DIR) == []
+
+
+def test_a_relative_import_one_level_short_fails(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _plant(
+        root / "_native" / "loading" / "loader.py", "def f():\n    from ..errors import ExtensionBuildError\n"
+    )
+    problems = unresolved_relative_imports(root)
+    assert len(problems) == 1 and "cublas_guard_ext._native.loading.loader:" in problems[0], problems
+    assert problems[0].endswith("..errors is cublas_guard_ext._native.errors"), problems

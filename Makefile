@@ -59,7 +59,7 @@ BUILD_STAMP := $(VENV)/.ext-installed
 
 # Everything the compiled _C depends on: a change to any of these must rebuild it,
 # or a stale _C*.so would be tested.
-EXT_INPUTS := setup.py pyproject.toml cublas_guard_ext/_native/build.py cublas_guard_ext/_native/core_build.py cublas_guard_ext/_native/ninja_build.py cublas_guard_ext/_native/toolkit.py cublas_guard_ext/_native/cxx_flags.py cublas_guard_ext/_native/sources.py cublas_guard_ext/_native/unity_build.py $(shell find csrc -type f 2>/dev/null)
+EXT_INPUTS := setup.py pyproject.toml $(wildcard cublas_guard_ext/_native/building/*.py) cublas_guard_ext/_native/loading/compatibility.py $(shell find csrc -type f 2>/dev/null)
 
 .DEFAULT_GOAL := venv
 .PHONY: venv wheel demo test test-core test-slow test-all lint format cuda-check cuda-build-check version-matrix sanitize clean distclean FORCE

@@ -2,14 +2,14 @@
 
 * ``cublas_guard_ext._core``: the stable core, built against LibTorch's stable C ABI and
   CPython's limited API (abi3): it loads beside every torch from its floor on, with any
-  CPython >= 3.10 (cublas_guard_ext/_native/core_build.py);
+  CPython >= 3.10 (cublas_guard_ext/_native/building/core_build.py);
 * ``cublas_guard_ext._C``: the version-locked library for the torch it is built against (the
   fast eager entry, C++ autograd and autocast, watch): a CUDAExtension when CUDA is usable,
   else a CppExtension. Where it loads, it is used instead of the core.
 
 Build with `pip install --no-build-isolation -e .` (or `make wheel`) so _C is compiled
 against the torch it will run with (build isolation would fetch another torch). The source
-lists, flags and the CUDA decision come from cublas_guard_ext/_native/, which the JIT loader
+lists, flags and the CUDA decision come from cublas_guard_ext/_native/building/, which the JIT loader
 uses too.
 """
 
@@ -24,7 +24,7 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location(
-    "_cublas_guard_build", ROOT / "cublas_guard_ext" / "_native" / "build.py"
+    "_cublas_guard_build", ROOT / "cublas_guard_ext" / "_native" / "building" / "build.py"
 )
 _build = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _build  # dataclasses look their module up there
@@ -41,7 +41,7 @@ print(f"cublas_guard_ext: building {'CUDA' if plan.with_cuda else 'CPU-only'} ex
 
 def compiled_sources(build_plan, library):
     """The plan's sources as setuptools wants them (relative to setup.py), each unity group
-    one generated file under build/unity/<library>/ (cublas_guard_ext/_native/unity_build.py)."""
+    one generated file under build/unity/<library>/ (cublas_guard_ext/_native/building/unity_build.py)."""
     sources = _unity.unity_sources(build_plan.sources, ROOT / "build" / "unity" / library)
     return [str(Path(s).relative_to(ROOT)) for s in sources]
 
@@ -172,7 +172,7 @@ def record_locked_torch(build_ext_command) -> None:
 
 
 # The wheel's tag says abi3 (the core's); its _C serves only the CPython and torch it was
-# built for, and the loader skips it everywhere else (cublas_guard_ext/_native/loader.py).
+# built for, and the loader skips it everywhere else (cublas_guard_ext/_native/loading/loader.py).
 with _build.torch_build_hooks():
     setup(
         ext_modules=native_extensions(plan),

@@ -145,7 +145,7 @@ mkdir -p "$WORK/elsewhere"
 import os, sys
 import torch
 import cublas_guard_ext
-from cublas_guard_ext._native import loader as _loader
+from cublas_guard_ext._native.loading import loader as _loader
 
 src = os.path.realpath(sys.argv[1])
 path = os.path.realpath(cublas_guard_ext.__file__)
@@ -163,7 +163,7 @@ PY
 # CUDA torch and registers the CUDA kernels.
 (cd "$WORK/elsewhere" && CUBLAS_GUARD_EXT_NATIVE=core "$VPY" - <<'PY'
 import torch
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 info = loader.info()
 print("native:", info.library, info.kind, info.path, info.detail)
 assert info.library == "core" and info.kind == "prebuilt" and info.path.endswith("_core_cuda.abi3.so"), info
@@ -210,7 +210,7 @@ cwd = os.path.realpath(os.getcwd())
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
 import cublas_guard_ext
 import pytest
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 assert not os.path.realpath(cublas_guard_ext.__file__).startswith(cwd + os.sep)
 assert loader.info().library == "core", loader.info()
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests", *sys.argv[1:]]))
@@ -281,7 +281,7 @@ stage "pip toolkit: CUDA build"
 # point is the toolchain, stage 3 built two.
 TOOLKIT_SPEC=$("$VPY" - "$SRC" <<'PY'
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("t", sys.argv[1] + "/cublas_guard_ext/_native/toolkit.py")
+spec = importlib.util.spec_from_file_location("t", sys.argv[1] + "/cublas_guard_ext/_native/building/toolkit.py")
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 print(module.pip_toolkit_spec())
@@ -303,7 +303,7 @@ grep -q 'cublas_guard_ext: building CUDA extension.*/nvidia/cu[0-9]*' "$PIP_LOG"
 if grep -q 'the CUDA build failed' "$PIP_LOG"; then die "the CUDA compile failed (log: $PIP_LOG)"; fi
 (cd "$WORK/elsewhere" && "$VPY" - <<'PY'
 import subprocess, torch
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 info = loader.info()
 assert info.kind == "prebuilt" and info.has_cuda_kernels, info
 assert torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
@@ -328,7 +328,7 @@ grep -q 'cublas_guard_ext: building CPU-only extension (WARNING: the extension h
 (cd "$WORK/elsewhere" && "$VPY" - "$TOOLKIT_SPEC" <<'PY'
 import sys, torch
 import cublas_guard_ext as cg
-from cublas_guard_ext._native import facts
+from cublas_guard_ext._native.machine import facts
 assert not torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA")
 try:
     facts.first_cuda_use(torch.device("cuda", 0))  # what the first CUDA call runs first

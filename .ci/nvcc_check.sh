@@ -12,7 +12,7 @@
 #           kernels are the same text in both builds and the aten pass builds them
 #           for both archs; only host code differs.
 #   unity   (every-file runs only) the C++ of each CUDA build as the build compiles it:
-#           one translation unit per layer (cublas_guard_ext/_native/unity_build.py), in
+#           one translation unit per layer (cublas_guard_ext/_native/building/unity_build.py), in
 #           its build's flags (aten: the core's and the locked library's; stable: the core's).
 # The CPU torch wheel ships the ATen/cuda, c10/cuda and stable headers; the
 # cuBLAS/cuSPARSE/cuSOLVER headers come out of NVIDIA's pip wheels (cached).
@@ -157,15 +157,15 @@ print(include_paths()[0], sysconfig.get_paths()["include"], sep="\n")')
     -isystem "$python_include")
 }
 
-# The CUDA source lists of cublas_guard_ext/_native/sources.py (paths relative to csrc/):
+# The CUDA source lists of cublas_guard_ext/_native/building/sources.py (paths relative to csrc/):
 # CUDA_SOURCES (the locked library's) and CORE_CUDA_SOURCES (also the stable core's).
 read_source_lists() {
   mapfile -t CUDA_LIST < <("$PYTHON" -c '
 import runpy, sys
-print(*runpy.run_path(sys.argv[1])["CUDA_SOURCES"], sep="\n")' "$ROOT/cublas_guard_ext/_native/sources.py")
+print(*runpy.run_path(sys.argv[1])["CUDA_SOURCES"], sep="\n")' "$ROOT/cublas_guard_ext/_native/building/sources.py")
   mapfile -t CORE_CUDA_LIST < <("$PYTHON" -c '
 import runpy, sys
-print(*runpy.run_path(sys.argv[1])["CORE_CUDA_SOURCES"], sep="\n")' "$ROOT/cublas_guard_ext/_native/sources.py")
+print(*runpy.run_path(sys.argv[1])["CORE_CUDA_SOURCES"], sep="\n")' "$ROOT/cublas_guard_ext/_native/building/sources.py")
   ((${#CORE_CUDA_LIST[@]} > 0)) || die "sources.py lists no CORE_CUDA_SOURCES"
 }
 
@@ -214,17 +214,17 @@ in_list() {  # NAME ITEM...: whether NAME is one of the items
 }
 
 # unity_checks DIR: "BUILD FILE" lines for the unity groups of the two CUDA builds
-# (cublas_guard_ext/_native/unity_build.py), generated into DIR: the C++ of the locked CUDA
+# (cublas_guard_ext/_native/building/unity_build.py), generated into DIR: the C++ of the locked CUDA
 # library (aten) and of the CUDA core (stable) as the full CUDA build compiles it, one
 # translation unit per layer, so two files of a group that clash fail here, not on a GPU machine.
 unity_checks() {
   local dir=$1 build list file
   for build in aten stable; do
     [[ $build == aten ]] && list='CPU_SOURCES"] + s["CUDA_SOURCES' || list='CORE_CPU_SOURCES"] + s["CORE_CUDA_SOURCES'
-    "$PYTHON" "$ROOT/cublas_guard_ext/_native/unity_build.py" "$dir/$build" $("$PYTHON" -c '
+    "$PYTHON" "$ROOT/cublas_guard_ext/_native/building/unity_build.py" "$dir/$build" $("$PYTHON" -c '
 import runpy, sys
 s = runpy.run_path(sys.argv[1])
-print(*(sys.argv[2] + "/" + f for f in s["'"$list"'"]))' "$ROOT/cublas_guard_ext/_native/sources.py" "$ROOT/csrc") \
+print(*(sys.argv[2] + "/" + f for f in s["'"$list"'"]))' "$ROOT/cublas_guard_ext/_native/building/sources.py" "$ROOT/csrc") \
       | while read -r file; do if [[ $(basename "$file") == unity_* ]]; then echo "$build $file"; fi; done
   done
 }

@@ -66,7 +66,7 @@ rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 
 export CUBLAS_GUARD_EXT_FORCE_JIT=1 CUBLAS_GUARD_EXT_SANITIZE=$SANITIZE
-# File by file: every other build here is the unity build (cublas_guard_ext/_native/unity_build.py);
+# File by file: every other build here is the unity build (cublas_guard_ext/_native/building/unity_build.py);
 # this one proves that each source compiles alone, borrowing no header from an earlier file of its group.
 export CUBLAS_GUARD_EXT_UNITY=0
 # CPU-only: the CUDA kernels cannot be checked without a GPU, and a CUDA torch would
@@ -119,7 +119,8 @@ echo "=== sanitize: build ($SANITIZE, JIT into $TORCH_EXTENSIONS_DIR); LD_PRELOA
 # The build runs under the preloaded runtime too (the loader builds, then loads).
 LD_PRELOAD=$PRELOAD "$PYTHON" - <<'PY'
 import os, sys
-from cublas_guard_ext._native import build, loader
+from cublas_guard_ext._native.building import build
+from cublas_guard_ext._native.loading import loader
 info = loader.info()
 print("native:", info.kind, info.path, info.detail)
 assert info.kind == "jit", info

@@ -196,7 +196,7 @@ cwd = os.path.realpath(os.getcwd())
 sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != cwd]
 import cublas_guard_ext
 import pytest
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 path = os.path.realpath(cublas_guard_ext.__file__)
 assert not path.startswith(cwd + os.sep), f"imported the copy ({path}), not the installed package"
 info = loader.info()
@@ -281,7 +281,7 @@ PY
   (cd "$WORK/elsewhere" && env "${trapped[@]}" "$vpy" - "$wheel_kind" <<'PY'
 import pathlib, sys, torch
 import cublas_guard_ext
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 info = loader.info()
 print("native:", info.library, info.kind, info.path, info.detail)
 record = pathlib.Path(cublas_guard_ext.__file__).with_name("_core_cuda.cuda")

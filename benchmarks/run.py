@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     device = presets.resolve_device(p, args.device)
-    import cublas_guard_ext._native.loader as loader
+    import cublas_guard_ext._native.loading.loader as loader
 
     if device.type == "cuda":
         if not torch.cuda.is_available():

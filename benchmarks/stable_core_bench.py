@@ -27,7 +27,7 @@ import json, statistics, sys, time
 import torch
 import torch.nn.functional as F
 import cublas_guard_ext as cg
-from cublas_guard_ext._native import loader
+from cublas_guard_ext._native.loading import loader
 
 threads, reps = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(threads)

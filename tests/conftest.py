@@ -25,7 +25,7 @@ if _WORKER or "CUBLAS_GUARD_CAPSULE_DIR" not in os.environ:
     )
 
 import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
-from cublas_guard_ext._native import loader as _loader  # noqa: E402
+from cublas_guard_ext._native.loading import loader as _loader  # noqa: E402
 
 # .ci/cuda_build_check.sh tests the installed wheel from a copy of the tree: every process of
 # the session, each pytest-xdist worker included, must have imported the package from there.

@@ -229,7 +229,7 @@ EOF
 has_cuda_build() {
   [ "$DRY_RUN" = 1 ] && return 0
   timeout -k 5 90 "$PY" - <<'EOF' >>"$DETAILS/build.log" 2>&1
-import sys, torch, cublas_guard_ext._native.loader as L
+import sys, torch, cublas_guard_ext._native.loading.loader as L
 info = L.info()
 print("extension:", info.kind, info.path, "| CUDA kernels:", info.has_cuda_kernels)
 sys.exit(0 if info.has_cuda_kernels and torch.cuda.is_available() else 1)
@@ -274,7 +274,7 @@ step_build() {
     how="JIT build"
     local left=$(( limit - ($(date +%s) - s) ))
     if [ "$left" -gt 20 ]; then
-      gpu build-jit "$left" "$PY" -c 'import cublas_guard_ext._native.loader as L; i = L.info(); print(i.kind, i.path, i.has_cuda_kernels, i.detail)'
+      gpu build-jit "$left" "$PY" -c 'import cublas_guard_ext._native.loading.loader as L; i = L.info(); print(i.kind, i.path, i.has_cuda_kernels, i.detail)'
       rc=$?
     fi
   fi

@@ -68,7 +68,7 @@ def _git(*args: str) -> str:
 
 
 def environment(device: torch.device) -> dict:
-    import cublas_guard_ext._native.loader as loader
+    import cublas_guard_ext._native.loading.loader as loader
 
     env = {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -109,7 +109,7 @@ def environment(device: torch.device) -> dict:
             env["nvidia_smi"] = ""
         # cuBLAS as loaded at run time (the extension's build facts; "?" when it cannot say).
         try:
-            from cublas_guard_ext._native import facts
+            from cublas_guard_ext._native.machine import facts
 
             env["cublas"] = facts.native_build_info().get("cublas_runtime_version") or "?"
         except Exception:  # noqa: BLE001 (a report line, never a failure)

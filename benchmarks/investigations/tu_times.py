@@ -10,7 +10,7 @@ own row) so that the other rows are measured with it, as ninja would.
     python benchmarks/investigations/tu_times.py [build/temp.linux-x86_64-cpython-311] [--no-pch] [--only NAME ...]
         [--extra-flags "-ftime-report"]
 
-Files whose edge sets its own empty `pch_flags` (cublas_guard_ext/_native/build.py's
+Files whose edge sets its own empty `pch_flags` (cublas_guard_ext/_native/building/build.py's
 NO_PCH_SOURCES) are compiled without the PCH, as ninja does. Prints one row per TU
 (CPU s, wall s) and the totals, plus the critical path of a 2-job schedule in CPU
 seconds: the PCH and the files that do not wait for it start at once, the others

@@ -1,11 +1,15 @@
-"""The bottom layer: building and loading the native library, and facts about the environment.
+"""The bottom layer: the native libraries, one job per folder.
 
-* ``build``: the source list, flags and CUDA decision (``setup.py`` loads it by path);
-* ``toolkit``: the CUDA toolkit and torch's CUDA wheels (nvcc's version vs torch's, the
-  cuBLAS headers, the CPU-only fallback), used by ``build``;
-* ``loader``: a prebuilt ``_C`` or a JIT build of the same sources;
-* ``facts``: torch/CUDA/cuBLAS versions, libraries, GPUs, arch support, the
-  environment block of cuBLAS errors and the first-CUDA-use warning.
+* ``building/``: compiling them (the source lists, flags, the CUDA toolkit, ninja, the unity
+  build, the stable core's plan); setup.py loads it by path, the loader only to JIT-build;
+* ``loading/``: which library serves this process and the one seam every caller reads
+  (``loading.seam``), the op codes both sides share, and which builds can load here;
+* ``core_twins/``: what the stable core registers in Python because its C ABI cannot
+  (autograd, autocast, fake kernels, the fast eager entry);
+* ``machine/``: facts about this machine (torch/CUDA/cuBLAS versions, the mapped libraries,
+  known-bad builds) for the doctor, the capsule and the error messages.
 
-Nothing here imports a module above it at import time (docs/architecture.md).
+Nothing here imports a module above it at import time (docs/architecture.md), and importing
+the package imports nothing of ``building/``. The old flat paths (``_native.loader``...) are
+aliases of the moved modules (cublas_guard_ext/_module_aliases.py).
 """

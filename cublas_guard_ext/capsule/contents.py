@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._native import facts, libraries
+from .._native.machine import facts, libraries
 from ..errors import parse as _errors_parse
 from . import safe_read as _capsule_file
 from .safe_read import NOT_A_CAPSULE, REFUSED_CODE, CapsuleFileError  # noqa: F401  (public here)

@@ -20,7 +20,7 @@ import threading
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from .._native import codes as _codes
+from .._native.loading import codes as _codes
 
 _ops = torch.ops.cublas_guard
 

@@ -28,10 +28,10 @@ from typing import Literal
 
 import torch
 
-from .._native import codes as _codes
+from .._native.loading import codes as _codes
 
 Mode = Literal["off", "sync", "async"]
-MODE_CODES = _codes.MODE_CODES  # the one source: _native/codes.py
+MODE_CODES = _codes.MODE_CODES  # the one source: _native/loading/codes.py
 ENV_VAR = "CUBLAS_GUARD_MODE"
 
 # The open guard() blocks, innermost last: (block id, mode) pairs.

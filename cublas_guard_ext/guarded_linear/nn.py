@@ -117,7 +117,7 @@ class SafeLinear(nn.Linear):
             # errors); the layer's own mode, else "sync": guard() blocks and
             # CUBLAS_GUARD_MODE are Python state a scripted model cannot read.
             mode = self.mode
-            # Literal codes (TorchScript takes no global ints): _native/codes.py's values,
+            # Literal codes (TorchScript takes no global ints): _native/loading/codes.py's values,
             # checked by tests/package/test_codes.py.
             code = 1 if mode is None else (0 if mode == "off" else (2 if mode == "async" else 1))
             x = input

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from .._native import codes as _codes
-from .._native import facts
-from .._native import loader as _loader
+from .._native.loading import codes as _codes
+from .._native.loading import seam as _native_seam
+from .._native.machine import facts
 from . import modes
 
-_info = _loader.load()
+_seam = _native_seam.seam()
 _ops = torch.ops.cublas_guard
 
 from . import _transforms  # noqa: E402  (needs the ops loaded)
@@ -32,14 +32,10 @@ from . import _transforms  # noqa: E402  (needs the ops loaded)
 # (tensor subclasses, torch function modes, the JIT tracer, non-strided input,
 # a CUDA device before its first-use diagnostics, a default mode it cannot
 # read); callers then take that path. A JIT build (no Python module) has none.
-# Under the stable core the entry is Python's, with the same rules (_native/stable_core.py).
-_native_module = sys.modules.get("cublas_guard_ext._C") if _info.kind == "prebuilt" else None
-if _info.library == "core":
-    from .._native import stable_core as _native_module  # noqa: F811
-_fast_linear = getattr(_native_module, "fast_linear" if _info.library == "core" else "_fast_linear", None)
-_cuda_first_use_done = getattr(
-    _native_module, "cuda_first_use_done" if _info.library == "core" else "_cuda_first_use_done", None
-)
+# Under the stable core the entry is Python's, with the same rules (core_twins/stable_core.py);
+# the seam (_native/loading/seam.py) says which this process has.
+_fast_linear = _seam.fast_linear
+_cuda_first_use_done = _seam.cuda_first_use_done
 _is_compiling = torch.compiler.is_compiling
 _transforms_active = _transforms.active
 _blocks = modes._blocks
@@ -48,7 +44,9 @@ _MODE_CODES = modes.MODE_CODES
 # the core's Python one is given the mode's code.
 _ENV_DEFAULT = _codes.MODE_ENV_DEFAULT
 _env_default_code = (
-    (lambda: _MODE_CODES[modes._env_default()]) if _info.library == "core" else (lambda: _ENV_DEFAULT)
+    (lambda: _ENV_DEFAULT)
+    if _seam.fast_linear_reads_mode_env
+    else (lambda: _MODE_CODES[modes._env_default()])
 )
 
 
@@ -339,9 +337,6 @@ torch.fx.node.has_side_effect(_ops.check_in_graph.default)
 
 # The stable core (no version-locked library for this torch): its errors cross the stable
 # ABI as RuntimeError with the payload line. The ops' Autograd kernels raise them typed
-# (_native/stable_core.py); check() calls an op without tensors, which has none, eager or
-# from a compiled graph (check_in_graph's body, looked up when it runs).
-if _info.library == "core":
-    from .._native import stable_core as _stable_core
-
-    _raise_recorded = _stable_core.typed_errors(_raise_recorded)
+# (core_twins/stable_core.py); check() calls an op without tensors, which has none, eager or
+# from a compiled graph (check_in_graph's body, looked up when it runs): the seam wraps it.
+_raise_recorded = _seam.typed_errors(_raise_recorded)

@@ -241,7 +241,7 @@ def _doctor(kind: str) -> dict[str, Any] | None:
     if kind != "cuda":
         return None
     try:
-        from .._native import facts as native_facts
+        from .._native.machine import facts as native_facts
         from ..tools import doctor
 
         env = native_facts.environment()

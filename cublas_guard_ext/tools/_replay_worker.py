@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._native import loader
+from .._native.loading import loader
 from ..capsule import scaled as _scaled
 from ..capsule.contents import load
 from ..capsule.replaying import VARIANTS

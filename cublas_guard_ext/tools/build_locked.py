@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 _CHILD = (
-    "from cublas_guard_ext._native import loader\n"
+    "from cublas_guard_ext._native.loading import loader\n"
     "info = loader.load()\n"
     "print(f'cublas_guard_ext: the version-locked library is ready ({info.kind}): {info.path}')\n"
 )

@@ -12,7 +12,7 @@ import textwrap
 import torch
 from torch import nn
 
-from .._native import loader as _loader
+from .._native.loading import loader as _loader
 from ..errors import ExtensionBuildError, GuardError
 from ..guarded_linear import modes, ops
 from ..models.swap import replace_linear

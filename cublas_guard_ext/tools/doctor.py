@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .._native import facts
-from .._native.facts import FAIL, OK, SKIP, WARN
+from .._native.machine import facts
+from .._native.machine.facts import FAIL, OK, SKIP, WARN
 from ..capsule import contents as _capsule
 from ..errors import GuardError
 from ..guarded_linear import modes

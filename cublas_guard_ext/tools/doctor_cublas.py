@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .._native import toolkit
-from .._native.facts import FAIL, OK, SKIP, WARN
+from .._native.building import toolkit
+from .._native.machine.facts import FAIL, OK, SKIP, WARN
 from ..capsule import contents as _capsule
 
 

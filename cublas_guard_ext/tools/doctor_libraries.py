@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from .._native import known_builds, libraries, toolkit
-from .._native.facts import FAIL, OK, SKIP, WARN
+from .._native.building import toolkit
+from .._native.machine import known_builds, libraries
+from .._native.machine.facts import FAIL, OK, SKIP, WARN
 from .doctor_cublas import Check
 
 CONFLICT_MARK = "<-- CONFLICT"

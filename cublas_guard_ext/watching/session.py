@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from .. import errors
-from .._native import loader as _loader
-from .._native.codes import MODE_CODES
+from .._native.loading import seam as _native_seam
+from .._native.loading.codes import MODE_CODES
 from ..errors import NonFiniteFromNowhereError, WatchCaptureError
 from ..errors import optimizer_step as _optimizer_messages
 from ..errors.format import _dtype, _fold_inputs
@@ -27,15 +27,9 @@ from ..guarded_linear import modes
 from ..guarded_linear import ops as _ops
 
 # Under the stable core alone (no version-locked library for this torch) watch says how to build it.
-AVAILABLE = _loader.load().library != "core"
-if not AVAILABLE:
-    from .._native.stable_core import LockedOnly
-
-    _native = LockedOnly("cublas_guard_ext.watch")
-else:
-    if "cublas_guard_ext._C" not in sys.modules:  # a JIT build: the same methods, installed as the module
-        torch.ops.cublas_guard_internal.python_module_install.default()
-    _native = sys.modules["cublas_guard_ext._C"]
+_seam = _native_seam.seam()
+AVAILABLE = _seam.has_watch
+_native = _seam.watch_methods("cublas_guard_ext.watch")
 from . import global_patches as _watch_patches  # noqa: E402  (needs the native module above)
 from . import optimizer_step as _optimizer_step  # noqa: E402
 

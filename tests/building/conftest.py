@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cublas_guard_ext._native import toolkit as _toolkit
+from cublas_guard_ext._native.building import toolkit as _toolkit
 
 from helpers.cuda_toolkit import fake_cuda_wheel, fake_toolkit
 

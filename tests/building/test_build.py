@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from cublas_guard_ext._native import build as _build  # noqa: E402
-from cublas_guard_ext._native import unity_build as _unity  # noqa: E402
+from cublas_guard_ext._native.building import build as _build  # noqa: E402
+from cublas_guard_ext._native.building import unity_build as _unity  # noqa: E402
 
 # The JIT build compiles csrc/: only a source checkout has it (an installed wheel does not).
 needs_sources = pytest.mark.skipif(
@@ -25,7 +25,7 @@ needs_sources = pytest.mark.skipif(
 SMOKE = textwrap.dedent(
     """
     import torch, cublas_guard_ext as cg
-    from cublas_guard_ext._native import loader as _loader
+    from cublas_guard_ext._native.loading import loader as _loader
     info = _loader.info()
     print("KIND", info.kind, "CUDA", info.has_cuda_kernels)
     layer = cg.SafeLinear(8, 3, name="smoke")
@@ -77,7 +77,7 @@ def test_jit_build_in_its_own_directory(tmp_path: Path) -> None:
     built = list((tmp_path / "ext").rglob("*.so"))
     assert built, "the JIT build must land in TORCH_EXTENSIONS_DIR"
     # In the directory keyed by this environment (prefix, torch, Python ABI, flags).
-    from cublas_guard_ext._native import loader as _loader
+    from cublas_guard_ext._native.loading import loader as _loader
 
     expected = Path(_loader.jit_build_directory(_build.plan(), prefix=sys.prefix))
     assert {p.parent.name for p in built} == {expected.name}
@@ -162,7 +162,7 @@ def test_the_extension_links_the_shared_libstdcxx_torch_uses() -> None:
     # among its NEEDED libraries crashed in its first error message that formatted an integer.
     import torch
 
-    from cublas_guard_ext._native import loader
+    from cublas_guard_ext._native.loading import loader
 
     needed = _elf_needed(loader.info().path)
     assert "libstdc++.so.6" in needed, needed

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cublas_guard_ext._native import build as _build
-from cublas_guard_ext._native import loader as _loader
-from cublas_guard_ext._native import toolkit as _toolkit
+from cublas_guard_ext._native.building import build as _build
+from cublas_guard_ext._native.building import toolkit as _toolkit
+from cublas_guard_ext._native.loading import loader as _loader
 
 needs_ninja = pytest.mark.skipif(shutil.which("ninja") is None, reason="needs the ninja binary")
 needs_gcc = pytest.mark.skipif(not _build.pch_enabled(), reason="the precompiled header is GCC-only")

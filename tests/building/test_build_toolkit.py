@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cublas_guard_ext._native import build as _build
-from cublas_guard_ext._native import toolkit as _toolkit
+from cublas_guard_ext._native.building import build as _build
+from cublas_guard_ext._native.building import toolkit as _toolkit
 
 from helpers.cuda_toolkit import fake_toolkit
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cublas_guard_ext._native import build as _build
-from cublas_guard_ext._native import ninja_build as _ninja
+from cublas_guard_ext._native.building import build as _build
+from cublas_guard_ext._native.building import ninja_build as _ninja
 
 TRAPPED = ("c++", "g++", "gcc", "cc", "clang", "clang++", "nvcc")
 
@@ -111,7 +111,7 @@ FIRST_CALL = textwrap.dedent(
     import cublas_guard_ext as cg
     layer = cg.SafeLinear(4, 3)
     layer(torch.randn(2, 4)).sum().backward()
-    from cublas_guard_ext._native import loader
+    from cublas_guard_ext._native.loading import loader
     print(json.dumps({"library": loader.info().library,
                       "cpp_extension": "torch.utils.cpp_extension" in sys.modules}))
     """

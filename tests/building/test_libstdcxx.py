@@ -84,7 +84,7 @@ def defined_runtime_state(path: str) -> list[str]:
 
 
 def library_path() -> str:
-    from cublas_guard_ext._native import loader
+    from cublas_guard_ext._native.loading import loader
 
     return loader.info().path
 

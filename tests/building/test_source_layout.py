@@ -1,7 +1,7 @@
 """The two libraries' seam, visible in csrc/: a file's library is its folder.
 
 Under csrc/locked/ stand the version-locked library's own files (``LOCKED_*`` in
-cublas_guard_ext/_native/sources.py); everywhere else the stable core's (``CORE_*``), compiled into
+cublas_guard_ext/_native/building/sources.py); everywhere else the stable core's (``CORE_*``), compiled into
 both libraries and so never including a header from csrc/locked/ (the core is built against the
 stable ABI alone: a locked header would pull ATen or Python's C API into it). sources.py and the
 tree are held to the same rule here, and each rule is shown to catch a violation.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cublas_guard_ext._native import sources
+from cublas_guard_ext._native.building import sources
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 LOCKED = "locked/"

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import cublas_guard_ext as cg
-from cublas_guard_ext._native import core_build, loader, stable_core
+from cublas_guard_ext._native.building import core_build
+from cublas_guard_ext._native.core_twins import stable_core
+from cublas_guard_ext._native.loading import loader
 
 
 @pytest.mark.parametrize("version", ["2.9.1", "2.9.0+cu128", "1.13.1"])

@@ -1,4 +1,4 @@
-"""The unity build (cublas_guard_ext/_native/unity_build.py): which files each library
+"""The unity build (cublas_guard_ext/_native/building/unity_build.py): which files each library
 compiles, what a generated group holds, and that no file of a group waits for the PCH.
 Fast: no compiler; the builds themselves are tests/building/test_build.py's (slow), the
 file-by-file build CI's sanitizer stage, the CUDA builds' groups .ci/nvcc_check.sh."""
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cublas_guard_ext._native import build as _build
-from cublas_guard_ext._native import core_build as _core_build
-from cublas_guard_ext._native import sources as _sources
-from cublas_guard_ext._native import unity_build as _unity
+from cublas_guard_ext._native.building import build as _build
+from cublas_guard_ext._native.building import core_build as _core_build
+from cublas_guard_ext._native.building import sources as _sources
+from cublas_guard_ext._native.building import unity_build as _unity
 
 needs_sources = pytest.mark.skipif(not _build.CSRC_DIR.is_dir(), reason="needs csrc/ (a source checkout)")
 

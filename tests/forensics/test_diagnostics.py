@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 from cublas_guard_ext import errors
-from cublas_guard_ext._native import facts, libraries
+from cublas_guard_ext._native.machine import facts, libraries
 from cublas_guard_ext.tools import doctor
 
 from helpers import assert_matches

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import cublas_guard_ext as cg
-from cublas_guard_ext._native import facts, known_builds, libraries, toolkit
+from cublas_guard_ext._native.building import toolkit
+from cublas_guard_ext._native.machine import facts, known_builds, libraries
 from cublas_guard_ext.errors import ExtensionBuildError
 from cublas_guard_ext.tools import doctor, doctor_libraries
 
@@ -88,7 +89,7 @@ def run_doctor_after(preload: list[str], fake: dict[str, Path], ld_library_path:
         for path in {preload!r}:
             ctypes.CDLL(path)
         sys.path.append({str(fake["site"])!r})
-        from cublas_guard_ext._native import libraries
+        from cublas_guard_ext._native.machine import libraries
         from cublas_guard_ext.tools import doctor
         print("QUICK", len(libraries.quick_conflicts()), file=sys.stderr)
         sys.exit(doctor.main(as_json=True, probe=False))

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from cublas_guard_ext._native import stable_core
+from cublas_guard_ext._native.core_twins import stable_core
 
 
 class _Translating:

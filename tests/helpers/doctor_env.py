@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cublas_guard_ext._native import facts
+from cublas_guard_ext._native.machine import facts
 
 
 def gpu_env(**changes) -> dict:

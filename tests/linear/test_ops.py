@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from cublas_guard_ext._native.codes import MODE_ASYNC, MODE_SYNC, ROLE_CODES
+from cublas_guard_ext._native.loading.codes import MODE_ASYNC, MODE_SYNC, ROLE_CODES
 
 NAMESPACE = "cublas_guard"
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

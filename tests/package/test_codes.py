@@ -1,4 +1,4 @@
-"""Mode and role codes: one Python source (cublas_guard_ext._native.codes), and every C++
+"""Mode and role codes: one Python source (cublas_guard_ext._native.loading.codes), and every C++
 definition of them in csrc/ agrees with it (a planted disagreement fails)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
-from cublas_guard_ext._native import codes
+from cublas_guard_ext._native.loading import codes
 from cublas_guard_ext.guarded_linear import _transforms, modes, ops
 from cublas_guard_ext.guarded_linear import nn as guarded_nn
 

@@ -40,8 +40,29 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ("cublas_guard_ext.errors", "cublas_guard_ext.errors.*"),
     ),
     (
-        "_native: building and loading the library, environment facts",
-        ("cublas_guard_ext._native", "cublas_guard_ext._native.*"),
+        "_native/loading's vocabulary: the ops' codes, which builds load here by name",
+        ("cublas_guard_ext._native.loading.codes", "cublas_guard_ext._native.loading.compatibility"),
+    ),
+    (
+        "_native/building: compiling the libraries (setup.py loads it by path)",
+        ("cublas_guard_ext._native.building", "cublas_guard_ext._native.building.*"),
+    ),
+    (
+        "_native/core_twins: what the stable core registers in Python",
+        ("cublas_guard_ext._native.core_twins", "cublas_guard_ext._native.core_twins.*"),
+    ),
+    (
+        "_native/loading: which library serves this process, the seam callers read",
+        (
+            "cublas_guard_ext._native",
+            "cublas_guard_ext._native.loading",
+            "cublas_guard_ext._native.loading.loader",
+            "cublas_guard_ext._native.loading.seam",
+        ),
+    ),
+    (
+        "_native/machine: facts about this machine (doctor, capsule, error messages)",
+        ("cublas_guard_ext._native.machine", "cublas_guard_ext._native.machine.*"),
     ),
     (
         "capsule: the failing call written to a file, read back, replayed",
@@ -215,14 +236,16 @@ def test_the_import_graph_is_read() -> None:
     late = {(e.importer, e.imported) for e in edges if e.late}
     # A few known edges of each kind: the reader sees relative, aliased and nested imports.
     assert ("cublas_guard_ext.guarded_linear.nn", "cublas_guard_ext.guarded_linear.ops") in top
-    assert ("cublas_guard_ext._native.facts", "cublas_guard_ext.errors.base") in top
-    assert ("cublas_guard_ext.tools.doctor", "cublas_guard_ext._native.facts") in top
+    assert ("cublas_guard_ext._native.machine.facts", "cublas_guard_ext.errors.base") in top
+    assert ("cublas_guard_ext.tools.doctor", "cublas_guard_ext._native.machine.facts") in top
     assert ("cublas_guard_ext.watching.session", "cublas_guard_ext.guarded_linear.ops") in top
-    assert ("cublas_guard_ext._native.loader", "cublas_guard_ext.errors") in late
+    assert ("cublas_guard_ext._native.loading.loader", "cublas_guard_ext.errors") in late
     assert ("cublas_guard_ext.__main__", "cublas_guard_ext.tools.doctor") in late
-    assert {"cublas_guard_ext", "cublas_guard_ext._native.loader", "cublas_guard_ext.tools.demo"} <= set(
-        modules
-    )
+    assert {
+        "cublas_guard_ext",
+        "cublas_guard_ext._native.loading.loader",
+        "cublas_guard_ext.tools.demo",
+    } <= set(modules)
 
 
 def test_what_a_floor_above_hands_down_is_in_place() -> None:
@@ -230,7 +253,7 @@ def test_what_a_floor_above_hands_down_is_in_place() -> None:
     once the package has loaded, each is there (else errors would lose their environment
     block or capsule, and check() the pending watch finding, without a failing import)."""
     from cublas_guard_ext import errors
-    from cublas_guard_ext._native import facts
+    from cublas_guard_ext._native.machine import facts
     from cublas_guard_ext.capsule import contents
     from cublas_guard_ext.guarded_linear import ops
     from cublas_guard_ext.watching import session
@@ -280,11 +303,11 @@ def test_a_planted_upward_top_level_import_fails(tmp_path: Path) -> None:
     ), problems
     # ops imports the facts at top level: the facts importing ops closes a cycle.
     root = _copy(tmp_path / "second")
-    _plant(root / "_native" / "facts.py", "from ..guarded_linear import ops\n")
+    _plant(root / "_native" / "machine" / "facts.py", "from ...guarded_linear import ops\n")
     problems = violations(root)
-    assert any(p.startswith("import cycle:") and "cublas_guard_ext._native.facts" in p for p in problems), (
-        problems
-    )
+    assert any(
+        p.startswith("import cycle:") and "cublas_guard_ext._native.machine.facts" in p for p in problems
+    ), problems
 
 
 def test_a_planted_late_cycle_within_a_layer_fails(tmp_path: Path) -> None:
@@ -350,9 +373,40 @@ def test_the_public_op_namespace_holds_the_product_only() -> None:
     assert {"set_fault", "set_size_limit", "simulate_cuda_errors", "clean_cache_stats"} <= _ops_in(
         "cublas_guard_testing"
     )
-    from cublas_guard_ext._native import loader
+    from cublas_guard_ext._native.loading import loader
 
     internal = {"parameters_changed", "reset_layer_calls", "argument_rules", "set_reduction_options"}
     if loader.info().library == "locked":  # the fast entry's installer is the locked library's
         internal.add("python_module_install")
     assert internal <= _ops_in("cublas_guard_internal")
+
+
+def unresolved_relative_imports(root: Path) -> list[str]:
+    """Relative imports naming no module or package of the package under ``root``: after a
+    module moves a folder down, ``from ..errors import X`` names ``_native.errors``, which fails
+    only when the (often late, error-path) import runs; the layer check above skips it."""
+    modules = module_names(root)
+    problems = []
+    for name, path in modules.items():
+        base_parts = name.split(".") if _is_package(name, modules) else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+                if base not in modules:
+                    problems.append(f"{name}:{node.lineno}: {'.' * node.level}{node.module or ''} is {base}")
+    return problems
+
+
+def test_every_relative_import_names_a_module_of_the_package() -> None:
+    assert unresolved_relative_imports(PACKAGE_DIR) == []
+
+
+def test_a_relative_import_one_level_short_fails(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    _plant(
+        root / "_native" / "loading" / "loader.py", "def f():\n    from ..errors import ExtensionBuildError\n"
+    )
+    problems = unresolved_relative_imports(root)
+    assert len(problems) == 1 and "cublas_guard_ext._native.loading.loader:" in problems[0], problems
+    assert problems[0].endswith("..errors is cublas_guard_ext._native.errors"), problems

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import codes as _codes
+from ..loading import codes as _codes
 from . import stable_core as _core
 
 _ops = torch.ops.cublas_guard

@@ -7,7 +7,6 @@ must not import the package (which would try to load the extension).
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import importlib
 import importlib.util
@@ -21,12 +20,16 @@ from pathlib import Path
 
 
 def _sibling(name: str):
-    """A module of this folder, also when setup.py loaded this file by path (no package)."""
+    """A module of this folder, or with a dot one of _native's others ("loading.compatibility"),
+    also when setup.py loaded this file by path (no package)."""
     if __package__:
-        return importlib.import_module(f"{__package__}.{name}")
-    qualified = f"_cublas_guard_{name}"
+        parent = __package__.rpartition(".")[0] if "." in name else __package__
+        return importlib.import_module(f"{parent}.{name}")
+    qualified = f"_cublas_guard_{name.replace('.', '_')}"
     if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, Path(__file__).with_name(f"{name}.py"))
+        parts = ["..", *name.split(".")] if "." in name else [name]
+        path = Path(__file__).parent.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        spec = importlib.util.spec_from_file_location(qualified, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[qualified] = module
         spec.loader.exec_module(module)
@@ -34,6 +37,10 @@ def _sibling(name: str):
 
 
 _toolkit = _sibling("toolkit")
+_compatibility = _sibling("loading.compatibility")
+# Names only, no compiler asked: the loader's lookup of a cached build (loading/compatibility.py).
+_jit_name_prefix = _compatibility.jit_name_prefix
+locked_jit_build_may_exist = _compatibility.locked_jit_build_may_exist
 # Used by setup.py, the loader and the tests under these names (defined in toolkit.py).
 decide_cuda, cuda_fallback_note, record_cuda_failure, link_cudart_by_name = (
     _toolkit.decide_cuda,
@@ -42,7 +49,7 @@ decide_cuda, cuda_fallback_note, record_cuda_failure, link_cudart_by_name = (
     _toolkit.link_cudart_by_name,
 )
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # cublas_guard_ext/ (this file is in _native/)
+PACKAGE_DIR = Path(__file__).resolve().parents[2]  # cublas_guard_ext/ (this file is in _native/building/)
 # A source checkout's csrc/, else the copy an installed wheel carries (setup.py's build_py).
 CSRC_DIR = PACKAGE_DIR.parent / "csrc"
 if not CSRC_DIR.is_dir() and (PACKAGE_DIR / "_csrc").is_dir():
@@ -285,34 +292,3 @@ def jit_name(build: BuildPlan, prefix: str | None = None) -> str:
     if _ninja.STABLE_MARKER in build.cxx_flags:
         flavour = "core_" + flavour
     return f"{_jit_name_prefix(flavour)}{digest}"
-
-
-def _jit_name_prefix(flavour: str) -> str:
-    """A JIT build's name up to its key digest: what can be known without probing a compiler."""
-    import torch
-
-    torch_tag = re.sub(r"[^A-Za-z0-9]", "_", torch.__version__)
-    py_tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return f"cublas_guard_ext_{flavour}_torch{torch_tag}_{py_tag}_"
-
-
-def locked_jit_build_may_exist() -> bool:
-    """Whether a JIT build of the locked library for this torch and Python may be cached, by
-    names alone: no compiler probed, torch.utils.cpp_extension not imported (its import warns
-    on a CUDA torch without a GPU). A superset of the real lookup, which needs the full key
-    (compiler, toolkit, flags): False means there is certainly none; True, look properly."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is not None:
-        pattern_root = glob.escape(root)
-    else:
-        try:  # torch's default root, one folder per accelerator below it (py311_cpu, py312_cu130...)
-            import torch._appdirs
-
-            default_root = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
-        except Exception:  # another torch's layout: look the slow, certain way
-            return True
-        pattern_root = os.path.join(glob.escape(default_root), "*")
-    return any(
-        glob.glob(os.path.join(pattern_root, _jit_name_prefix(flavour) + "*", "*.so"))
-        for flavour in ("cpu", "cuda")
-    )

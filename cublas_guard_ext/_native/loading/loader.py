@@ -6,11 +6,11 @@ The version-locked library (the fast eager entry, C++ autograd and autocast, wat
 used wherever it loads: a prebuilt ``_C`` (an editable install, or the wheel on the torch and
 CPython it was built with), or a JIT build already in the cache for this torch (made by
 ``python -m cublas_guard_ext build``). Elsewhere the stable core runs the same op sources
-(csrc/core/tensor_api.h) and ``stable_core.py`` registers in Python what the stable ABI cannot
+(csrc/core/tensor_api.h) and ``core_twins/stable_core.py`` registers in Python what the stable ABI cannot
 (autograd, autocast, fake kernels); watch then says how to build the locked library.
 
 The JIT build compiles the same sources with the same flags as ``setup.py``
-(see ``build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
+(see ``building/build.py``) through ``torch.utils.cpp_extension.load`` and ninja, into
 ``TORCH_EXTENSIONS_DIR`` (torch's default cache when unset) / a directory named
 by ``build.jit_name``: keyed by the environment's prefix, torch and its CUDA, the
 Python ABI and the flags, so two environments never rebuild over each other.
@@ -34,12 +34,14 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import build as _build
-from . import core_build as _core_build
-from . import unity_build as _unity
+from . import compatibility as _compatibility
+
+if TYPE_CHECKING:
+    from ..building.build import BuildPlan
 
 _lock = threading.Lock()
 
@@ -105,11 +107,11 @@ def _try_core() -> NativeInfo | None:
     was built for, else ``_core`` (never loading libcudart beside a CPU-only torch)."""
     if importlib.util.find_spec("cublas_guard_ext._core") is None:
         return None
-    reason = _core_build.torch_floor_error(torch.__version__)
+    reason = _compatibility.torch_floor_error(torch.__version__)
     if reason is not None:
-        from ..errors import ExtensionBuildError  # late: see the module docstring
+        from ...errors import ExtensionBuildError  # late: see the module docstring
 
-        floor = "{}.{}".format(*_core_build.FLOOR)
+        floor = "{}.{}".format(*_compatibility.FLOOR)
         raise ExtensionBuildError(missing=f"torch >= {floor}", detail=reason, fix=reason.rsplit(". ", 1)[-1])
     name, note = _core_module_for_this_torch()
     module = importlib.import_module(f"cublas_guard_ext.{name}")
@@ -139,9 +141,9 @@ def _core_cuda_major() -> str | None:
     return record.read_text().strip() if record is not None and record.exists() else None
 
 
-def _preflight(plan: _build.BuildPlan) -> None:
+def _preflight(plan: BuildPlan) -> None:
     """Say exactly what is missing before a compiler says it less clearly."""
-    from ..errors import ExtensionBuildError  # late: see the module docstring
+    from ...errors import ExtensionBuildError  # late: see the module docstring
 
     missing = [s for s in plan.sources if not Path(s).exists()]
     if missing:
@@ -184,15 +186,19 @@ def _preflight(plan: _build.BuildPlan) -> None:
         )
 
 
-def jit_build_directory(plan: _build.BuildPlan, prefix: str | None = None) -> str:
+def jit_build_directory(plan: BuildPlan, prefix: str | None = None) -> str:
     """Where the JIT build of ``plan`` lives: ``TORCH_EXTENSIONS_DIR`` (or torch's default
     cache) / a name keyed by everything that makes a build incompatible (``_build.jit_name``)."""
     from torch.utils import cpp_extension
+
+    from ..building import build as _build  # late: building is imported only to build
 
     return cpp_extension._get_build_directory(_build.jit_name(plan, prefix), False)
 
 
 def _jit_build() -> NativeInfo:
+    from ..building import build as _build  # late: building is imported only to build
+
     plan = _build.plan()
     if plan.with_cuda and os.environ.get("FORCE_CUDA") != "1":
         marker = _build.cuda_failed_before(plan, jit_build_directory(plan))
@@ -216,10 +222,12 @@ def _jit_build() -> NativeInfo:
         return _jit_build_plan(_build.plan(with_cuda=False))
 
 
-def _jit_build_plan(plan: _build.BuildPlan, label: str = "no installed _C") -> NativeInfo:
+def _jit_build_plan(plan: BuildPlan, label: str = "no installed _C") -> NativeInfo:
     from torch.utils import cpp_extension
 
-    from ..errors import ExtensionBuildError  # late: see the module docstring
+    from ...errors import ExtensionBuildError  # late: see the module docstring
+    from ..building import build as _build  # late: building is imported only to build
+    from ..building import unity_build as _unity  # late: building is imported only to build
 
     _preflight(plan)
     _build.apply_env(plan)
@@ -259,6 +267,8 @@ def _jit_build_plan(plan: _build.BuildPlan, label: str = "no installed _C") -> N
 def _jit_build_core() -> NativeInfo:
     """The stable core compiled here (a source checkout's development and test path; users
     get it prebuilt): the same flags as setup.py's, plus the limited API torch's setup adds."""
+    from ..building import core_build as _core_build  # late: building is imported only to build
+
     plan = _core_build.cpu_plan()
     plan.cxx_flags.append(f"-DPy_LIMITED_API={_core_build.LIMITED_API}")
     info = _jit_build_plan(plan, label="stable core")
@@ -270,7 +280,9 @@ def _cached_locked_build() -> NativeInfo | None:
     by `python -m cublas_guard_ext build`), loaded without compiling, or None. Where the cache
     has none by name (the usual case: the wheel's core serves), nothing is probed or imported:
     the full key, which asks the compiler and the toolkit, is computed only to load a build."""
-    if not _build.locked_jit_build_may_exist():
+    from ..building import build as _build  # late: building is imported only to build
+
+    if not _compatibility.locked_jit_build_may_exist():
         return None
     plan = _build.plan()
     path = Path(jit_build_directory(plan)) / f"{_build.jit_name(plan)}.so"
@@ -279,7 +291,7 @@ def _cached_locked_build() -> NativeInfo | None:
     return _jit_build_plan(plan)  # up to date: ninja has nothing to do, so this only loads
 
 
-def _sources_present(plan: _build.BuildPlan) -> bool:
+def _sources_present(plan: BuildPlan) -> bool:
     return all(Path(s).exists() for s in plan.sources)
 
 
@@ -287,7 +299,7 @@ def native_choice() -> str:
     """CUBLAS_GUARD_EXT_NATIVE's value, checked."""
     choice = os.environ.get("CUBLAS_GUARD_EXT_NATIVE", "auto") or "auto"
     if choice not in NATIVE_CHOICES:
-        from ..errors import ExtensionBuildError  # late: see the module docstring
+        from ...errors import ExtensionBuildError  # late: see the module docstring
 
         raise ExtensionBuildError(
             missing="a valid CUBLAS_GUARD_EXT_NATIVE",
@@ -317,7 +329,7 @@ def load() -> NativeInfo:
         if info is None:
             info = _jit_build_core() if choice == "core" else _jit_build()
         if not _ops_registered():
-            from ..errors import ExtensionBuildError  # late: see the module docstring
+            from ...errors import ExtensionBuildError  # late: see the module docstring
 
             raise ExtensionBuildError(
                 missing="registered ops",
@@ -325,7 +337,7 @@ def load() -> NativeInfo:
                 fix="delete the build cache (TORCH_EXTENSIONS_DIR) and reinstall",
             )
         if info.library == "core":
-            from . import stable_core, stable_core_grouped
+            from ..core_twins import stable_core, stable_core_grouped
 
             stable_core.register()
             stable_core_grouped.register(stable_core.library())

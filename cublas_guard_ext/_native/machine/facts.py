@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import base as _errors_base
+from ...errors import base as _errors_base
 
 ENV_VARS = (
     "CUDA_LAUNCH_BLOCKING",
@@ -44,7 +44,7 @@ def _safe(fn, default=None):
 
 def native_build_info() -> dict[str, Any]:
     """The extension's own build facts (``cublas_guard::build_info``)."""
-    from . import loader  # late: loading may build the library; facts must import cheaply
+    from ..loading import loader  # late: loading may build the library; facts must import cheaply
 
     info = loader.info()
     facts = _safe(lambda: json.loads(torch.ops.cublas_guard.build_info()), {}) or {}
@@ -186,8 +186,8 @@ def require_cuda_kernels() -> None:
     was found): the first CUDA call says why, instead of the dispatcher's "no kernel"."""
     if torch._C._dispatch_has_kernel_for_dispatch_key("cublas_guard::linear", "CUDA"):
         return
-    from ..errors import ExtensionBuildError  # late: only where it is raised, as in the loader
-    from . import toolkit
+    from ...errors import ExtensionBuildError  # late: only where it is raised, as in the loader
+    from ..building import toolkit
 
     info = native_build_info()
     if (

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import codes as _codes
+from ..loading import codes as _codes
 
 _VALUE_TAG = "[ValueError] "  # csrc/core/tensor_api.h's kValueErrorTag
 _TYPE_TAG = "[TypeError] "  # ... kTypeErrorTag
@@ -43,7 +43,7 @@ def translate(exc: BaseException) -> BaseException | None:
     """The typed exception a core error stands for, or None when it is not one of ours."""
     message = str(exc)
     if _PAYLOAD_MARKER in message:
-        from ..errors import parse  # late: errors sits above _native
+        from ...errors import parse  # late: errors sits above _native
 
         return parse._typed_from_native_message(message, _take_failure_context())
     for tag, cls in ((_VALUE_TAG, ValueError), (_TYPE_TAG, TypeError)):
@@ -476,7 +476,7 @@ LOCKED_BUILD_COMMAND = "python -m cublas_guard_ext build"
 
 def locked_library_missing(what: str) -> BaseException:
     """The error for using ``what`` where only the stable core is loaded: one line saying what to run."""
-    from ..errors import ExtensionBuildError  # late: errors sits above _native
+    from ...errors import ExtensionBuildError  # late: errors sits above _native
 
     return ExtensionBuildError(
         missing="the version-locked library",

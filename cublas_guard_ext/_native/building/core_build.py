@@ -21,10 +21,11 @@ else:  # loaded by path through build._sibling (setup.py registered build.py und
 _sources = _build._sibling("sources")
 _ninja = _build._sibling("ninja_build")
 
-# The oldest torch the stable core runs on: 2.10 is the first release whose shim has the
-# pieces the core calls (torch_call_dispatcher, the cuBLAS handle of the current stream,
-# std::string/std::vector arguments in boxed kernels) and the first that enforces shim versions.
-FLOOR = (2, 10)
+_compatibility = _build._sibling("loading.compatibility")
+# The oldest torch the stable core runs on (loading/compatibility.py says why 2.10); the
+# loader checks torch against it before the core is built or loaded.
+FLOOR = _compatibility.FLOOR
+torch_floor_error = _compatibility.torch_floor_error
 TARGET_VERSION = "0x{:02x}{:02x}000000000000".format(*FLOOR)
 # CPython 3.10's limited API: the module loads in every CPython from 3.10 on. setup.py's
 # CppExtension(py_limited_api=True) defines Py_LIMITED_API as torch's own minimum, which is
@@ -82,22 +83,4 @@ def cuda_plan() -> _build.BuildPlan:
         + ["-fvisibility=hidden", *STABLE_DEFINES, *cuda_defines],
         nvcc_flags=nvcc,
         ldflags=[f for f in base.ldflags if f != "-fopenmp"],
-    )
-
-
-def torch_floor_error(torch_version: str) -> str | None:
-    """Why the stable core cannot load beside ``torch_version`` (below FLOOR), or None."""
-    parts = torch_version.split("+")[0].split(".")
-    try:
-        version = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        return None  # a development build we cannot read: let the load decide
-    if version >= FLOOR:
-        return None
-    floor = "{}.{}".format(*FLOOR)
-    return (
-        f"cublas_guard_ext's prebuilt core needs torch >= {floor} (the oldest stable ABI it "
-        f"uses); this is torch {torch_version}. Upgrade torch (pip install 'torch>={floor}'), "
-        "or build the version-locked library for this torch from a source checkout "
-        "(pip install --no-build-isolation -e .)"
     )

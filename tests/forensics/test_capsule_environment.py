@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from cublas_guard_ext._native import libraries
+from cublas_guard_ext._native.machine import libraries
 from cublas_guard_ext.capsule import contents
 
 

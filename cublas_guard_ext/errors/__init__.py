@@ -22,6 +22,8 @@ under 600 lines:
 * ``watch_findings``  what watch raises (an op's NaN/Inf, a bad entry, a capture refused)
 * ``optimizer_step``  the lines of a finding born in ``optimizer.step()``
 * ``nan_from_inf``    the lines of a NaN born from infinities (a fully masked attention row)
+* ``routers``     a guarded MoE router's logits growing toward the softmax's saturation
+* ``masked_operands``  an attention's NaN keys/values only at masked-out positions (a cache)
 * ``entries``     where an entry finding's values sit and what to do for its role (a cache)
 * ``runtime``     errors of the CUDA/cuBLAS runtime (the ones that write a failure capsule)
 * ``experts``     a mixture of experts' errors (group offsets, the experts implementation)
@@ -56,7 +58,9 @@ from .inputs import (
     ShapeMismatchError,
     SizeLimitError,
 )
+from .masked_operands import NonFiniteMaskedKeysError
 from .parse import PAYLOAD_MARKER, attach_capsule, from_native, from_payload, parse_payload
+from .routers import RouterLogitsError, RouterLogitsWarning
 from .run import NonFiniteGradientsError, PeerFailedError
 from .samples import SampleIdsError, SkipListError
 from .status import CUBLAS_STATUS
@@ -79,6 +83,7 @@ __all__ = [
     "NonFiniteOutputError",
     "NonFiniteEntryError",
     "NonFiniteFromNowhereError",
+    "NonFiniteMaskedKeysError",
     "WatchCaptureError",
     "ExtensionBuildError",
     "CublasError",
@@ -101,6 +106,8 @@ __all__ = [
     "Fp8RangeError",
     "Fp8RangeWarning",
     "Fp8ArgumentError",
+    "RouterLogitsError",
+    "RouterLogitsWarning",
     "PAYLOAD_MARKER",
     "parse_payload",
     "from_payload",

@@ -62,10 +62,10 @@ def entry_next_steps(f: dict[str, Any]) -> list[str]:
             )
         steps.append("an intended -inf buffer (a mask): pass its name to watch(..., allow=[...])")
         return steps
-    steps = ["check the data pipeline: the batch was already non-finite"]
-    if _cache_like(f):
-        steps.append(
+    if _cache_like(f):  # a cache passed in is not data: its fix first, never "the batch"
+        return [
             "a cache passed in (past key/values) with non-finite unused positions: fill it with "
-            f"zeros where it is allocated: {masked}"
-        )
-    return steps
+            f"zeros where it is allocated (torch.zeros, not torch.empty): {masked}",
+            "if it is data, not a cache: check the data pipeline",
+        ]
+    return ["check the data pipeline: the batch was already non-finite"]

@@ -299,6 +299,20 @@ PYTHON_FIELDS: dict[str, str] = {
     "saturate_limit": "float",
     "flush_limit": "float",
     "next": "str",  # Fp8ArgumentError: what is wrong, what to do
+    # a guarded MoE router's logits near the softmax's saturation (errors/routers.py; "call" above)
+    "router": "str",  # the router's qualified name
+    "absmax": "float",
+    "threshold": "float",
+    "one_hot_fraction": "float",  # tokens whose top-1 probability exceeds 0.99
+    "tokens": "int",
+    # NaN only at an attention's masked-out key positions (errors/masked_operands.py; "op", "module")
+    "operands": "str",  # the key/value operands by name
+    "positions": "ints",  # the non-finite key positions
+    "keys": "int",  # the key dimension's size
+    "counts": "list",  # per operand: NaN and Inf counts, as text
+    "mask": "str",  # the mask that excluded them, in words
+    "out_nan": "int",
+    "out_numel": "int",
 }
 
 _FAMILIES = tuple((re.compile(pattern), kind) for pattern, kind in NATIVE_FAMILIES)

@@ -17,10 +17,21 @@ A router that converts its weight before the product (DeepSeek-V3's
 from its weight, not the weight itself: the conversions of the weight (``type``, ``to``,
 ``float``, ...) during its forward are remembered, and an ``F.linear`` with one of them is guarded
 the same way (the weight's values, converted).
+
+After the guarded product the logits' absmax is compared with a threshold for their dtype
+(:data:`LIMITS`): above it, :class:`~cublas_guard_ext.errors.routers.RouterLogitsWarning`, once per
+router, before anything overflows (a ``RouterLogitsError`` when strict). The check follows the
+router's guard mode: ``off`` reads nothing; on the CPU, and in ``sync`` mode on CUDA (which
+synchronizes for the product's scan already), the stats are read at once; in ``async`` mode on
+CUDA they are copied without blocking and read at the router's next call whose copy has landed.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,9 +39,60 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..errors.routers import RouterLogitsError, RouterLogitsWarning, router_logits_message
+from ..guarded_linear import modes as _modes
 from ..guarded_linear import ops as _ops
+from ..guarded_linear.ao_quantization import _user_stacklevel
 
 ROUTER_ATTR = "_cublas_guard_router"  # (label, mode, hook handles) on a guarded router
+LOGITS_ATTR = "_cublas_guard_router_logits"  # _LogitsState of a guarded router
+STRICT_ENV = "CUBLAS_GUARD_ROUTER_STRICT"
+
+# The logits' absmax above which a router warns, by dtype. float16: 8, 3.1 below ln(65504) = 11.09
+# where exp overflows it. Every other dtype: 32, far below exp's overflow (88.72 for bfloat16 and
+# float32) but where bfloat16's spacing is 0.25, so exp(logit) is off by up to 12.5% (the roundoff
+# ST-MoE's z-loss was made to prevent), and a top-1 gap of even half of it routes one-hot. Clean
+# training of the tiny Mixtral and Qwen3-MoE of tests/moe peaks at 4.0 and 5.4 (docs/moe.md).
+DEFAULT_THRESHOLDS = {torch.float16: 8.0}
+DEFAULT_THRESHOLD = 32.0
+
+
+@dataclass
+class RouterLimits:
+    """``threshold``: one value for every dtype (None: :data:`DEFAULT_THRESHOLDS`); ``strict``:
+    raise RouterLogitsError instead of warning."""
+
+    threshold: float | None = None
+    strict: bool = os.environ.get(STRICT_ENV, "0").strip() not in ("", "0")
+
+    def for_dtype(self, dtype: torch.dtype) -> float:
+        if self.threshold is not None:
+            return self.threshold
+        return DEFAULT_THRESHOLDS.get(dtype, DEFAULT_THRESHOLD)
+
+
+LIMITS = RouterLimits()
+
+
+def set_router_limits(*, threshold: float | None = None, strict: bool | None = None) -> RouterLimits:
+    """Set the logits' absmax above which a guarded router warns (every dtype; ``None`` leaves it)
+    and whether it raises instead; returns the limits."""
+    if threshold is not None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+            raise ValueError(f"cublas_guard_ext: a router threshold is a positive number, got {threshold!r}")
+        LIMITS.threshold = float(threshold)
+    if strict is not None:
+        LIMITS.strict = bool(strict)
+    return LIMITS
+
+
+@dataclass
+class _LogitsState:
+    """One router's logit check: its calls so far, whether it warned, the async reads pending."""
+
+    calls: int = 0
+    warned: bool = False
+    pending: list = field(default_factory=list)  # (stats on the host, event, dtype, tokens, call)
 
 
 def is_router(module: nn.Module) -> bool:
@@ -61,7 +123,9 @@ class _GuardedProduct(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if self._is_weight(weight) and isinstance(x, torch.Tensor):
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return _ops.linear(x, weight, bias, layer=self.label, mode=self.mode)
+                out = _ops.linear(x, weight, bias, layer=self.label, mode=self.mode)
+                _check_logits(self.router, self.label, self.mode, out)
+                return out
         out = func(*args, **kwargs)
         if func in _CONVERSIONS and args and args[0] is self.router._parameters.get("weight"):
             if isinstance(out, torch.Tensor) and out.dim() == 2:
@@ -83,8 +147,82 @@ _CONVERSIONS = frozenset(
 )
 
 
+def _one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """The fraction of tokens whose top-1 probability exceeds 0.99 (a 0-d tensor)."""
+    z = logits.detach().reshape(-1, logits.shape[-1]).float()
+    return (torch.softmax(z, dim=-1).amax(dim=-1) > 0.99).float().mean()
+
+
+def _stats(logits: torch.Tensor) -> torch.Tensor:
+    """[absmax, one-hot fraction] on the logits' device (the async read: both computed up front)."""
+    with torch.no_grad():
+        return torch.stack([logits.detach().abs().amax().float(), _one_hot(logits)])
+
+
+def _verdict(
+    router: nn.Module, label: str, host: list[float], dtype: torch.dtype, tokens: int, call: int
+) -> None:
+    """``host``: [absmax, one-hot fraction]; the fraction a callable where it is computed only on
+    the warning's path (the direct read of the CPU and of sync mode)."""
+    state = router.__dict__[LOGITS_ATTR]
+    absmax, one_hot = host
+    threshold = LIMITS.for_dtype(dtype)
+    if state.warned or not (absmax > threshold or math.isnan(absmax)):
+        return  # a NaN logit is refused by the guarded product before it gets here
+    state.warned = True
+    if callable(one_hot):
+        one_hot = one_hot()
+    fields = {
+        "router": label,
+        "dtype": str(dtype),
+        "absmax": absmax,
+        "threshold": threshold,
+        "one_hot_fraction": one_hot,
+        "tokens": tokens,
+        "call": call,
+    }
+    if LIMITS.strict:
+        raise RouterLogitsError(**fields)
+    warnings.warn(RouterLogitsWarning(router_logits_message(fields)), stacklevel=_user_stacklevel())
+
+
+def _check_logits(router: nn.Module, label: str, mode: str | None, logits: torch.Tensor) -> None:
+    """Compare the logits' absmax with the threshold (see the module's docstring for when)."""
+    if torch.compiler.is_compiling() or not logits.is_floating_point() or logits.dim() == 0:
+        return
+    effective = mode if mode is not None else _modes.current()
+    state = router.__dict__.setdefault(LOGITS_ATTR, _LogitsState())
+    state.calls += 1
+    if effective == "off" or state.warned:
+        return
+    tokens = logits.numel() // max(logits.shape[-1], 1)
+    if logits.device.type == "cpu" or effective == "sync":
+        with torch.no_grad():  # one reduction and one read; the fraction only when it warns
+            absmax = float(logits.detach().abs().amax()) if logits.numel() else 0.0
+        _verdict(router, label, [absmax, lambda: float(_one_hot(logits))], logits.dtype, tokens, state.calls)
+        return
+    stats = _stats(logits)
+    host = stats.to("cpu", non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    state.pending.append((host, event, logits.dtype, tokens, state.calls))
+
+
+def _read_pending(router: nn.Module, label: str) -> None:
+    """The async checks of earlier calls whose copies have landed (no host synchronization)."""
+    state = router.__dict__.get(LOGITS_ATTR)
+    if state is None or not state.pending:
+        return
+    ready = [event.query() for _, event, *_ in state.pending]
+    landed = [p for p, r in zip(state.pending, ready, strict=True) if r]
+    state.pending = [p for p, r in zip(state.pending, ready, strict=True) if not r]
+    for host, _, dtype, tokens, call in landed:
+        _verdict(router, label, host.tolist(), dtype, tokens, call)  # nothing once warned
+
+
 def _pre(label: str, mode: str | None) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
+        _read_pending(module, label)
         product = _GuardedProduct(module, label, mode)
         product.__enter__()
         module.__dict__.setdefault("_cublas_guard_router_modes", []).append(product)
@@ -120,3 +258,4 @@ def restore_routers(model: nn.Module) -> None:
             for handle in state[2]:
                 handle.remove()
             module.__dict__.pop("_cublas_guard_router_modes", None)
+            module.__dict__.pop(LOGITS_ATTR, None)

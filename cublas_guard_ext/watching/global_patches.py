@@ -1,6 +1,7 @@
 """watch's global patches, installed while any thread watches (refcounted): the roots of
 torch.autograd.backward and torch.autograd.grad (the loss) are sinks, optimizer.step() is a phase
-of its own (optimizer_step.py), and CUDA graph capture
+of its own (optimizer_step.py), F.scaled_dot_product_attention's output is checked for NaN from
+masked-out keys (sdpa.py), and CUDA graph capture
 is refused inside a block (``torch.cuda.graph``'s ``__enter__`` before it switches streams,
 ``CUDAGraph.capture_begin``). Each patch checks that the calling thread watches."""
 
@@ -16,6 +17,7 @@ import torch
 # stable core) before it imports this one.
 _native = sys.modules[__package__ + ".session"]._native
 from . import optimizer_step as _optimizer_step  # noqa: E402  (needs the native module above)
+from . import sdpa as _sdpa  # noqa: E402  (needs the native module above)
 
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -41,6 +43,11 @@ def _patched_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
     if roots and _native._watch_active():
         _native._watch_reached(roots, ["an output torch.autograd.grad differentiates"] * len(roots))
     return _originals["grad"](outputs, *args, **kwargs)
+
+
+def _patched_sdpa(*args: Any, **kwargs: Any) -> Any:
+    """sdpa.py: NaN/Inf only at masked-out key positions named at the attention."""
+    return _sdpa.check(_originals["sdpa"], args, kwargs)
 
 
 def _refuse_capture() -> None:
@@ -75,6 +82,8 @@ def install() -> None:
         torch.autograd.backward = _patched_backward
         torch.autograd.grad = _patched_grad
         _optimizer_step.install()
+        _originals["sdpa"] = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = _patched_sdpa
         graph_cls = getattr(torch.cuda, "CUDAGraph", None)
         if graph_cls is not None and "capture_begin" in graph_cls.__dict__:
             _originals["capture_begin"] = graph_cls.__dict__["capture_begin"]
@@ -93,6 +102,7 @@ def remove() -> None:
             return
         torch.autograd.backward = _originals.pop("backward")
         torch.autograd.grad = _originals.pop("grad")
+        torch.nn.functional.scaled_dot_product_attention = _originals.pop("sdpa")
         if "capture_begin" in _originals:
             torch.cuda.CUDAGraph.capture_begin = _originals.pop("capture_begin")
         if "graph_enter" in _originals:

@@ -466,6 +466,7 @@ class watch:
             _watch_patches.install()
             self._patched = True
             _optimizer_step.model_entered(self.model)
+            _watch_patches._sdpa.model_entered(self.model, mode)
             # Compiled regions run eagerly inside the block: every op reaches the hook. (No
             # torch._dynamo imported: nothing was compiled, and importing it costs seconds.)
             if "torch._dynamo" in sys.modules:
@@ -488,6 +489,7 @@ class watch:
         except BaseException:
             self._remove_hooks()
             _optimizer_step.model_left(self.model)
+            _watch_patches._sdpa.model_left(self.model)
             raise
         self._active = True
         return self
@@ -513,6 +515,7 @@ class watch:
             finding = _typed(pending) if pending is not None else None
         finally:
             _optimizer_step.model_left(self.model)
+            _watch_patches._sdpa.model_left(self.model)
         if finding is not None:
             if exc is None:
                 raise finding

@@ -9,50 +9,50 @@ import os
 import pytest
 
 from cublas_guard_ext._native.machine import libraries
-from cublas_guard_ext.capsule import contents
+from cublas_guard_ext.capsule import environment_block as block
 
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many times the facts were really read (loaded_cublas is the first of them)."""
     count = [0]
-    original = contents.loaded_cublas
+    original = block.loaded_cublas
 
     def counting():
         count[0] += 1
         return original()
 
-    monkeypatch.setattr(contents, "loaded_cublas", counting)
-    monkeypatch.setattr(contents, "_LIBRARY_FACTS", None)
+    monkeypatch.setattr(block, "loaded_cublas", counting)
+    monkeypatch.setattr(block, "_LIBRARY_FACTS", None)
     return count
 
 
 def test_unchanged_facts_are_read_once_and_each_caller_gets_its_own_copy(reads: list[int]) -> None:
-    first = contents.environment()
+    first = block.environment()
     first["loaded_libraries"]["conflicts"].append("edited by a caller")
-    second = contents.environment()
+    second = block.environment()
     assert reads == [1]
     assert "edited by a caller" not in second["loaded_libraries"]["conflicts"]
     # ...and the cached facts are what a fresh reading says
-    own = (contents._BUILD_INFO or {}).get("path")
-    assert second["libraries"] == contents.loaded_cublas()
-    assert second["loaded_libraries"] == contents._loaded_libraries(own)
-    assert second["nvidia_wheels"] == contents._nvidia_wheels()
+    own = (block._BUILD_INFO or {}).get("path")
+    assert second["libraries"] == block.loaded_cublas()
+    assert second["loaded_libraries"] == block._loaded_libraries(own)
+    assert second["nvidia_wheels"] == block._nvidia_wheels()
 
 
 def test_a_new_mapping_rereads_them(reads: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    contents.environment()
+    block.environment()
     text = libraries._maps_text()
     line = "7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /opt/elsewhere/libcublas.so.13\n"
     monkeypatch.setattr(libraries, "_maps_text", lambda: text + line)
-    contents.environment()
+    block.environment()
     assert reads == [2]
 
 
 def test_ld_library_path_rereads_them(reads: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    contents.environment()
+    block.environment()
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/elsewhere/lib64")
-    contents.environment()
+    block.environment()
     assert reads == [2]
 
 
@@ -60,8 +60,8 @@ def test_a_wheel_installed_on_sys_path_rereads_them(
     reads: list[int], monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
-    contents.environment()
+    block.environment()
     (tmp_path / "nvidia_cublas-13.1.0.3.dist-info").mkdir()  # the folder's mtime moves
     os.utime(tmp_path, ns=(0, os.stat(tmp_path).st_mtime_ns + 1_000_000))
-    contents.environment()
+    block.environment()
     assert reads == [2]

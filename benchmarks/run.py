@@ -12,6 +12,7 @@ and prints PASS/MISS for each target of benchmarks/harness/targets.py.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -21,8 +22,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))  # the harness package (benchmarks/harness/)
-if str(ROOT) not in sys.path:
-    sys.path.insert(1, str(ROOT))  # the repository's package when it is not installed
+if str(ROOT) not in sys.path and importlib.util.find_spec("cublas_guard_ext") is None:
+    # The repository's package only when none is installed: an installed wheel's prebuilt
+    # library must not be shadowed by a checkout that has none (its import would JIT-build it).
+    sys.path.insert(1, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:

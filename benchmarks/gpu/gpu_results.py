@@ -14,6 +14,7 @@ watch_bench.py and training_guard_bench.py ratios on GPT-2 small in bfloat16, an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import shutil
@@ -22,8 +23,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-for path in (ROOT, HERE.parent):  # the package's checkout, and the benchmarks' harness package
-    if str(path) not in sys.path:
+# The benchmarks' harness package, and the checkout's package only when none is installed: an
+# installed wheel's prebuilt library must not be shadowed by a checkout that has none (importing
+# that one would JIT-build it, minutes with CUDA).
+for path in (ROOT, HERE.parent):
+    if str(path) not in sys.path and (path != ROOT or importlib.util.find_spec("cublas_guard_ext") is None):
         sys.path.insert(0, str(path))
 
 GEMM_PATHS = ("legacy", "lt")

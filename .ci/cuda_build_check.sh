@@ -178,7 +178,10 @@ stage "pytest (installed package)"
 # TORCH_EXTENSIONS_DIR shows whether anything fell back to a JIT build.
 # The workers (CI_TEST_WORKERS, pytest-xdist) are fresh processes: tests/conftest.py checks
 # in each that it imported the installed package (CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE).
-export PYTHONSAFEPATH=1 TORCH_EXTENSIONS_DIR=$WORK/torch_extensions
+# TORCH_CUDA_ARCH_LIST=9.0: the one test that compiles here, the JIT build from the wheel's
+# shipped csrc/ (tests/building/test_build.py), proves the JIT machinery under this CUDA torch;
+# stage 3 built both archs, and each arch more cost it minutes of ptxas.
+export PYTHONSAFEPATH=1 TORCH_EXTENSIONS_DIR=$WORK/torch_extensions TORCH_CUDA_ARCH_LIST=9.0
 CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE=$(cd "$WORK/elsewhere" && "$VPY" -c 'import importlib.util
 print(importlib.util.find_spec("cublas_guard_ext").origin)')
 export CUBLAS_GUARD_EXT_TESTS_EXPECT_PACKAGE
@@ -196,8 +199,8 @@ if path.startswith(cwd + os.sep):
 # pytest's default import mode puts tests/ (no __init__.py) on sys.path, for
 # `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
-# The JIT-build tests skip themselves here: an installed wheel has no csrc/ beside it.
-rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests", *sys.argv[1:]])
+# The JIT-build test builds into its own TORCH_EXTENSIONS_DIR, from the csrc/ the wheel ships.
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "--durations=15", "tests", *sys.argv[1:]])
 assert os.path.realpath(sys.modules["cublas_guard_ext"].__file__) == path
 sys.exit(rc)
 PY
@@ -216,9 +219,12 @@ assert loader.info().library == "core", loader.info()
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests", *sys.argv[1:]]))
 PY
 )
+# Nothing may have fallen back to a JIT build here: a process that did imported some other copy
+# of the package than the installed one (a tool putting the checkout first on sys.path once cost
+# this stage a 3-minute CUDA build of the source copy, which has no library).
 if [[ -d $TORCH_EXTENSIONS_DIR ]] && find "$TORCH_EXTENSIONS_DIR" -name '*.so' | grep -q .; then
-  echo "note: the tests JIT-built an extension (in $TORCH_EXTENSIONS_DIR):"
   find "$TORCH_EXTENSIONS_DIR" -name '*.so'
+  die "the tests JIT-built an extension in $TORCH_EXTENSIONS_DIR (above): a process imported the source copy, not the installed package"
 fi
 
 # ---- 6. doctor: a stray libcublasLt on LD_LIBRARY_PATH (pytorch #170676) ------------

@@ -78,7 +78,10 @@ case "$RUN" in 1|2) ;; *) echo "gpu_check.sh: --run takes 1 or 2, not '$RUN'" >&
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 # The checkout's package for every step, installed (pip install -e .) or JIT-built (no install).
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Not in a dry run, which runs no GPU step: there Python's own package serves (CI's installed-wheel
+# suite runs this from a source copy with no library, which the first import would JIT-build with
+# CUDA: minutes); run.py and gpu_results.py add the checkout themselves when nothing is installed.
+if [ "$DRY_RUN" != 1 ]; then export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"; fi
 OUT_DIR="${OUT:-$ROOT/benchmarks/results/gpu-check-run$RUN}"
 DETAILS="$OUT_DIR/details"
 PY="${PYTHON:-python}"

@@ -82,13 +82,8 @@ _BUILD_INFO: dict[str, Any] | None = None  # the extension's build facts do not 
 _LIBRARY_FACTS: tuple[tuple, dict[str, Any]] | None = None
 
 
-_MAPPED_FILE = re.compile(r" (/[^\n]*)$", re.MULTILINE)  # a maps line's path, when it is a file
-
-
 def _library_facts_key(own_path: str | None) -> tuple:
-    # The files mapped (one regex pass: splitting each line cost a millisecond), not the whole
-    # text: the heap's and anonymous mappings' addresses move without any library changing.
-    files = tuple(dict.fromkeys(_MAPPED_FILE.findall(libraries._maps_text())))
+    files = libraries.mapped_files()
     folders = []
     for folder in sys.path:
         try:

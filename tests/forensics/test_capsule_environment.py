@@ -65,3 +65,35 @@ def test_a_wheel_installed_on_sys_path_rereads_them(
     os.utime(tmp_path, ns=(0, os.stat(tmp_path).st_mtime_ns + 1_000_000))
     block.environment()
     assert reads == [2]
+
+
+def test_quick_conflicts_are_classified_again_only_when_the_maps_or_the_path_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every error's constructor asks for them: unchanged sources, one classification; a
+    libcublasLt mapped from a second folder is seen at the next error."""
+    count = [0]
+    original = libraries.conflicts
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(libraries, "conflicts", counting)
+    monkeypatch.setattr(libraries, "_QUICK", None)
+    before = libraries.quick_conflicts()
+    before.append({"kind": "edited by a caller"})
+    assert libraries.quick_conflicts() == before[:-1] and count == [1]
+    text = libraries._maps_text()
+    two = (
+        "7f0000000000-7f0000001000 r-xp 00000000 08:01 41 /opt/one/libcublas.so.13\n"
+        "7f0000001000-7f0000002000 r-xp 00000000 08:01 42 /opt/one/libcublasLt.so.13\n"
+        "7f0000002000-7f0000003000 r-xp 00000000 08:01 43 /opt/two/libcublasLt.so.13\n"
+    )
+    monkeypatch.setattr(libraries, "_maps_text", lambda: text + two)
+    found = libraries.quick_conflicts()
+    assert count == [2]
+    assert any("/opt/two/libcublasLt.so.13" in str(c) for c in found), found
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/two")
+    libraries.quick_conflicts()
+    assert count == [3]

@@ -26,11 +26,26 @@ IMPORTED = (
 )
 
 
-@pytest.mark.parametrize("library", ["auto", "core"])
-def test_importing_the_package_imports_no_build_module(library: str) -> None:
-    env = dict(os.environ, CUBLAS_GUARD_EXT_NATIVE=library)
+# The wheel's _C made for another torch (the version matrix: torch 2.11 and 2.15 beside a _C of
+# 2.14.1): auto then looks for a cached JIT build of the locked library, by names alone.
+HIDE_C = (
+    "import importlib.machinery, sys\n"
+    "class _NoC:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        return importlib.machinery.ModuleSpec(name, None) if name == 'cublas_guard_ext._C' else None\n"
+    "sys.meta_path.insert(0, _NoC())\n"
+)
+
+
+@pytest.mark.parametrize("library", ["auto", "core", "auto-without-its-C"])
+def test_importing_the_package_imports_no_build_module(library: str, tmp_path: Path) -> None:
+    env = dict(os.environ, CUBLAS_GUARD_EXT_NATIVE=library.split("-")[0])
+    script = IMPORTED
+    if library == "auto-without-its-C":
+        env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)  # no cached build of the locked library
+        script = HIDE_C + IMPORTED
     out = subprocess.run(
-        [sys.executable, "-c", IMPORTED], env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     imported = json.loads(out.stdout.strip().splitlines()[-1])
     assert "cublas_guard_ext._native.loading.loader" in imported  # the probe sees the package's modules

@@ -280,10 +280,10 @@ def _cached_locked_build() -> NativeInfo | None:
     by `python -m cublas_guard_ext build`), loaded without compiling, or None. Where the cache
     has none by name (the usual case: the wheel's core serves), nothing is probed or imported:
     the full key, which asks the compiler and the toolkit, is computed only to load a build."""
-    from ..building import build as _build  # late: building is imported only to build
-
     if not _compatibility.locked_jit_build_may_exist():
-        return None
+        return None  # before the import below: a torch the wheel's _C is not for lands here
+    from ..building import build as _build  # late: building is imported only to build a key
+
     plan = _build.plan()
     path = Path(jit_build_directory(plan)) / f"{_build.jit_name(plan)}.so"
     if not path.exists() or not _sources_present(plan):

@@ -24,6 +24,8 @@ router, before anything overflows (a ``RouterLogitsError`` when strict). The che
 router's guard mode: ``off`` reads nothing; on the CPU, and in ``sync`` mode on CUDA (which
 synchronizes for the product's scan already), the stats are read at once; in ``async`` mode on
 CUDA they are copied without blocking and read at the router's next call whose copy has landed.
+Under ``torch.compile`` the check is an op of the graph (``cublas_guard::router_logits_check``)
+that runs the same check on the logits the compiled code computed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,9 +189,35 @@ def _verdict(
     warnings.warn(RouterLogitsWarning(router_logits_message(fields)), stacklevel=_user_stacklevel())
 
 
+# Under torch.compile the check is an op of the graph: traced, the router's forward records this
+# op (marked side-effectful, so it is kept, in program order) and the compiled code calls it with
+# the logits it computed; it runs the eager check below on them, warning or raising from the
+# compiled call. The router is found by its id, entered when it is guarded (a weak table: a graph
+# outliving its model, or its guard, checks nothing). Its dtype rule, threshold and async read are the eager ones.
+_COMPILED_ROUTERS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("cublas_guard::router_logits_check", mutates_args=())
+def _router_logits_in_graph(logits: torch.Tensor, router_id: int, label: str, mode: str) -> None:
+    router = _COMPILED_ROUTERS.get(router_id)
+    if router is not None and is_guarded_router(router):
+        _check_logits(router, label, mode or None, logits)
+
+
+@_router_logits_in_graph.register_fake
+def _(logits: torch.Tensor, router_id: int, label: str, mode: str) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.cublas_guard.router_logits_check.default)
+
+
 def _check_logits(router: nn.Module, label: str, mode: str | None, logits: torch.Tensor) -> None:
     """Compare the logits' absmax with the threshold (see the module's docstring for when)."""
-    if torch.compiler.is_compiling() or not logits.is_floating_point() or logits.dim() == 0:
+    if not logits.is_floating_point() or logits.dim() == 0:
+        return
+    if torch.compiler.is_compiling():
+        torch.ops.cublas_guard.router_logits_check(logits, id(router), label, mode or "")
         return
     effective = mode if mode is not None else _modes.current()
     state = router.__dict__.setdefault(LOGITS_ATTR, _LogitsState())
@@ -246,6 +275,7 @@ def guard_routers(model: nn.Module, mode: str | None = None) -> list[str]:
                 module.register_forward_hook(_post, always_call=True),
             )
             module.__dict__[ROUTER_ATTR] = (name, mode, handles)
+            _COMPILED_ROUTERS[id(module)] = module
             guarded.append(name)
     return guarded
 
@@ -259,3 +289,4 @@ def restore_routers(model: nn.Module) -> None:
                 handle.remove()
             module.__dict__.pop("_cublas_guard_router_modes", None)
             module.__dict__.pop(LOGITS_ATTR, None)
+            _COMPILED_ROUTERS.pop(id(module), None)

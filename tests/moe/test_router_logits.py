@@ -162,3 +162,37 @@ def test_async_mode_on_cuda_warns_at_a_later_call_without_a_host_sync():
         model(ids)
     found = _router_warnings(record)
     assert len(found) == 1 and "at the router's call 1; warned once per router" in str(found[0].message)
+
+
+def test_a_compiled_router_checks_its_logits_in_the_graph():
+    """torch.compile (fullgraph): the check is an op of the graph, run on the compiled logits:
+    the same warning once, the same output, strict raises typed; restored, it checks nothing."""
+    torch.manual_seed(0)
+    model = cg.replace_linear(_scaled(mixtral()))
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(18, gate.weight.shape[1])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        eager = gate(x)
+    gate.__dict__.pop(routers.LOGITS_ATTR)  # the eager call's check forgotten: it warned once
+    compiled = torch.compile(gate, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        outs = [compiled(x) for _ in range(3)]
+    found = _router_warnings(record)
+    assert len(found) == 1, [str(w.message) for w in record]
+    absmax = float(eager[0].abs().max()) if isinstance(eager, tuple) else float(eager.abs().max())
+    assert str(found[0].message).startswith(
+        f"cublas_guard_ext: router '{ROUTER}': its logits reached an absmax of {absmax:.4g} (torch.float32)"
+    )
+    for out in outs:
+        assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
+    routers.set_router_limits(strict=True)
+    gate.__dict__.pop(routers.LOGITS_ATTR)
+    with pytest.raises(cg.RouterLogitsError) as info, torch.no_grad():
+        compiled(x)
+    assert info.value.router == ROUTER and info.value.call == 1
+    cg.restore_linear(model)
+    with torch.no_grad():
+        compiled(x)  # the graph outlived the router's guard: its op checks nothing
+    assert routers.LOGITS_ATTR not in gate.__dict__

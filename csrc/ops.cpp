@@ -2,7 +2,7 @@
 // ops, in both builds of the core (core/tensor_api.h). The Meta kernels that
 // torch.compile / FakeTensor use are the locked library's (locked/ops_meta.cpp: they
 // need SymInts); the stable core's are Python's (register_fake in
-// cublas_guard_ext/_native/stable_core.py and stable_core_grouped.py, which
+// cublas_guard_ext/_native/core_twins/stable_core.py and stable_core_grouped.py, which
 // call argument_rules below for the rules). The test
 // hooks have their own namespace (testing.cpp), the package's private entry
 // points theirs (cublas_guard_internal, defined where they are implemented),
@@ -19,7 +19,7 @@ namespace {
 void async_check_op(bool synchronize) { raise_if_async_recorded(synchronize); }
 
 // The argument rules of an op, alone: what the locked library's Meta kernels run
-// (locked/ops_meta.cpp). The stable core's fake kernels are Python's (_native/stable_core.py)
+// (locked/ops_meta.cpp). The stable core's fake kernels are Python's (_native/core_twins/stable_core.py)
 // and call this for the rules, whenever the sizes are concrete, so a traced call
 // or one on meta tensors refuses the same inputs with the same errors.
 void argument_rules_op(StringArg op, const Tensor& a, const Tensor& b, const std::optional<Tensor>& bias,

@@ -58,7 +58,7 @@ using Device = torch::stable::Device;
 using DeviceType = torch::headeronly::DeviceType;
 // A size that may be symbolic under torch.compile. The stable ABI has no
 // symbolic sizes: the core's fake kernels are Python's (register_fake in
-// cublas_guard_ext/_native/stable_core.py and stable_core_grouped.py).
+// cublas_guard_ext/_native/core_twins/stable_core.py and stable_core_grouped.py).
 using SymSize = int64_t;
 using StringArg = std::string;  // how an op's `str` argument arrives
 using IntList = std::vector<int64_t>;

@@ -1,5 +1,5 @@
 // The guard modes as the op schemas pass them: an int keeps a schema simple for
-// torch.compile. Python's cublas_guard_ext._native.codes owns the names and
+// torch.compile. Python's cublas_guard_ext._native.loading.codes owns the names and
 // tests/package/test_codes.py checks that the values here agree with it.
 #pragma once
 

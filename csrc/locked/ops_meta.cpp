@@ -3,7 +3,7 @@
 // run the same rule functions as the real kernels (linear/checks.cpp), so a
 // traced or compiled model refuses the same inputs with the same errors. The
 // stable core registers Python fake kernels instead (register_fake in
-// cublas_guard_ext/_native/stable_core.py and stable_core_grouped.py).
+// cublas_guard_ext/_native/core_twins/stable_core.py and stable_core_grouped.py).
 #include "linear/linear_op.h"
 #include "moe/grouped_op.h"
 

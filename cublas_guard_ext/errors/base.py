@@ -10,14 +10,14 @@ from typing import Any, ClassVar
 from .format import _distributed_rank, _environment_line, _expert_line
 
 # The environment block of the runtime errors (``with_environment``) is read by
-# _native/facts.py (error_context: versions, GPU, libraries), which hands its reader in when
+# _native/machine/facts.py (error_context: versions, GPU, libraries), which hands its reader in when
 # it loads: errors is the package's bottom floor and imports nothing of it. Until then (never,
 # once the package has loaded) the errors carry no environment block.
 _environment_reader: list[Callable[[], dict[str, Any]]] = []
 
 
 def read_environment_with(reader: Callable[[], dict[str, Any]]) -> None:
-    """Called by _native/facts.py: ``reader()`` gives the environment block of an error."""
+    """Called by _native/machine/facts.py: ``reader()`` gives the environment block of an error."""
     _environment_reader[:] = [reader]
 
 

@@ -192,7 +192,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "input_devices": "list",
     "input_absmax": "list",  # format._fold_inputs: the inputs' absolute maxima (magnitudes.py)
     "missing": "str",
-    "fix": "str",  # ExtensionBuildError, raised by _native/loader.py
+    "fix": "str",  # ExtensionBuildError, raised by _native/loading/loader.py
     "name": "str",  # NonFiniteEntryError, raised by watching/session.py
     # `python -m cublas_guard_ext run` (cublas_guard_ext/run/): NonFiniteGradientsError, the step
     # check of every optimizer; PeerFailedError, a rank stopped because another failed first

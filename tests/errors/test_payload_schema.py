@@ -138,7 +138,7 @@ def test_a_new_family_or_report_kind_fails(tmp_path: Path) -> None:
 def native_messages(monkeypatch):
     """Records the message of each error the native side raises (python_errors.cpp calls
     cublas_guard_ext._native_callbacks.typed_error with it; under the stable core alone,
-    _native/stable_core.py hands the RuntimeError's message to errors.parse)."""
+    _native/core_twins/stable_core.py hands the RuntimeError's message to errors.parse)."""
     from cublas_guard_ext import _native_callbacks
     from cublas_guard_ext.errors import parse
 

@@ -57,7 +57,7 @@ bool parse_config(PyObject* d, WatchConfig& c) {
     return false;
   }
   c.report = std::string(r) == "birth" ? kReportBirth : kReportConsequence;
-  c.mode = static_cast<int>(PyLong_AsLong(mode));  // a code of cublas_guard_ext._native.codes
+  c.mode = static_cast<int>(PyLong_AsLong(mode));  // a code of cublas_guard_ext._native.loading.codes
   c.capacity = PyLong_AsLongLong(capacity);
   if (PyErr_Occurred()) return false;
   auto flag = [&](const char* key) { return item(key) != nullptr && PyObject_IsTrue(item(key)) == 1; };

@@ -80,11 +80,26 @@ def _name_allowed(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(c, p) for c in candidates for p in patterns)
 
 
+_thread_state = threading.local()
+
+
+def _entry_slices() -> dict[str, list]:
+    """Where the bad values of this thread's deferred buffers sat on entry, by name (their
+    findings say it, as a refusal on entry does; an argument's spread says nothing of a cache)."""
+    if not hasattr(_thread_state, "entries"):
+        _thread_state.entries = {}
+    return _thread_state.entries
+
+
 def _typed(message: str) -> errors.GuardError:
     """The typed finding for a native message; where it arrived and where it was born are added."""
     err = _typed_from_native_message(message)
     if err is None:
         return errors.GuardError(message)
+    if isinstance(err, errors.NonFiniteEntryError) and err.fields.get("bad_slices") is None:
+        slices = _entry_slices().get(str(err.fields.get("name")))
+        if slices and err.fields.get("role") == "buffer":
+            err = errors.NonFiniteEntryError(**{**err.fields, "bad_slices": slices})
     if isinstance(err, errors.NonFiniteOutputError) and err.fields.get("phase") == "optimizer step":
         fields = dict(err.fields)
         fields.update(_optimizer_step.describe(fields))
@@ -137,6 +152,18 @@ def _bad_slices(tensor: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
             if 0 < idx.numel() < bad.shape[dim]:
                 out.append((dim, int(idx[0]), int(idx[-1]), int(bad.shape[dim])))
     return out or None
+
+
+def _cache_slices(t: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
+    """Where a non-finite buffer's bad values sit, if it is shaped like a preallocated cache
+    ([batch, heads, positions, dim] or so): 3-D or more, its bad values only in part of it (the
+    positions not written yet); else None. Other buffers are still refused on entry: a running
+    statistic is written back by ops whose written arguments watch does not read (batch norm's),
+    so waiting for what it reaches could lose it."""
+    if t.dim() < 3:
+        return None
+    with torch.no_grad():
+        return _bad_slices(t)
 
 
 def _entry_error(
@@ -227,7 +254,9 @@ class watch:
             (``"encoder.*.attn"``, covering submodules) and argument/parameter names where
             non-finite values are intended.
         check_parameters: check parameters and buffers on entry (a non-finite one raises
-            ``NonFiniteEntryError`` before the block starts).
+            ``NonFiniteEntryError`` before the block starts; with report="consequence", a
+            buffer shaped like a preallocated cache, 3-D or more and non-finite only in part, is
+            judged by what it reaches instead, as an argument is).
         report: ``"consequence"`` (the default with a model): a finding only when a tagged
             value reaches the model's outputs, a loss passed to ``backward``, a gradient, a
             parameter, buffer or optimizer state (T5's clamped ``log(0)`` is silent);
@@ -311,6 +340,7 @@ class watch:
         self.check_parameters = check_parameters
         self._handles: list[Any] = []
         self._grad_hooked: set[int] = set()
+        self._deferred_buffers: list[tuple[str, torch.Tensor, list]] = []  # non-finite on entry
         self._patched = False
         self._active = False
         self._stance: Any = None
@@ -347,6 +377,11 @@ class watch:
                 counts = _native._watch_scan(t)
                 if counts is None or counts[3] < 0:
                     finite.append(t)
+                elif role == "buffer" and self.report == "consequence" and (slices := _cache_slices(t)):
+                    # Judged by what it reaches, as an argument is: a KV cache's masked-out
+                    # positions are then named at the attention, with the mask (watching/sdpa.py),
+                    # and a cache read only where it was written is no finding.
+                    self._deferred_buffers.append((name, t, slices))
                 elif not self._allowed_name(name):
                     raise _entry_error(role, name, t, counts)
         return finite
@@ -486,6 +521,10 @@ class watch:
                     "finite_state": finite_state,
                 }
             )
+            for name, t, slices in self._deferred_buffers:
+                _entry_slices()[name] = slices  # as they were on entry, like the counts
+                _native._watch_entry(t, name, self._allowed_name(name), True)
+            self._deferred_buffers.clear()
         except BaseException:
             self._remove_hooks()
             _optimizer_step.model_left(self.model)
@@ -513,6 +552,8 @@ class watch:
         pending = _native._watch_end()
         try:
             finding = _typed(pending) if pending is not None else None
+            if not _native._watch_active():  # the outermost block: no entry left to report
+                _entry_slices().clear()
         finally:
             _optimizer_step.model_left(self.model)
             _watch_patches._sdpa.model_left(self.model)

@@ -1,6 +1,7 @@
-"""watch's entry finding for a cache or buffer (issue 47, point 3): where the non-finite values
-sit (a KV cache's unused positions), why a mask does not keep them out, the fix (zeros), and
-never the learning rate for a buffer."""
+"""watch's findings for a cache or buffer (issue 47, point 3): a cache buffer's masked-out NaN
+named at the attention with the mask; otherwise where the non-finite values sit (a KV cache's
+unused positions), why a mask does not keep them out, the fix (zeros), and never the learning
+rate for a buffer."""
 
 from __future__ import annotations
 
@@ -34,14 +35,35 @@ class CachedAttn(nn.Module):
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
 
 
-def test_a_cache_with_nan_in_its_unused_positions_is_named_with_the_fix():
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_cache_buffer_with_nan_in_its_unused_positions_is_named_at_the_attention(mode):
     torch.manual_seed(0)
     model = CachedAttn().eval()
     with torch.no_grad():
         out = model(torch.randn(1, 4, 16), 0)  # the prefill, unwatched: NaN everywhere
         assert out.isnan().all()  # 0 x NaN: the mask does not keep the unused positions out
+        with pytest.raises(cg.NonFiniteMaskedKeysError) as info:
+            with cg.watch(model, mode=mode):
+                model(torch.randn(1, 1, 16), 4)
+    err = info.value
+    assert err.operands == "key buffer 'k_cache' and value buffer 'v_cache'"
+    assert err.positions == list(range(5, 16)) and err.keys == 16
+    text = str(err)
+    assert (
+        "the attn_mask argument (bool, False = masked, shape [1, 1, 1, 16]) excludes those positions" in text
+    )
+    assert "fill the cache with zeros" in text and "0 x NaN = NaN" in text
+    assert "learning rate" not in text
+    nothing_left()
+
+
+def test_a_cache_buffer_is_judged_on_entry_under_report_birth():
+    torch.manual_seed(0)
+    model = CachedAttn().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16), 0)
         with pytest.raises(cg.NonFiniteEntryError) as info:
-            with cg.watch(model, mode="sync"):
+            with cg.watch(model, mode="sync", report="birth"):
                 model(torch.randn(1, 1, 16), 4)
     err = info.value
     assert err.role == "buffer" and err.name == "k_cache"
@@ -52,6 +74,72 @@ def test_a_cache_with_nan_in_its_unused_positions_is_named_with_the_fix():
     )
     assert "fill it with zeros" in text and "0 x NaN = NaN" in text
     assert "learning rate" not in text
+    nothing_left()
+
+
+class EagerCachedAttn(CachedAttn):
+    """The same cache, read by an eager attention: masked_fill(-inf), softmax, probs @ v."""
+
+    def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        self.k_cache[:, :, pos : pos + n] = k
+        self.v_cache[:, :, pos : pos + n] = v
+        scores = (q @ self.k_cache.transpose(-2, -1)) / 8**0.5
+        scores = scores.masked_fill(torch.arange(16) >= pos + n, float("-inf"))
+        return scores.softmax(-1) @ self.v_cache
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_cache_buffer_reaching_the_output_otherwise_is_named_as_a_buffer_with_its_positions(mode):
+    torch.manual_seed(0)
+    model = EagerCachedAttn().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16), 0)
+        with pytest.raises(cg.NonFiniteEntryError) as info:
+            with cg.watch(model, mode=mode):
+                model(torch.randn(1, 1, 16), 4)
+    err = info.value
+    # masked_fill replaced k's NaN scores; v's NaN rows reach the output through 0 x NaN
+    assert err.role == "buffer" and err.name == "v_cache"
+    assert err.bad_slices == [(2, 4, 15, 16)]  # as on entry, like the counts
+    text = str(err)
+    assert text.startswith("watch: the model's buffer 'v_cache' has 192 NaN, 0 +Inf, 0 -Inf on entry"), text
+    assert "fill it with zeros" in text and "learning rate" not in text
+    nothing_left()
+
+
+def test_a_cache_buffer_read_only_where_written_is_no_finding():
+    torch.manual_seed(0)
+    model = CachedAttn().eval()
+
+    def sliced(x: torch.Tensor, pos: int) -> torch.Tensor:
+        q, k, v = model.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        model.k_cache[:, :, pos : pos + 1] = k
+        model.v_cache[:, :, pos : pos + 1] = v
+        return F.scaled_dot_product_attention(
+            q, model.k_cache[:, :, : pos + 1], model.v_cache[:, :, : pos + 1]
+        )
+
+    x = torch.randn(1, 1, 16)
+    with torch.no_grad():
+        plain = sliced(x, 0)
+        with cg.watch(model, mode="sync"):
+            watched = sliced(x, 0)
+    assert torch.equal(plain, watched) and torch.isfinite(watched).all()
+    nothing_left()
+
+
+def test_a_running_statistic_is_still_refused_on_entry():
+    # batch norm writes its running stats back through arguments watch does not read: a
+    # non-finite one is refused when the block starts, not left to what it reaches
+    bn = nn.BatchNorm1d(4)
+    with torch.no_grad():
+        bn.running_mean[1] = float("nan")
+    with pytest.raises(cg.NonFiniteEntryError) as info:
+        with cg.watch(bn, mode="sync"):
+            bn(torch.randn(8, 4))
+    assert info.value.role == "buffer" and info.value.name == "running_mean"
     nothing_left()
 
 

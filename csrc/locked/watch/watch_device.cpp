@@ -511,7 +511,7 @@ void tags_reached(Session& s, const at::Tensor& t, const std::string& where) {
   if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false);
 }
 
-void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed) {
+void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed, bool buffer) {
   TagState& w = *s.tags;
   if (!readable(t)) return;
   DeviceTags* d = tags_for(w, t);
@@ -536,6 +536,7 @@ void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool a
   c.offs.reset();
   w.names.push_back(name);
   c.entry_name = static_cast<int32_t>(w.names.size()) - 1;
+  c.entry_buffer = buffer;
   launch(*d, t, a);
   if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }

@@ -65,6 +65,7 @@ struct CallDesc {
   DescItem items[kDescItems];
   int64_t num_inputs = 0;   // tensors, also those beyond kDescItems
   int32_t entry_name = -1;  // entry: index into TagState::names
+  bool entry_buffer = false;  // entry: a buffer of the model (else an argument)
   // A grouped GEMM's group ends (OpInfo::offs_arg; a reference to the small int tensor,
   // read only when a finding is reported) and its weight's name.
   at::Tensor offs;
@@ -189,7 +190,9 @@ void poll_locked(Session& s);  // the same, with the session's lock held
 void tags_known_finite(Session& s, const at::Tensor& t);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
-void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed);
+// `buffer`: one of the model's buffers, judged like an argument by what it reaches (a cache's
+// masked-out positions are named at the attention); else an argument of the model.
+void tags_entry(Session& s, const at::Tensor& t, const std::string& name, bool allowed, bool buffer);
 
 }  // namespace watch
 }  // namespace cublas_guard

@@ -114,18 +114,19 @@ void birth_report(Session& s, const CallDesc& c, const BirthEntry& b, ErrorRepor
         std::to_string(b.output_index);
 }
 
-// The report of a non-finite argument of the model.
+// The report of a non-finite argument (or buffer) of the model.
 void entry_report(Session& s, const TagState& w, const CallDesc& c, const BirthEntry& b, ErrorReport& r,
                   std::string& summary, std::string& key) {
   const std::string& name = w.names[c.entry_name];
-  r.add("role", "argument").add("name", name);
+  const char* role = c.entry_buffer ? "buffer" : "argument";
+  r.add("role", role).add("name", name);
   r.add("nan_count", b.nan_count).add("posinf_count", b.posinf_count).add("neginf_count", b.neginf_count);
   r.add("zero_count", b.zero_count);
   r.add("first_bad_index", b.first_bad_index);
   add_shape(r, c.out);
   r.add("dtype", dtype_name(c.out));
   r.add("mode", s.mode == kModeAsync ? "async" : "sync");
-  summary = "watch: the model's argument '" + name + "' is non-finite on entry";
+  summary = std::string("watch: the model's ") + role + " '" + name + "' is non-finite on entry";
   key = "entry|" + name;
 }
 

@@ -297,7 +297,8 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   PyObject* tensor = nullptr;
   const char* name = nullptr;
   int allowed = 0;
-  if (!PyArg_ParseTuple(args, "Osp", &tensor, &name, &allowed)) return nullptr;
+  int buffer = 0;
+  if (!PyArg_ParseTuple(args, "Osp|p", &tensor, &name, &allowed, &buffer)) return nullptr;
   Session* s = tls_session;
   if (s == nullptr || !THPVariable_Check(tensor)) Py_RETURN_NONE;
   const at::Tensor t = THPVariable_Unpack(tensor);
@@ -306,7 +307,7 @@ PyObject* py_entry(PyObject*, PyObject* args) {
   {
     pybind11::gil_scoped_release nogil;
     SessionLock lock(*s->mu);
-    tags_entry(*s, t, arg_name, allowed != 0);
+    tags_entry(*s, t, arg_name, allowed != 0, buffer != 0);
   }
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
@@ -323,7 +324,7 @@ PyMethodDef methods[] = {
      "the final check so far: the pending message, or None"},
     {"_watch_reached", py_reached, METH_VARARGS, "_watch_reached(tensors, wheres): sinks (consequence mode)"},
     {"_watch_entry", py_entry, METH_VARARGS,
-     "_watch_entry(tensor, name, allowed): a model argument's entry scan"},
+     "_watch_entry(tensor, name, allowed, buffer=False): a model argument's (or buffer's) entry scan"},
     {"_watch_push", py_push, METH_O, "push a module id"},
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
     {"_watch_optimizer_step", py_optimizer_step, METH_O, "optimizer.step() begins (True) or ends (False)"},

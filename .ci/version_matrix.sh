@@ -52,7 +52,7 @@ IGNORE=${MATRIX_IGNORE-tests/linear/test_minilm.py tests/watch/test_watch_minilm
 COMPILE_TESTS=${MATRIX_COMPILE_TESTS-tests/linear/test_compile.py \
 tests/linear/test_dtypes.py::test_torch_compile_per_dtype tests/linear/test_dtypes.py::test_autocast_under_compile \
 tests/linear/test_modes.py::test_torch_compile_fullgraph_matches_eager \
-tests/training/test_training_guard.py::test_compiled_model_is_guarded_and_the_replay_names_modules}
+tests/training/test_training_guard_compile.py::test_compiled_model_is_guarded_and_the_replay_names_modules}
 PACKAGES=(ninja pybind11 pytest pytest-xdist==3.8.0 hypothesis numpy 'setuptools>=77' wheel)
 # pytest-xdist workers for the fast suite (0: one process). Not for the torch.compile tests: each
 # worker would warm Inductor up again for a handful of tests.

@@ -490,47 +490,6 @@ def test_gradient_accumulation_names_the_producer_in_a_micro_batch():
     assert info.value.phase == "backward" and info.value.module == "act"
 
 
-@pytest.mark.slow
-@pytest.mark.locked  # the replay names ops through watch, which the core alone lacks
-def test_compiled_model_is_guarded_and_the_replay_names_modules():
-    torch._dynamo.reset()
-    model, optimizer = setup()
-    compiled = torch.compile(model, backend="aot_eager")
-    guard = cg.TrainingGuard(compiled, optimizer)
-    data = batches(3)
-    for b in data[:2]:
-        guard.step(closure_for(compiled, optimizer, b))
-    assert guard.stepped
-    model.act.mode = "log"
-    with pytest.raises(cg.NonFiniteStepError) as info:
-        guard.step(closure_for(compiled, optimizer, data[2]))
-    model.act.mode = ""
-    err = info.value
-    assert err.op == "aten.log.default" and err.module == "act" and err.classification == "persistent"
-    torch._dynamo.reset()
-
-
-@pytest.mark.slow
-def test_inductor_compiled_model_replays_eagerly_so_watch_names_the_op():
-    # inductor fuses the ops into its own kernels, which watch cannot see: the replay runs the
-    # model eagerly (torch.compiler.set_stance("force_eager")); without that nothing is named
-    # (checked). ~30 s here, most of it inductor's CPU compile.
-    torch._dynamo.reset()
-    model, optimizer = setup()
-    compiled = torch.compile(model)
-    guard = cg.TrainingGuard(compiled, optimizer)
-    data = batches(3)
-    for b in data[:2]:
-        guard.step(closure_for(compiled, optimizer, b))
-    model.act.mode = "log"
-    with pytest.raises(cg.NonFiniteStepError) as info:
-        guard.step(closure_for(compiled, optimizer, data[2]))
-    model.act.mode = ""
-    err = info.value
-    assert err.op == "aten.log.default" and err.module == "act" and err.classification == "persistent"
-    torch._dynamo.reset()
-
-
 # -- CUDA: the syncs, counted by torch itself (skipped without a GPU) ---------------------------
 
 

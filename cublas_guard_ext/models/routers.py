@@ -24,8 +24,9 @@ router, before anything overflows (a ``RouterLogitsError`` when strict). The che
 router's guard mode: ``off`` reads nothing; on the CPU, and in ``sync`` mode on CUDA (which
 synchronizes for the product's scan already), the stats are read at once; in ``async`` mode on
 CUDA they are copied without blocking and read at the router's next call whose copy has landed.
-Under ``torch.compile`` the check is an op of the graph (``cublas_guard::router_logits_check``)
-that runs the same check on the logits the compiled code computed.
+Under ``torch.compile`` the check is an op of the graph
+(``cublas_guard_internal::router_logits_check``) that runs the same check on the logits the
+compiled code computed.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def _verdict(
 _COMPILED_ROUTERS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 
-@torch.library.custom_op("cublas_guard::router_logits_check", mutates_args=())
+@torch.library.custom_op("cublas_guard_internal::router_logits_check", mutates_args=())
 def _router_logits_in_graph(logits: torch.Tensor, router_id: int, label: str, mode: str) -> None:
     router = _COMPILED_ROUTERS.get(router_id)
     if router is not None and is_guarded_router(router):
@@ -209,7 +210,7 @@ def _(logits: torch.Tensor, router_id: int, label: str, mode: str) -> None:
     return None
 
 
-torch.fx.node.has_side_effect(torch.ops.cublas_guard.router_logits_check.default)
+torch.fx.node.has_side_effect(torch.ops.cublas_guard_internal.router_logits_check.default)
 
 
 def _check_logits(router: nn.Module, label: str, mode: str | None, logits: torch.Tensor) -> None:
@@ -217,7 +218,7 @@ def _check_logits(router: nn.Module, label: str, mode: str | None, logits: torch
     if not logits.is_floating_point() or logits.dim() == 0:
         return
     if torch.compiler.is_compiling():
-        torch.ops.cublas_guard.router_logits_check(logits, id(router), label, mode or "")
+        torch.ops.cublas_guard_internal.router_logits_check(logits, id(router), label, mode or "")
         return
     effective = mode if mode is not None else _modes.current()
     state = router.__dict__.setdefault(LOGITS_ATTR, _LogitsState())

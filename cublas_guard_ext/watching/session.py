@@ -154,16 +154,13 @@ def _bad_slices(tensor: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
     return out or None
 
 
-def _cache_slices(t: torch.Tensor) -> list[tuple[int, int, int, int]] | None:
-    """Where a non-finite buffer's bad values sit, if it is shaped like a preallocated cache
-    ([batch, heads, positions, dim] or so): 3-D or more, its bad values only in part of it (the
-    positions not written yet); else None. Other buffers are still refused on entry: a running
-    statistic is written back by ops whose written arguments watch does not read (batch norm's),
-    so waiting for what it reaches could lose it."""
-    if t.dim() < 3:
-        return None
-    with torch.no_grad():
-        return _bad_slices(t)
+def _cache_shaped(t: torch.Tensor) -> bool:
+    """A non-finite buffer shaped like a preallocated cache ([batch, heads, positions, dim] or
+    so): 3-D or more, wholly non-finite (before the prefill writes it) or in part (the positions
+    not written yet). Other buffers are still refused on entry: a running statistic is written
+    back by ops whose written arguments watch does not read (batch norm's), so waiting for what
+    it reaches could lose it."""
+    return t.dim() >= 3
 
 
 def _entry_error(
@@ -255,8 +252,8 @@ class watch:
             non-finite values are intended.
         check_parameters: check parameters and buffers on entry (a non-finite one raises
             ``NonFiniteEntryError`` before the block starts; with report="consequence", a
-            buffer shaped like a preallocated cache, 3-D or more and non-finite only in part, is
-            judged by what it reaches instead, as an argument is).
+            buffer shaped like a preallocated cache, 3-D or more, is judged by what it reaches
+            instead, as an argument is).
         report: ``"consequence"`` (the default with a model): a finding only when a tagged
             value reaches the model's outputs, a loss passed to ``backward``, a gradient, a
             parameter, buffer or optimizer state (T5's clamped ``log(0)`` is silent);
@@ -340,7 +337,7 @@ class watch:
         self.check_parameters = check_parameters
         self._handles: list[Any] = []
         self._grad_hooked: set[int] = set()
-        self._deferred_buffers: list[tuple[str, torch.Tensor, list]] = []  # non-finite on entry
+        self._deferred_buffers: list[tuple[str, torch.Tensor, list | None]] = []  # non-finite on entry
         self._patched = False
         self._active = False
         self._stance: Any = None
@@ -377,11 +374,12 @@ class watch:
                 counts = _native._watch_scan(t)
                 if counts is None or counts[3] < 0:
                     finite.append(t)
-                elif role == "buffer" and self.report == "consequence" and (slices := _cache_slices(t)):
+                elif role == "buffer" and self.report == "consequence" and _cache_shaped(t):
                     # Judged by what it reaches, as an argument is: a KV cache's masked-out
                     # positions are then named at the attention, with the mask (watching/sdpa.py),
                     # and a cache read only where it was written is no finding.
-                    self._deferred_buffers.append((name, t, slices))
+                    with torch.no_grad():
+                        self._deferred_buffers.append((name, t, _bad_slices(t)))
                 elif not self._allowed_name(name):
                     raise _entry_error(role, name, t, counts)
         return finite

@@ -57,6 +57,19 @@ def test_a_cache_buffer_with_nan_in_its_unused_positions_is_named_at_the_attenti
     nothing_left()
 
 
+def test_a_wholly_nan_cache_buffer_is_named_at_the_prefills_attention():
+    # torch.empty memory before the first write: the prefill writes positions 0..3, the mask
+    # excludes 4..15, and SDPA is where they turn the output NaN
+    torch.manual_seed(0)
+    model = CachedAttn().eval()
+    with pytest.raises(cg.NonFiniteMaskedKeysError) as info, torch.no_grad():
+        with cg.watch(model, mode="sync"):
+            model(torch.randn(1, 4, 16), 0)
+    assert info.value.operands == "key buffer 'k_cache' and value buffer 'v_cache'"
+    assert info.value.positions == list(range(4, 16))
+    nothing_left()
+
+
 def test_a_cache_buffer_is_judged_on_entry_under_report_birth():
     torch.manual_seed(0)
     model = CachedAttn().eval()

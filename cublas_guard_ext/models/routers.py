@@ -194,7 +194,8 @@ def _verdict(
 # op (marked side-effectful, so it is kept, in program order) and the compiled code calls it with
 # the logits it computed; it runs the eager check below on them, warning or raising from the
 # compiled call. The router is found by its id, entered when it is guarded (a weak table: a graph
-# outliving its model, or its guard, checks nothing). Its dtype rule, threshold and async read are the eager ones.
+# outliving its model, or its guard, checks nothing). Its dtype rule, threshold and async read are
+# the eager ones.
 _COMPILED_ROUTERS: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 
 

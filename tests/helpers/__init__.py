@@ -1,7 +1,7 @@
 """What the tests share: the devices this machine tests, the CUDA skip marker, cuBLAS's status
 names, tolerance checks and memory measurements. Concern-specific helpers live in this package's
-modules (inputs, distributed, run_scripts, watch_models, doctor_env, cuda_toolkit); fixtures live in
-the conftest.py files. Test files import from here, never from each other.
+modules (inputs, distributed and its rank_forks, run_scripts, watch_models, doctor_env,
+cuda_toolkit); fixtures live in the conftest.py files. Test files import from here, never from each other.
 
 tests/conftest.py sets the environment the native test hooks need and imports the extension
 before any test module imports this package."""

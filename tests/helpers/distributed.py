@@ -1,4 +1,4 @@
-"""Gloo ranks on the CPU (two unless a test asks for more), each a subprocess running a test
+"""Gloo ranks on the CPU (two unless a test asks for more), each a process running a test
 file as its worker script (``script worker RANK INIT_FILE SCENARIO OUT_DIR``, rendezvous
 through ``init_method=file://``; the world size is in ``CGX_TEST_WORLD``):
 training/test_distributed.py, test_fsdp.py, test_training_guard_distributed.py and
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from helpers.rank_forks import run_ranks
 
 WORLD = 2
 
@@ -37,27 +36,12 @@ def launch(
         GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         CGX_TEST_WORLD=str(world),
     )
-    start = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, "worker", str(rank), str(init_file), scenario, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(world)
-    ]
-    codes, ends, logs = [], [], []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, PROCESS_LIMIT_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"scenario {scenario!r}: a rank hung past {PROCESS_LIMIT_S} s")
-        codes.append(p.returncode)
-        ends.append(time.monotonic() - start)
-        logs.append(out.decode(errors="replace"))
+    outputs = [tmp_path / f"rank{rank}.output" for rank in range(world)]
+    argvs = [[script, "worker", str(rank), str(init_file), scenario, str(tmp_path)] for rank in range(world)]
+    codes, ends, hung = run_ranks(argvs, env, outputs, PROCESS_LIMIT_S)
+    if hung:
+        pytest.fail(f"scenario {scenario!r}: a rank hung past {PROCESS_LIMIT_S} s")
+    logs = [path.read_text(errors="replace") for path in outputs]
     results = []
     for rank in range(world):
         path = tmp_path / f"rank{rank}.json"

@@ -27,7 +27,9 @@
 #   SANITIZE_TESTS  test files to run (default: see TESTS below)
 #   CI_CACHE        cache directory (default: .ci-cache)
 #   CI_TEST_WORKERS pytest-xdist workers (default: 2; 0 runs the tests in one process)
-# Extra arguments are passed to pytest.
+# Extra arguments are passed to pytest. `--prebuild` alone only builds the library (into the same
+# JIT cache, where the full run then finds it): .ci/run starts it in the background at the lowest
+# CPU priority, to use what the stages before leave idle.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -48,6 +50,11 @@ tests/watch/test_watch_protocol.py}
 START=$(date +%s)
 
 die() { echo "sanitize: $*" >&2; exit 1; }
+PREBUILD=
+if [[ ${1:-} == --prebuild ]]; then
+  PREBUILD=1
+  shift
+fi
 
 if [[ -z ${PYTHON:-} ]]; then
   [[ -x $ROOT/.venv/bin/python ]] || make -C "$ROOT" venv
@@ -77,6 +84,29 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:log_path=$REPORTS/asan
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan
 mkdir -p "$TORCH_EXTENSIONS_DIR"
 cd "$ROOT"
+
+build_library() {  # the JIT build under the preloaded runtime (the loader builds, then loads)
+  echo "=== sanitize: build ($SANITIZE, JIT into $TORCH_EXTENSIONS_DIR); LD_PRELOAD=$PRELOAD"
+  LD_PRELOAD=$PRELOAD "$PYTHON" - <<'PY'
+import os, sys
+from cublas_guard_ext._native.building import build
+from cublas_guard_ext._native.loading import loader
+info = loader.info()
+print("native:", info.kind, info.path, info.detail)
+assert info.kind == "jit", info
+needed = open(info.path, "rb").read()
+for runtime in (b"libasan.so", b"libubsan.so"):
+    checks = os.environ["CUBLAS_GUARD_EXT_SANITIZE"].split(",")
+    if (runtime == b"libasan.so" and "address" in checks) or (runtime == b"libubsan.so" and "undefined" in checks):
+        assert runtime in needed, f"{info.path} is not linked with {runtime.decode()}"
+print("sanitizer flags:", " ".join(build.sanitizer_flags()))
+PY
+}
+if [[ -n $PREBUILD ]]; then
+  build_library
+  echo "sanitize: prebuilt in $(($(date +%s) - START))s"
+  exit 0
+fi
 
 # ---- 0. the setup catches what it is for (a few seconds) -------------------------
 # A tiny library with planted bugs, loaded the same way (preload, options, log files):
@@ -115,22 +145,7 @@ if [[ ,$SANITIZE, == *,address,* ]]; then planted heap_overflow "heap-buffer-ove
 if [[ ,$SANITIZE, == *,undefined,* ]]; then planted signed_overflow "signed integer overflow" 1; fi
 
 echo
-echo "=== sanitize: build ($SANITIZE, JIT into $TORCH_EXTENSIONS_DIR); LD_PRELOAD=$PRELOAD"
-# The build runs under the preloaded runtime too (the loader builds, then loads).
-LD_PRELOAD=$PRELOAD "$PYTHON" - <<'PY'
-import os, sys
-from cublas_guard_ext._native.building import build
-from cublas_guard_ext._native.loading import loader
-info = loader.info()
-print("native:", info.kind, info.path, info.detail)
-assert info.kind == "jit", info
-needed = open(info.path, "rb").read()
-for runtime in (b"libasan.so", b"libubsan.so"):
-    checks = os.environ["CUBLAS_GUARD_EXT_SANITIZE"].split(",")
-    if (runtime == b"libasan.so" and "address" in checks) or (runtime == b"libubsan.so" and "undefined" in checks):
-        assert runtime in needed, f"{info.path} is not linked with {runtime.decode()}"
-print("sanitizer flags:", " ".join(build.sanitizer_flags()))
-PY
+build_library  # finds the library in the JIT cache if .ci/run's --prebuild made it
 BUILT=$(date +%s)
 
 echo

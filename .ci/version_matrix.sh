@@ -35,6 +35,8 @@
 #   CI_CACHE               cache directory (default: .ci-cache)
 #   CI_KEEP_VENVS          1: keep the venvs between runs (default: delete each when done)
 #   CI_TEST_WORKERS        pytest-xdist workers for the fast suite (default: 2; 0: one process)
+#   MATRIX_PARALLEL        1: the versions side by side (default), 0: one after another
+#   MATRIX_PARALLEL_MIN_GIB  side by side only with this much disk free (default: 24)
 # Extra arguments are passed to pytest.
 set -euo pipefail
 
@@ -74,18 +76,66 @@ if [[ ${1:-} == --prepare-venv ]]; then
 fi
 
 # ---- several versions: one child run each (every version is checked, also after a failure) ----
+# All at once by default (MATRIX_PARALLEL=1): much of a version's run keeps one core busy and
+# leaves the other idle (the single-process torch.compile and locked-library tests, the demo,
+# a build's last compile, pip making the venv), and the other version's run fills it: the same
+# work and checks, in less wall time. The first version's output streams; the others go to
+# .ci-cache/matrix-torchV.log and are printed whole when they end. One after another (each
+# venv made in the background while the previous version's tests run) with MATRIX_PARALLEL=0,
+# or when the disk has not room for every venv at once (MATRIX_PARALLEL_MIN_GIB, default 24).
 if [[ ${1:-} != --one && -z $PREPARE ]] && (($(wc -w <<<"$VERSIONS") > 1)); then
   failed=() lines=()
   read -r -a versions <<<"$VERSIONS"
-  for i in "${!versions[@]}"; do
-    version=${versions[$i]}
-    # The next version's venv is made in the background while this one's tests run.
-    next=${versions[$((i + 1))]:-}
-    [[ -n $next ]] && prefetch_venv "$CACHE" "$0" --prepare-venv "$next"
+  mkdir -p "$CACHE"
+  parallel=${MATRIX_PARALLEL:-1}
+  if [[ $parallel == 1 ]] && (($(free_gib "$CACHE") < ${MATRIX_PARALLEL_MIN_GIB:-24})); then
+    echo "version_matrix: $(free_gib "$CACHE") GiB free (< ${MATRIX_PARALLEL_MIN_GIB:-24}): one version after another"
+    parallel=0
+  fi
+  if [[ $parallel == 1 ]]; then
+    pids=() logs=()
     start=$(date +%s)
-    if MATRIX_TORCH_VERSIONS=$version bash "$0" --one "$@"; then result=OK; else result=FAILED; failed+=("$version"); fi
-    lines+=("$(printf '  torch %-10s %5ss  %s' "$version" $(($(date +%s) - start)) "$result")")
-  done
+    for i in "${!versions[@]}"; do
+      version=${versions[$i]}
+      log=$CACHE/matrix-torch$version.log
+      ((i == 0)) && log=
+      logs+=("$log")
+      (
+        one_start=$(date +%s) rc=0
+        if [[ -n $log ]]; then
+          MATRIX_TORCH_VERSIONS=$version bash "$0" --one "$@" >"$log" 2>&1 </dev/null || rc=$?
+        else
+          MATRIX_TORCH_VERSIONS=$version bash "$0" --one "$@" || rc=$?
+        fi
+        echo "$(($(date +%s) - one_start)) $rc" >"$CACHE/matrix-torch$version.result"
+      ) &
+      pids+=("$!")
+      [[ -n $log ]] && echo "version_matrix: torch $version runs beside it (output: $log, printed when it ends)"
+    done
+    for i in "${!versions[@]}"; do
+      version=${versions[$i]}
+      wait "${pids[$i]}" || true
+      if [[ -n ${logs[$i]} ]]; then
+        echo
+        echo "=== version_matrix: torch $version (ran beside the above; its output: ${logs[$i]})"
+        cat "${logs[$i]}"
+      fi
+      read -r secs rc <"$CACHE/matrix-torch$version.result" || { secs=? rc=1; }
+      if [[ $rc == 0 ]]; then result=OK; else result=FAILED; failed+=("$version"); fi
+      lines+=("$(printf '  torch %-10s %5ss  %s' "$version" "$secs" "$result")")
+    done
+    lines+=("$(printf '  %-16s %5ss  (the versions side by side)' "all" $(($(date +%s) - start)))")
+  else
+    for i in "${!versions[@]}"; do
+      version=${versions[$i]}
+      # The next version's venv is made in the background while this one's tests run.
+      next=${versions[$((i + 1))]:-}
+      [[ -n $next ]] && prefetch_venv "$CACHE" "$0" --prepare-venv "$next"
+      start=$(date +%s)
+      if MATRIX_TORCH_VERSIONS=$version bash "$0" --one "$@"; then result=OK; else result=FAILED; failed+=("$version"); fi
+      lines+=("$(printf '  torch %-10s %5ss  %s' "$version" $(($(date +%s) - start)) "$result")")
+    done
+  fi
   echo
   echo "version_matrix summary:"
   printf '%s\n' "${lines[@]}"
@@ -211,8 +261,31 @@ def in_copy(arg):
     path = arg.split("::")[0].split("=", 1)[-1]
     return arg.replace(path, os.path.join(cwd, path), 1) if path and os.path.exists(path) else arg
 args = [in_copy(a) for a in sys.argv[2:]]
+
+
+class LockedAndFolder:
+    """MATRIX_LOCKED_AND_FOLDER=DIR: the not-slow tests marked `locked` and every not-slow test
+    under DIR, what `-m "locked and not slow" tests` and `-m "not slow" DIR` select, in one run
+    (one start-up and one collection instead of two)."""
+
+    def __init__(self, folder):
+        self.folder = os.path.join(cwd, folder) + os.sep
+
+    def pytest_collection_modifyitems(self, config, items):
+        def wanted(item):
+            under = str(item.path).startswith(self.folder)
+            return not item.get_closest_marker("slow") and (under or item.get_closest_marker("locked"))
+
+        dropped = [item for item in items if not wanted(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if wanted(item)]
+
+
+folder = os.environ.get("MATRIX_LOCKED_AND_FOLDER")
+plugins = [LockedAndFolder(folder)] if folder else []
 os.chdir(os.environ["MATRIX_ELSEWHERE"])
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", f"--rootdir={cwd}", "-c", os.path.join(cwd, "pyproject.toml"), *args]))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", f"--rootdir={cwd}", "-c", os.path.join(cwd, "pyproject.toml"), *args], plugins=plugins))
 PY
 }
 
@@ -341,10 +414,10 @@ PY
     die "torch $version: the build command did not build CUDA kernels (log: $log)"
   fi
   stage "torch $version: pytest (watch and the locked-library tests)"
-  (cd "$src" && export "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" && installed_pytest "$vpy" locked \
-    -m "not slow" --durations=5 tests/watch --ignore=tests/watch/test_watch_minilm.py "$@")
-  (cd "$src" && export "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" && installed_pytest "$vpy" locked \
-    -m "locked and not slow" tests "$@")
+  # tests/watch whole and the `locked` tests elsewhere, in one pytest (LockedAndFolder above).
+  (cd "$src" && export "${build_env[@]}" TORCH_EXTENSIONS_DIR="$WORK/ext-$version" \
+    MATRIX_LOCKED_AND_FOLDER=tests/watch && installed_pytest "$vpy" locked \
+    --durations=5 tests --ignore=tests/watch/test_watch_minilm.py "$@")
   rm -rf "$src" "$WORK/ext-$version"
   drop_venv "$venv"
 done

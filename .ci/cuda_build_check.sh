@@ -2,9 +2,11 @@
 # Prove the FULL CUDA build (CUDAExtension: nvcc + g++ compile, link) works on a
 # machine with a CUDA toolkit but no GPU, as the project's one wheel (the stable core with its
 # CUDA part, and the locked _C; left in CI_WHEEL_DIR for the version matrix), and that the
-# result imports and passes the test suite, both tiers, and the fast tier on the core alone (the CUDA-only tests skip without a GPU; the CPU ones must pass with
-# the CUDA build of torch and of the extension; the slow tier's compile and subprocess tests
-# are the ones that see a torch other than the pinned one here).
+# result imports and passes the test suite, both tiers, and the fast tier on the core alone (the
+# CUDA-only tests skip without a GPU; the CPU ones must pass with the CUDA build of torch and of
+# the extension; the slow tier's compile and subprocess tests are the ones that see a torch other
+# than the pinned one here). tests/tools, the tests of the dev tools (benchmarks/gpu's check, the
+# seed plugin, the rank zygote), none of which the wheel holds, are left to make test-all.
 #
 # It never touches the project's .venv or the source tree's _C*.so:
 #   * torch with CUDA goes into its own venv, .ci-cache/venv-cu, deleted at the end
@@ -203,7 +205,9 @@ if path.startswith(cwd + os.sep):
 # `import helpers`, but not the copy's root; and cublas_guard_ext is
 # already in sys.modules anyway. Checked again after the run.
 # The JIT-build test builds into its own TORCH_EXTENSIONS_DIR, from the csrc/ the wheel ships.
-rc = pytest.main(["-q", "-p", "no:cacheprovider", "--durations=15", "tests", *sys.argv[1:]])
+# tests/tools: the tests of the project's dev tools (benchmarks/gpu's check, the per-test seed
+# plugin, the rank zygote), none of which the wheel holds; make test-all runs them.
+rc = pytest.main(["-q", "-p", "no:cacheprovider", "--durations=15", "tests", "--ignore=tests/tools", *sys.argv[1:]])
 assert os.path.realpath(sys.modules["cublas_guard_ext"].__file__) == path
 sys.exit(rc)
 PY
@@ -219,7 +223,7 @@ import pytest
 from cublas_guard_ext._native.loading import loader
 assert not os.path.realpath(cublas_guard_ext.__file__).startswith(cwd + os.sep)
 assert loader.info().library == "core", loader.info()
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests", *sys.argv[1:]]))
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-m", "not slow", "tests", "--ignore=tests/tools", *sys.argv[1:]]))
 PY
 )
 # Nothing may have fallen back to a JIT build here: a process that did imported some other copy

@@ -24,6 +24,13 @@ if _WORKER or "CUBLAS_GUARD_CAPSULE_DIR" not in os.environ:
         prefix=f"cublas_guard_capsules-{_WORKER or 'main'}-"
     )
 
+# pytest-xdist: each of N workers would start torch's intra-op pool at one thread per core, N
+# times as many threads as cores, and an idle OpenMP thread spin-waits on a core another worker
+# needs. Each worker gets its share of the cores instead (OMP_NUM_THREADS, when set, decides).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 import cublas_guard_ext  # noqa: E402  (after the env var, before the tests import it)
 from cublas_guard_ext._native.loading import loader as _loader  # noqa: E402
 

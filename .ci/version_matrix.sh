@@ -66,9 +66,14 @@ die() { echo "version_matrix: $*" >&2; exit 1; }
 # shellcheck source=disk.sh
 source "$ROOT/.ci/disk.sh"
 
-# --prepare-venv [VERSION] (default: the first): make that version's venv, nothing else (.ci/run
-# starts it in the background while the stage before runs; disk.sh's ensure_venv).
+# --prepare-venv [VERSION|all] (default: the first): make that version's venv (or every
+# version's, one after another), nothing else (.ci/run starts it in the background while the
+# stage before runs; disk.sh's ensure_venv).
 PREPARE=
+if [[ ${1:-} == --prepare-venv && ${2:-} == all ]]; then
+  for version in $VERSIONS; do bash "$0" --prepare-venv "$version" || true; done
+  exit 0
+fi
 if [[ ${1:-} == --prepare-venv ]]; then
   PREPARE=1
   VERSIONS=${2:-${VERSIONS%% *}}

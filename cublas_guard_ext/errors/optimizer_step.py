@@ -29,6 +29,10 @@ OPTIMIZER_FIELDS = (
     "grad_absmax", "grad_nonfinite", "grad_norm", "lr", "hyper", "also_bad", "loss_history", "grad_norm_history",
 )  # fmt: skip
 
+# The op name of an unhooked step's writes (csrc/locked/watch/watch_python.cpp): torch's own
+# optimizers run without a hook per op, and what the step wrote is judged when it returns.
+STEP_WRITES_OP = "cublas_guard_internal.optimizer_step_writes.default"
+
 # States that accumulate the gradient squared: grad**2 past the dtype's largest value is Inf.
 _SQUARED_STATES = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf")
 # Optimizers whose usual learning rates are small (adaptive steps of about lr per element).
@@ -51,9 +55,20 @@ def headline(f: dict[str, Any], counts: str) -> str:
     if not step and f.get("steps_watched") is not None:
         step = f", step {f['steps_watched']} of those watched"
     into = f" into {_state_text(f)}" if f.get("parameter") is not None else ""
+    op = "" if f.get("op") == STEP_WRITES_OP else f", {f.get('op')}"
     return (
-        f"watch: {f.get('optimizer') or 'the optimizer'}.step() (optimizer step{step}, {f.get('op')}) "
+        f"watch: {f.get('optimizer') or 'the optimizer'}.step() (optimizer step{step}{op}) "
         f"produced {counts}{into} from finite inputs"
+    )
+
+
+def judged_at_return(f: dict[str, Any]) -> str | None:
+    """The line that says how an unhooked step was judged (None for a step watched op by op)."""
+    if f.get("op") != STEP_WRITES_OP:
+        return None
+    return (
+        f"judged when step() returned: {_state_text(f)} was finite before the step and its gradient "
+        "finite (the step's own ops run unhooked, one check of what it wrote: docs/watch.md)"
     )
 
 

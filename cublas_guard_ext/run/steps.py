@@ -116,10 +116,12 @@ def _pre_step(policy: str | None):
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    with _lock:
-        _counts[optimizer] = _counts.get(optimizer, 0) + 1
+    # The callbacks first: closing the watch block judges what an unhooked step wrote, and a
+    # finding there belongs to this step, not yet counted as completed.
     for callback in list(_after_step_callbacks):
         callback(optimizer)
+    with _lock:
+        _counts[optimizer] = _counts.get(optimizer, 0) + 1
 
 
 def on_step(callback: Any) -> None:

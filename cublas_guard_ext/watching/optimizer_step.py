@@ -3,6 +3,14 @@
 While any thread watches, torch's global optimizer step hooks tell the native session when
 ``optimizer.step()`` begins and ends in a watching thread: an op it runs outside every module
 and autograd node is then born in phase ``"optimizer step"`` (csrc/locked/watch/watch_session.cpp).
+A step of one of torch's own optimizers without a closure runs unhooked (issue 50: the per-op
+hook and scans of AdamW's eight parameter-sized outputs per parameter were half of a watched
+MiniLM step's extra time): its parameters, gradients and states get their first-sight scans
+before it, and what it wrote is judged when it returns, per parameter, as the outputs of one op
+(``cublas_guard_internal::optimizer_step_writes``) whose inputs are the gradient and the
+parameter's tensors as they were before the step. So a birth there names the state, not which
+of the update's ops made it; a closure (the model runs inside the step), a subclass and other
+libraries' optimizers stay watched op by op.
 When such a finding is raised (never per op), :func:`describe` reads the optimizer: its class and
 step, which parameter's state went non-finite and which state (``exp_avg_sq``,
 ``momentum_buffer``, the parameter itself), the gradient's and the state's magnitudes, the
@@ -38,6 +46,7 @@ def _state() -> Any:
     st = _local
     if not hasattr(st, "stepping"):
         st.stepping = []  # optimizers whose step() runs now in this thread (innermost last)
+        st.unhooked = []  # per step in `stepping`: whether it runs unhooked
         st.last = None  # weakref to the last optimizer that stepped here
         st.models = []  # weakrefs to the watched models (parameter names)
     return st
@@ -78,21 +87,86 @@ def _innermost_model() -> torch.nn.Module | None:
     return None
 
 
+def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
+    """Whether this step runs unhooked and is judged at its end: one of torch's own optimizers
+    (they write only the parameters and ``optimizer.state``), called without a
+    closure (LBFGS and a closure run the model inside the step: its ops stay hooked one by one,
+    as do a subclass's or another library's optimizer, whose step may write anything)."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim.") or cls.__name__ == "LBFGS":
+        return False
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
+    return closure is None
+
+
+def _step_tensors(
+    optimizer: torch.optim.Optimizer,
+) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    """(parameter, gradient, floating non-scalar state tensors) of each parameter that has a
+    gradient (the others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow)."""
+    out = []
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            states = [
+                v
+                for v in state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
+            ]
+            out.append((p, g, states))
+    return out
+
+
 def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _native._watch_active():
         return
     st = _state()
     st.stepping.append(optimizer)
     st.last = weakref.ref(optimizer)
-    _native._watch_optimizer_step(True)
+    if _unhooked(optimizer, args, kwargs):
+        st.unhooked.append(True)
+        _native._watch_optimizer_begin(
+            [t for p, g, states in _step_tensors(optimizer) for t in (p, g, *states)]
+        )
+    else:
+        st.unhooked.append(False)
+        _native._watch_optimizer_step(True)
 
 
 def _post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     st = _state()
     if st.stepping and st.stepping[-1] is optimizer:
-        st.stepping.pop()
+        _finish(st)
+
+
+def _finish(st: Any) -> None:
+    """The innermost step of this thread has ended: judged now if it ran unhooked."""
+    optimizer = st.stepping.pop()
+    unhooked = st.unhooked.pop() if st.unhooked else False
+    try:
+        if not unhooked:
+            _native._watch_optimizer_step(False)
+            return
+        # (read, written) per parameter, with the states this step made: read is the gradient,
+        # then the parameter's tensors as the step read them; the parameter is scanned last,
+        # so its scan sees its states' tags from before the step.
+        groups = [([g, p, *states], [*states, p]) for p, g, states in _step_tensors(optimizer)]
+        # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
+        _native._watch_optimizer_end(groups)
+    finally:
         _counts[optimizer] = _counts.get(optimizer, 0) + 1
-        _native._watch_optimizer_step(False)
+
+
+def block_ending() -> None:
+    """A watch block ends while steps are open in this thread (``run --watch`` closes its block
+    in an optimizer post hook, which may run before this module's): they are finished now, the
+    unhooked ones judged while the block still watches."""
+    st = _state()
+    while st.stepping:
+        _finish(st)
 
 
 def install() -> None:
@@ -129,6 +203,8 @@ def left_step() -> None:
     st = _state()
     while st.stepping:
         st.stepping.pop()
+        if st.unhooked and st.unhooked.pop():
+            continue  # its end ended it natively (the finding is raised from there)
         _native._watch_optimizer_step(False)
 
 

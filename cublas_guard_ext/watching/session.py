@@ -545,11 +545,16 @@ class watch:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if not self._active:
             return False
+        step_finding = None
+        try:
+            _optimizer_step.block_ending()
+        except errors.GuardError as err:  # a sync finding in what an unhooked step wrote
+            step_finding = err
         self._active = False
         self._remove_hooks()
         pending = _native._watch_end()
         try:
-            finding = _typed(pending) if pending is not None else None
+            finding = _typed(pending) if pending is not None else step_finding
             if not _native._watch_active():  # the outermost block: no entry left to report
                 _entry_slices().clear()
         finally:

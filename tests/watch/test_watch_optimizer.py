@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import cublas_guard_ext as cg
+from cublas_guard_ext.errors.optimizer_step import STEP_WRITES_OP
 
 from helpers.watch_models import nothing_left
 
@@ -60,7 +61,9 @@ def test_adamw_second_moment_overflow_names_the_optimizer_parameter_and_state(kw
     assert err.lr == 5.0 and err.state_dtype == "float32"
     assert err.loss_history and len(err.loss_history) == 1
     text = str(err)
-    assert "AdamW.step() (optimizer step, step 2, aten." in text
+    assert "AdamW.step() (optimizer step, step 2) produced" in text
+    assert err.op == STEP_WRITES_OP  # torch's own optimizer: unhooked, judged when step() returned
+    assert "judged when step() returned: exp_avg_sq of parameter 'emb.weight' was finite before" in text
     assert err.reached == "AdamW's state exp_avg_sq of parameter 'emb.weight'"
     assert "into exp_avg_sq of parameter 'emb.weight'" in text
     assert "1.000e+21 squared is 1.000e+42, past the float32 range 3.403e+38" in text

@@ -148,6 +148,10 @@ struct Session {
   // Inside optimizer.step() (torch's global step hooks, watching/optimizer_step.py): an op
   // outside every module and every autograd node is attributed to kModuleOptimizerStep.
   int32_t optimizer_depth = 0;
+  // Steps of torch's own optimizers running unhooked now (py_optimizer_begin): the watch key
+  // is off for the step, and what it wrote is judged at its end as one op's outputs.
+  int32_t unhooked_steps = 0;
+  bool key_off_for_step = false;  // the key was on when the outermost unhooked step began
   uint64_t seq_base = 0;
   std::vector<int32_t> seq_module;   // autograd sequence number - seq_base -> module id
   std::atomic<bool> pending{false};  // async: a finding waits to be raised

@@ -475,6 +475,25 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }
 
+void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) first_sight(*s.tags, t);
+}
+
+void tags_after_step(Session& s, const std::vector<at::Tensor>& read,
+                     const std::vector<at::Tensor>& written) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("cublas_guard_internal::optimizer_step_writes", "");
+  const OpInfo& info = op_info(op);
+  // `read` is one longer than `written` (the gradient first), so tags_after gives every written
+  // tensor all of `read` as inputs (its parameter's tensors as they were before the step: a NaN
+  // already in exp_avg is not born in the parameter it reaches) and, by position, its own old tag.
+  TORCH_INTERNAL_ASSERT(read.size() == written.size() + 1);
+  const std::vector<c10::IValue> args{c10::IValue(read), c10::IValue(written)};
+  // No first sight here: a state the step made has no slot, so it is no input of its own scan.
+  const torch::jit::Stack none;
+  tags_after(s, op, info, args, none, /*seq_index=*/-1);
+}
+
 void poll(Session& s) {
   SessionLock lock(*s.mu);  // a device thread may be adding a device's arrays
   poll_locked(s);

@@ -188,6 +188,13 @@ void poll_locked(Session& s);  // the same, with the session's lock held
 // A tensor the entry check found finite at a block's outermost start: a slot
 // (its tag is the zero of a fresh array), so no first-sight scan reads it again.
 void tags_known_finite(Session& s, const at::Tensor& t);
+// An optimizer step run unhooked (watching/optimizer_step.py): before it, first-sight scans of
+// what it reads and may write (a value non-finite before the step is not its birth); after it,
+// per parameter, each tensor it wrote (`written`: its states, then the parameter) scanned as an
+// output of one op, cublas_guard_internal::optimizer_step_writes, whose inputs are `read` (the
+// gradient, then the parameter's tensors as they were before the step; watch_python.cpp).
+void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors);
+void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
 // `buffer`: one of the model's buffers, judged like an argument by what it reaches (a cache's

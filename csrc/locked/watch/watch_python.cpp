@@ -11,7 +11,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 
@@ -182,11 +184,33 @@ PyObject* py_take_pending(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
+bool read_tensors(PyObject* seq, std::vector<at::Tensor>& out) {
+  return for_each_item(seq, "expected a sequence of tensors", [&](PyObject* obj) {
+    const bool tensor = THPVariable_Check(obj);
+    if (tensor) out.push_back(THPVariable_Unpack(obj));
+    if (!tensor) PyErr_SetString(PyExc_TypeError, "expected a sequence of tensors");
+    return tensor;
+  });
+}
+
+// Turns the key back on after the outermost unhooked step (ended, or left by an exception:
+// then at the next module's forward, py_push).
+void end_unhooked_steps(Session& s, int32_t steps) {
+  steps = std::min(steps, s.unhooked_steps);
+  s.unhooked_steps -= steps;
+  s.optimizer_depth = std::max(0, s.optimizer_depth - steps);
+  if (s.unhooked_steps == 0 && s.key_off_for_step) {
+    s.key_off_for_step = false;
+    c10::impl::tls_set_dispatch_key_included(kWatchKey, true);
+  }
+}
+
 PyObject* py_push(PyObject*, PyObject* arg) {
   Session* s = tls_session;
   if (s != nullptr) {
     SessionLock lock(*s->mu);
     s->module_stack.push_back(static_cast<int32_t>(PyLong_AsLong(arg)));
+    if (s->unhooked_steps > 0) end_unhooked_steps(*s, s->unhooked_steps);  // a step that raised
   }
   Py_RETURN_NONE;
 }
@@ -212,6 +236,65 @@ PyObject* py_optimizer_step(PyObject*, PyObject* arg) {
     }
   }
   Py_RETURN_NONE;
+}
+
+// A step of one of torch's optimizers begins in this thread, unhooked: `tensors` (what it reads
+// and may write) get their first-sight scans, then the watch key goes off until
+// py_optimizer_end. Its ops are torch's own, on the parameters, their gradients and states: the
+// hook's per-op cost bought nothing there but which of the update's ops made a value (issue 50:
+// AdamW's eight parameter-sized outputs per parameter, each scanned, were half of a watched
+// MiniLM step's extra time).
+PyObject* py_optimizer_begin(PyObject*, PyObject* arg) {
+  HANDLE_TH_ERRORS
+  Session* s = tls_session;
+  if (s == nullptr) Py_RETURN_NONE;
+  std::vector<at::Tensor> tensors;
+  if (!read_tensors(arg, tensors)) return nullptr;
+  {
+    pybind11::gil_scoped_release nogil;
+    SessionLock lock(*s->mu);
+    tags_before_step(*s, tensors);
+    ++s->optimizer_depth;
+    if (s->unhooked_steps++ == 0) {
+      s->key_off_for_step = c10::impl::tls_is_dispatch_key_included(kWatchKey);
+      c10::impl::tls_set_dispatch_key_included(kWatchKey, false);
+    }
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// The unhooked step ended: `groups`, one (read, written) pair of tensor sequences per parameter
+// (tags_after_step), scanned as one op's outputs each, in phase "optimizer step".
+PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
+  HANDLE_TH_ERRORS
+  Session* s = tls_session;
+  if (s == nullptr) Py_RETURN_NONE;
+  std::vector<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> pairs;
+  const bool ok = for_each_item(groups, "expected (read, written) pairs", [&](PyObject* pair) {
+    auto& [read, written] = pairs.emplace_back();
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+        !read_tensors(PyTuple_GET_ITEM(pair, 0), read) || !read_tensors(PyTuple_GET_ITEM(pair, 1), written) ||
+        read.size() != written.size() + 1) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError,
+                        "_watch_optimizer_end: (read, written) pairs, read one longer (the gradient first)");
+      return false;
+    }
+    return true;
+  });
+  if (!ok) return nullptr;
+  {
+    pybind11::gil_scoped_release nogil;
+    SessionLock lock(*s->mu);
+    c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+    // Attributed to the step (its depth is still counted) and only then ended.
+    for (const auto& [read, written] : pairs) tags_after_step(*s, read, written);
+    end_unhooked_steps(*s, 1);
+  }
+  run_after_unlock(*s);  // a sync finding
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* py_active(PyObject*, PyObject*) { return PyBool_FromLong(tls_session != nullptr); }
@@ -328,6 +411,10 @@ PyMethodDef methods[] = {
     {"_watch_push", py_push, METH_O, "push a module id"},
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
     {"_watch_optimizer_step", py_optimizer_step, METH_O, "optimizer.step() begins (True) or ends (False)"},
+    {"_watch_optimizer_begin", py_optimizer_begin, METH_O,
+     "_watch_optimizer_begin(tensors): a torch optimizer's step begins, unhooked"},
+    {"_watch_optimizer_end", py_optimizer_end, METH_O,
+     "_watch_optimizer_end([(read, written), ...]): the unhooked step ended; what it wrote is judged"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"_watch_scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},
@@ -342,3 +429,12 @@ PyMethodDef* python_methods() { return methods; }
 
 }  // namespace watch
 }  // namespace cublas_guard
+
+// Never called: its schema names what an unhooked optimizer step wrote (the state) and read (the
+// gradient) in watch's findings, and tells the hooks which of the two it writes (watch_ops.cpp).
+TORCH_LIBRARY_FRAGMENT(cublas_guard_internal, m) {
+  m.def("optimizer_step_writes(Tensor[] read, Tensor(a!)[] state) -> ()");
+}
+TORCH_LIBRARY_IMPL(cublas_guard_internal, CompositeExplicitAutograd, m) {
+  m.impl("optimizer_step_writes", [](at::TensorList, at::TensorList) {});
+}

@@ -1,0 +1,126 @@
+"""watch: torch's own optimizers step unhooked, and what the step wrote is judged when it returns
+(issue 50: the hook's per-op cost on AdamW's eight parameter-sized outputs per parameter was half
+of a watched MiniLM step's extra time). A closure, a subclass or another library's optimizer
+stays watched op by op; a value non-finite before the step is never called born in it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from test_watch_optimizer import ADAM_VARIANTS, Tiny, _step
+
+import cublas_guard_ext as cg
+from cublas_guard_ext.errors.optimizer_step import STEP_WRITES_OP
+
+from helpers.watch_models import nothing_left
+
+
+def _params(n: int = 3) -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 4)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+@pytest.mark.parametrize("kwargs", ADAM_VARIANTS)
+def test_a_torch_optimizer_steps_unhooked_with_one_scan_per_tensor_it_wrote(kwargs):
+    params = _params()
+    opt = torch.optim.AdamW(params, lr=1e-3, **kwargs)
+    opt.step()  # the states exist
+    with cg.watch(mode="sync") as w:
+        ops, scans = w.stats()
+        opt.step()
+        ops_after, scans_after = w.stats()
+    # the profiler's record_function enter/exit around step() are the only ops the hook sees
+    assert ops_after - ops <= 2
+    assert scans_after - scans == 3 * len(params)  # each parameter, its exp_avg and exp_avg_sq
+    nothing_left()
+
+
+def test_the_first_step_judges_the_states_it_made():
+    params = _params(1)
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    params[0].grad.fill_(3e38)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
+        opt.step()  # the buffer is a copy of the gradient: finite
+        opt.step()  # 0.9 * 3e38 + 3e38 overflows
+    assert info.value.op == STEP_WRITES_OP and info.value.state == "momentum_buffer"
+
+
+def _overflowing_sgd(model: nn.Module, opt: torch.optim.Optimizer, closure: bool) -> cg.NonFiniteOutputError:
+    _step(model, opt, 3e38)  # the momentum buffer starts as a copy of the gradient: finite
+
+    def loss_and_grads() -> torch.Tensor:
+        loss = model(torch.ones(3, 4)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            model.emb.weight.grad.fill_(3e38)
+        return loss
+
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
+        if closure:
+            opt.step(loss_and_grads)  # the model runs inside step(): its ops stay hooked
+        else:
+            loss_and_grads()
+            opt.step()
+    return info.value
+
+
+def test_a_step_with_a_closure_stays_watched_op_by_op():
+    model = Tiny()
+    err = _overflowing_sgd(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=False), True
+    )
+    assert err.op.startswith("aten.") and err.op != STEP_WRITES_OP
+    assert err.phase == "optimizer step" and err.state == "momentum_buffer" and err.parameter == "emb.weight"
+    nothing_left()
+
+
+class MySGD(torch.optim.SGD):
+    """Another library's optimizer (here: a subclass) may write anything: watched op by op."""
+
+
+def test_a_subclass_of_a_torch_optimizer_stays_watched_op_by_op():
+    model = Tiny()
+    err = _overflowing_sgd(model, MySGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=False), False)
+    assert err.op.startswith("aten.") and err.optimizer == "MySGD" and err.state == "momentum_buffer"
+    plain = Tiny()
+    err = _overflowing_sgd(
+        plain, torch.optim.SGD(plain.parameters(), lr=1e-3, momentum=0.9, foreach=False), False
+    )
+    assert err.op == STEP_WRITES_OP and err.state == "momentum_buffer"
+
+
+@pytest.mark.parametrize("report", ["consequence", "birth"])
+def test_a_nan_in_a_state_from_before_the_block_is_not_born_in_the_parameter_it_reaches(report):
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, 1.0)
+    with torch.no_grad():
+        opt.state[model.emb.weight]["exp_avg"][0, 0] = float("nan")  # e.g. a bad checkpoint
+    with cg.watch(model, mode="sync", report=report):
+        _step(model, opt, 1.0)  # the parameter turns NaN: not this step's birth
+    assert torch.isnan(model.emb.weight).any()
+    nothing_left()
+
+
+def test_a_step_that_raised_leaves_the_next_forward_watched():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, 1.0)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
+        lr = opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"] = "0.1"  # a string: step() raises inside, its post hook never runs
+        with pytest.raises(TypeError):
+            opt.step()
+        opt.param_groups[0]["lr"] = lr
+        with torch.no_grad():
+            model.head.weight.fill_(1e30)
+        model(torch.full((3, 4), 1e30))  # overflows in the model's forward: named there
+    assert info.value.phase == "forward" and info.value.module == "head"
+    nothing_left()

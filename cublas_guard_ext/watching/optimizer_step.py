@@ -46,7 +46,9 @@ def _state() -> Any:
     st = _local
     if not hasattr(st, "stepping"):
         st.stepping = []  # optimizers whose step() runs now in this thread (innermost last)
-        st.unhooked = []  # per step in `stepping`: whether it runs unhooked
+        # Per step in `stepping`: None (watched op by op), else unhooked: the tensors it read
+        # at its start, or True when it makes states (read again at its end).
+        st.unhooked = []
         st.last = None  # weakref to the last optimizer that stepped here
         st.models = []  # weakrefs to the watched models (parameter names)
     return st
@@ -101,39 +103,92 @@ def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
 
 def _step_tensors(
     optimizer: torch.optim.Optimizer,
-) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]], bool]:
     """(parameter, gradient, floating non-scalar state tensors) of each parameter that has a
-    gradient (the others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow)."""
+    gradient (the others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow),
+    and whether one of them has no state yet (its step makes it: read again at the end)."""
     out = []
+    new_state = False
     state = optimizer.state
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
+            values = state.get(p)
+            if not values:
+                new_state = True
+                out.append((p, g, []))
+                continue
             states = [
                 v
-                for v in state.get(p, {}).values()
+                for v in values.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
             ]
             out.append((p, g, states))
-    return out
+    return out, new_state
+
+
+# Tensors an unhooked step wrote and its end found finite (CPU tags, read on the host), by id:
+# (a weak reference, the version then). Until one of them is written (its version moves) or its
+# optimizer steps unwatched, it needs no first-sight scan at the next block's step, nor at the
+# block's entry check (run --watch opens a block per step: 180 MB of AdamW states and 90 MB of
+# parameters a MiniLM step). A write behind torch's back (.data, a fused kernel outside watch:
+# neither moves the version) is then seen only when an op or the next step's end reads it.
+_finite_ref: dict[int, weakref.ref] = {}  # made once per tensor
+_finite_version: dict[int, int] = {}  # (ints: no container the garbage collector tracks, per step)
+_judged: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = weakref.WeakKeyDictionary()
+
+
+def known_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` was found finite at the end of a watched step and not written since."""
+    i = id(t)
+    ref = _finite_ref.get(i)
+    return ref is not None and ref() is t and _finite_version.get(i) == t._version
+
+
+def _forget(optimizer: torch.optim.Optimizer) -> None:
+    for i in _judged.pop(optimizer, ()):
+        _finite_ref.pop(i, None)
+        _finite_version.pop(i, None)
+
+
+def _remember(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> None:
+    ids = [id(t) for t in tensors]
+    before = _judged.get(optimizer)
+    if before != ids:
+        for i in set(before or ()).difference(ids):
+            _finite_ref.pop(i, None)
+            _finite_version.pop(i, None)
+        _judged[optimizer] = ids
+    refs = _finite_ref
+    for i, t in zip(ids, tensors):
+        ref = refs.get(i)
+        if ref is None or ref() is not t:
+            refs[i] = weakref.ref(t)
+        _finite_version[i] = t._version
 
 
 def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _native._watch_active():
+        if optimizer in _judged:
+            _forget(optimizer)  # a step nobody judged: what it wrote is no longer known
         return
     st = _state()
     st.stepping.append(optimizer)
     st.last = weakref.ref(optimizer)
-    if _unhooked(optimizer, args, kwargs):
-        st.unhooked.append(True)
-        _native._watch_optimizer_begin(
-            [t for p, g, states in _step_tensors(optimizer) for t in (p, g, *states)]
-        )
-    else:
-        st.unhooked.append(False)
+    if not _unhooked(optimizer, args, kwargs):
+        st.unhooked.append(None)
         _native._watch_optimizer_step(True)
+        return
+    tensors, new_state = _step_tensors(optimizer)
+    st.unhooked.append(True if new_state else tensors)  # the end reads the same tensors
+    scan, finite = [], []
+    for p, g, states in tensors:
+        scan.append(g)
+        for t in (p, *states):
+            (finite if known_finite(t) else scan).append(t)
+    _native._watch_optimizer_begin(scan, finite)
 
 
 def _post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -145,17 +200,26 @@ def _post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 def _finish(st: Any) -> None:
     """The innermost step of this thread has ended: judged now if it ran unhooked."""
     optimizer = st.stepping.pop()
-    unhooked = st.unhooked.pop() if st.unhooked else False
+    unhooked = st.unhooked.pop() if st.unhooked else None
     try:
-        if not unhooked:
+        if unhooked is None:
             _native._watch_optimizer_step(False)
             return
-        # (read, written) per parameter, with the states this step made: read is the gradient,
-        # then the parameter's tensors as the step read them; the parameter is scanned last,
-        # so its scan sees its states' tags from before the step.
-        groups = [([g, p, *states], [*states, p]) for p, g, states in _step_tensors(optimizer)]
-        # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
-        _native._watch_optimizer_end(groups)
+        # With the states this step made, if it made any (True), else the tensors read at its
+        # start. (read, written) per parameter: read is the gradient, then the parameter's
+        # tensors as the step read them; the parameter is scanned last, so its scan sees its
+        # states' tags from before the step.
+        tensors = _step_tensors(optimizer)[0] if unhooked is True else unhooked
+        groups = [([g, p, *states], [*states, p]) for p, g, states in tensors]
+        finite = False
+        try:
+            # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
+            finite = _native._watch_optimizer_end(groups)
+        finally:
+            if finite:
+                _remember(optimizer, [t for _, written in groups for t in written])
+            elif _judged:
+                _forget(optimizer)
     finally:
         _counts[optimizer] = _counts.get(optimizer, 0) + 1
 
@@ -203,7 +267,7 @@ def left_step() -> None:
     st = _state()
     while st.stepping:
         st.stepping.pop()
-        if st.unhooked and st.unhooked.pop():
+        if st.unhooked and st.unhooked.pop() is not None:
             continue  # its end ended it natively (the finding is raised from there)
         _native._watch_optimizer_step(False)
 

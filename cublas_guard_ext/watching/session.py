@@ -367,7 +367,11 @@ class watch:
             groups.setdefault((item[2].device, item[2].dtype), []).append(item)
         finite = []
         for items in groups.values():
-            if _native._watch_all_finite([t for _, _, t in items]):
+            # Judged finite at the end of the last watched optimizer step and not written since.
+            known = {id(t): t for _, _, t in items if _optimizer_step.known_finite(t)}
+            finite += known.values()
+            items = [item for item in items if id(item[2]) not in known] if known else items
+            if not items or _native._watch_all_finite([t for _, _, t in items]):
                 finite += [t for _, _, t in items]
                 continue
             for role, name, t in items:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cublas_guard_ext as cg
 
@@ -136,3 +137,24 @@ def test_an_overflow_inside_a_guarded_backward_gemm_is_born_at_that_op():
     err = info.value
     assert err.op == "cublas_guard.linear_grad_input.default" and err.phase == "backward"
     assert err.posinf_count == 8 and err.overflow_bound == 76800.0
+
+
+def test_a_composite_ops_output_is_read_once_by_the_op_inside_that_made_it():
+    x, weight, bias = torch.randn(4, 8), torch.randn(3, 8), torch.randn(3)
+    with torch.no_grad(), cg.watch(mode="sync") as w:
+        F.linear(x, weight, bias)  # aten::linear (composite) runs aten::addmm
+        ops, scanned = w.stats()
+    assert scanned == 1 and ops >= 2
+    with pytest.raises(cg.NonFiniteOutputError) as info, torch.no_grad(), cg.watch(mode="sync"):
+        F.linear(x * 1e30, weight * 1e30, bias)  # the birth is still named, at the op inside
+    assert info.value.op == "aten.addmm.default"
+
+
+def test_an_op_returning_its_inputs_storage_is_not_read_again():
+    x = torch.randn(4, 8)
+    with torch.no_grad(), cg.watch(mode="sync") as w:
+        y = x * 2
+        torch.ops.aten._unsafe_view(y, [8, 4])  # y's storage, with no view annotation
+        assert w.stats()[1] == 1
+    with pytest.raises(cg.NonFiniteOutputError), torch.no_grad(), cg.watch(mode="sync"):
+        torch.ops.aten._unsafe_view(x * 1e30 * 1e30, [8, 4])

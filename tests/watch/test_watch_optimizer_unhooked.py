@@ -124,3 +124,58 @@ def test_a_step_that_raised_leaves_the_next_forward_watched():
         model(torch.full((3, 4), 1e30))  # overflows in the model's forward: named there
     assert info.value.phase == "forward" and info.value.module == "head"
     nothing_left()
+
+
+def _block_per_step(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        with cg.watch(model, mode="sync"):  # as run --watch: a block per step
+            _step(model, opt, 1.0)
+
+
+def test_what_a_step_found_finite_is_not_read_again_by_the_next_block(monkeypatch):
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _block_per_step(model, opt, 1)
+    native = cg.watching.optimizer_step._native
+    begun, checked = [], []
+    real_all_finite, real_begin = native._watch_all_finite, native._watch_optimizer_begin
+    monkeypatch.setattr(native, "_watch_all_finite", lambda ts: checked.extend(ts) or real_all_finite(ts))
+    monkeypatch.setattr(
+        native,
+        "_watch_optimizer_begin",
+        lambda scan, finite: begun.append((scan, finite)) or real_begin(scan, finite),
+    )
+    _block_per_step(model, opt, 1)
+    scan, finite = begun[-1]
+    states = [t for p in model.parameters() for t in opt.state[p].values() if t.dim() > 0]
+    assert {id(t) for t in finite} == {id(t) for t in [*model.parameters(), *states]}
+    assert all(t is p.grad for t, p in zip(scan, model.parameters()))  # only the new gradients
+    assert checked == []  # the entry check read no parameter either
+    nothing_left()
+
+
+def test_a_state_written_after_the_step_is_read_again():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _block_per_step(model, opt, 2)
+    with torch.no_grad():
+        opt.state[model.emb.weight]["exp_avg"][0, 0] = float("nan")  # moves its version
+    _block_per_step(model, opt, 1)  # first sight finds it: the parameter's NaN is not born here
+    assert torch.isnan(model.emb.weight).any()
+
+
+def test_a_parameter_written_by_an_unwatched_fused_step_is_checked_on_entry():
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    _block_per_step(model, opt, 1)
+    model(torch.ones(3, 4)).sum().backward()
+    model.emb.weight.grad[0, 0] = float("nan")
+    version = model.emb.weight._version
+    opt.step()  # unwatched; the fused kernel moves no version
+    assert model.emb.weight._version == version and torch.isnan(model.emb.weight).any()
+    with pytest.raises(cg.NonFiniteEntryError) as info, cg.watch(model, mode="sync"):
+        pass
+    assert info.value.name == "emb.weight"

@@ -195,6 +195,8 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
     slot = d.next_slot++;
   }
   d.slots.insert(key, slot, t.storage().getWeakStorageImpl());
+  if (d.slot_seq.size() <= static_cast<size_t>(slot)) d.slot_seq.resize(static_cast<size_t>(slot) + 1, -1);
+  d.slot_seq[slot] = -1;
   return slot;
 }
 
@@ -363,8 +365,31 @@ void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>&
   }
 }
 
+// Whether `t`'s values are already judged and need no scan: a composite op's output that an op
+// it ran scanned (`first_seq` on), or the storage of an input of an op that writes nothing
+// (_unsafe_view's result) outside forward's autograd recording (there the node's tag is written
+// by the scan). Its slot's tag is then the tag of those very values.
+static bool already_judged(const DeviceTags& d, const OpInfo& info, const std::vector<c10::IValue>& args,
+                           const at::Tensor& t, int64_t seq_index, int64_t first_seq) {
+  const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
+  if (info.composite) {
+    const int32_t slot = d.slots.find(key);
+    if (slot >= 0 && static_cast<size_t>(slot) < d.slot_seq.size() && d.slot_seq[slot] >= first_seq)
+      return true;
+  }
+  if (!info.written_args.empty() || seq_index >= 0 || d.slots.find(key) < 0) return false;
+  bool shared = false;
+  for (size_t i = 0; i < args.size() && i < info.num_args && !shared; ++i) {
+    for_each_tensor(args[i], [&](const at::Tensor& in) {
+      shared = shared || (in.defined() && in.has_storage() && in.storage().unsafeGetStorageImpl() == key);
+    });
+  }
+  return shared;
+}
+
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index) {
+                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index,
+                int64_t first_seq) {
   TagState& w = *s.tags;
   const bool consequence = s.report == kReportConsequence;
   const c10::FunctionSchema& schema = op.schema();
@@ -395,7 +420,7 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   auto scan_output = [&](const at::Tensor& t, int64_t index, int64_t list_len, int64_t position) {
     if (!readable(t)) return;
     DeviceTags* d = tags_for(w, t);
-    if (d == nullptr) return;
+    if (d == nullptr || (!s.verify && already_judged(*d, info, args, t, seq_index, first_seq))) return;
     ++s.outputs_scanned;
     const int64_t seq = w.next_seq++;
     CallDesc& c = w.ring[seq & (w.capacity - 1)];
@@ -450,6 +475,7 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     c.output_index = index;
     c.out.set(t);
     set_groups(c, info, args);
+    d->slot_seq[a.out_slot] = seq;
     launch(*d, t, a);
     if (s.verify) verify_after(s, op, t);
   };
@@ -475,8 +501,29 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }
 
-void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors) {
+void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
+                      const std::vector<at::Tensor>& finite) {
   for (const at::Tensor& t : tensors) first_sight(*s.tags, t);
+  for (const at::Tensor& t : finite) {
+    if (!readable(t)) continue;
+    DeviceTags* d = tags_for(*s.tags, t);
+    bool fresh = false;
+    const int32_t slot = d != nullptr ? slot_of(*d, t, &fresh) : -1;
+    if (!fresh) continue;  // a slot of this block: its tag is what the block knows
+    if (t.is_cpu()) {
+      raw(d->tags)[slot] = kTagFinite;  // a reused slot may hold an old tag
+    } else {
+      c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+      d->tags.narrow(0, slot, 1).zero_();
+    }
+  }
+}
+
+bool tags_finite_on_host(Session& s, const at::Tensor& t) {
+  if (!readable(t) || !t.is_cpu()) return false;
+  DeviceTags* d = tags_for(*s.tags, t);
+  const int32_t slot = d != nullptr ? d->slots.find(t.storage().unsafeGetStorageImpl()) : -1;
+  return slot >= 0 && raw(d->tags)[slot] == kTagFinite;
 }
 
 void tags_after_step(Session& s, const std::vector<at::Tensor>& read,
@@ -491,7 +538,7 @@ void tags_after_step(Session& s, const std::vector<at::Tensor>& read,
   const std::vector<c10::IValue> args{c10::IValue(read), c10::IValue(written)};
   // No first sight here: a state the step made has no slot, so it is no input of its own scan.
   const torch::jit::Stack none;
-  tags_after(s, op, info, args, none, /*seq_index=*/-1);
+  tags_after(s, op, info, args, none, /*seq_index=*/-1, /*first_seq=*/s.tags->next_seq);
 }
 
 void poll(Session& s) {
@@ -521,6 +568,9 @@ void tags_reached(Session& s, const at::Tensor& t, const std::string& where) {
   if (d == nullptr) return;
   const int32_t slot = d->slots.find(t.storage().unsafeGetStorageImpl());
   if (slot < 0) return;  // untagged: finite, or from nowhere the watch saw
+  // A sink's finding needs an origin's tag (findings_of); on the CPU the host reads the tag
+  // itself (no sync), so a finite-tagged gradient is not read again (90 MB a MiniLM step).
+  if (d->home.device.is_cpu() && raw(d->tags)[slot] < kTagFirst) return;
   w.names.push_back(where);
   TagArgs a;
   a.kind = kScanSink;

@@ -119,6 +119,10 @@ struct DeviceTags {
   TagHome home;
   const DeviceKernels* kernels = nullptr;
   SlotMap slots;
+  // Per slot, the sequence number of the last op output scanned into it (-1: none since the
+  // slot was assigned): a composite op's output that an op inside it already scanned is not
+  // read again (tags_after).
+  std::vector<int64_t> slot_seq;
   std::vector<int32_t> free_slots;
   int32_t next_slot = 0;
   int64_t capacity = 1 << 16;      // tag slots
@@ -167,8 +171,11 @@ std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity);
 void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
 // The arg-th argument `t` (the op's input-th tensor input) as a view a birth reads (watch_views.cpp).
 void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, int32_t input, bool same_home);
+// `first_seq`: the ring's next sequence number when the op began (the scans of the ops a
+// composite op ran inside have numbers from there on).
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
-                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index);
+                const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index,
+                int64_t first_seq);
 // A guarded layer refused its input: the earliest origin its inputs carry,
 // else kNoOrigin (an error path: synchronizes and reads tags back).
 uint32_t input_origin(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
@@ -193,7 +200,12 @@ void tags_known_finite(Session& s, const at::Tensor& t);
 // per parameter, each tensor it wrote (`written`: its states, then the parameter) scanned as an
 // output of one op, cublas_guard_internal::optimizer_step_writes, whose inputs are `read` (the
 // gradient, then the parameter's tensors as they were before the step; watch_python.cpp).
-void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors);
+// `finite`: tensors judged finite at the end of this optimizer's last watched step and not
+// written since (watching/optimizer_step.py keeps their versions): a finite tag, no scan.
+void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
+                      const std::vector<at::Tensor>& finite);
+// Whether a CPU tensor's tag says finite (the host reads the CPU's tag array; false elsewhere).
+bool tags_finite_on_host(Session& s, const at::Tensor& t);
 void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);

@@ -87,6 +87,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
   saved.assign(stack->end() - static_cast<std::ptrdiff_t>(n), stack->end());
 
   int64_t seq_index = -1;  // this op's node's index into seq_module and the seq tags
+  int64_t first_seq = 0;   // the ring's next number now: the scans of the ops it runs come after
   {
     SessionLock lock(*s.mu);  // one lock for the poll and the hooks before the op
     poll_locked(s);           // an acquire load of each record's flag
@@ -101,6 +102,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
       }
     }
     tags_before(s, info, saved);
+    first_seq = s.tags->next_seq;
     // Consequence mode: a value that turns finite at a float8 cast never reaches the
     // loss, so the cast is its sink (report="birth" raised at the birth already).
     if (info.float8_step != 0 && consequence) {
@@ -152,7 +154,7 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch
       for (int a : info.written_args)
         for_each_tensor(saved[a], [&](const at::Tensor& t) { verify_written(s, t); });
     }
-    tags_after(s, op, info, saved, *stack, seq_index);
+    tags_after(s, op, info, saved, *stack, seq_index, first_seq);
   }
   run_after_unlock(s);  // a sync finding, a birth's stack: after the lock
 }

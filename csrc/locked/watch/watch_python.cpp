@@ -244,16 +244,18 @@ PyObject* py_optimizer_step(PyObject*, PyObject* arg) {
 // hook's per-op cost bought nothing there but which of the update's ops made a value (issue 50:
 // AdamW's eight parameter-sized outputs per parameter, each scanned, were half of a watched
 // MiniLM step's extra time).
-PyObject* py_optimizer_begin(PyObject*, PyObject* arg) {
+PyObject* py_optimizer_begin(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
+  PyObject *tensors_obj = nullptr, *finite_obj = nullptr;
+  if (!PyArg_ParseTuple(args, "OO", &tensors_obj, &finite_obj)) return nullptr;
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
-  std::vector<at::Tensor> tensors;
-  if (!read_tensors(arg, tensors)) return nullptr;
+  std::vector<at::Tensor> tensors, finite;
+  if (!read_tensors(tensors_obj, tensors) || !read_tensors(finite_obj, finite)) return nullptr;
   {
     pybind11::gil_scoped_release nogil;
     SessionLock lock(*s->mu);
-    tags_before_step(*s, tensors);
+    tags_before_step(*s, tensors, finite);
     ++s->optimizer_depth;
     if (s->unhooked_steps++ == 0) {
       s->key_off_for_step = c10::impl::tls_is_dispatch_key_included(kWatchKey);
@@ -265,7 +267,8 @@ PyObject* py_optimizer_begin(PyObject*, PyObject* arg) {
 }
 
 // The unhooked step ended: `groups`, one (read, written) pair of tensor sequences per parameter
-// (tags_after_step), scanned as one op's outputs each, in phase "optimizer step".
+// (tags_after_step), scanned as one op's outputs each, in phase "optimizer step". Returns
+// whether every written tensor is on the CPU with a finite tag now (read on the host).
 PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
   HANDLE_TH_ERRORS
   Session* s = tls_session;
@@ -284,16 +287,20 @@ PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
     return true;
   });
   if (!ok) return nullptr;
+  bool finite = true;
   {
     pybind11::gil_scoped_release nogil;
     SessionLock lock(*s->mu);
     c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
     // Attributed to the step (its depth is still counted) and only then ended.
-    for (const auto& [read, written] : pairs) tags_after_step(*s, read, written);
+    for (const auto& [read, written] : pairs) {
+      tags_after_step(*s, read, written);
+      for (const at::Tensor& t : written) finite = finite && tags_finite_on_host(*s, t);
+    }
     end_unhooked_steps(*s, 1);
   }
   run_after_unlock(*s);  // a sync finding
-  Py_RETURN_NONE;
+  return PyBool_FromLong(finite ? 1 : 0);
   END_HANDLE_TH_ERRORS
 }
 
@@ -411,8 +418,8 @@ PyMethodDef methods[] = {
     {"_watch_push", py_push, METH_O, "push a module id"},
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
     {"_watch_optimizer_step", py_optimizer_step, METH_O, "optimizer.step() begins (True) or ends (False)"},
-    {"_watch_optimizer_begin", py_optimizer_begin, METH_O,
-     "_watch_optimizer_begin(tensors): a torch optimizer's step begins, unhooked"},
+    {"_watch_optimizer_begin", py_optimizer_begin, METH_VARARGS,
+     "_watch_optimizer_begin(tensors, finite): a torch optimizer's step begins, unhooked"},
     {"_watch_optimizer_end", py_optimizer_end, METH_O,
      "_watch_optimizer_end([(read, written), ...]): the unhooked step ended; what it wrote is judged"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},

@@ -158,3 +158,29 @@ def test_an_op_returning_its_inputs_storage_is_not_read_again():
         assert w.stats()[1] == 1
     with pytest.raises(cg.NonFiniteOutputError), torch.no_grad(), cg.watch(mode="sync"):
         torch.ops.aten._unsafe_view(x * 1e30 * 1e30, [8, 4])
+
+
+def test_a_copy_or_bounded_map_of_finite_tensors_is_tagged_finite_without_a_read():
+    x = torch.randn(64, 64)
+    with torch.no_grad(), cg.watch(mode="sync") as w:
+        y = x * 2  # scanned
+        y.clone(), torch.relu(y), F.gelu(y), torch.softmax(y, -1), y.double(), y.to(torch.bfloat16).float()
+        assert w.stats()[1] == 2  # x * 2 and the narrowing cast to bfloat16 only
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.full((8,), 1e6, dtype=torch.float64).to(torch.float16), id="narrowing"),
+        pytest.param(lambda: torch.full((8,), 10**6).to(torch.float16), id="int64-to-float16"),
+    ],
+)
+def test_a_cast_that_can_overflow_is_still_read(make):
+    assert _births(make).op == "aten._to_copy.default"
+
+
+def test_a_copy_of_a_non_finite_value_inherits_it_and_is_no_new_birth():
+    x = torch.randn(8)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
+        torch.log(x - 10).clone()  # born at log; the clone is not a birth
+    assert info.value.op == "aten.log.default"

@@ -96,6 +96,11 @@ struct OpInfo {
   // Where an Inf may vanish into the float8 range (float8_swallow): 1 a clamp or clip
   // (a saturated FP8 cast's first step), 2 _to_copy, 3 copy_.
   uint8_t float8_step = 0;
+  // Finite inputs give finite outputs, whatever the values: copies (clone, _unsafe_view, a cast
+  // or copy_ to the same or a wider float dtype), bounded maps (relu, gelu, softmax) and
+  // bernoulli_. On the CPU, where the host reads the inputs' tags, such an output is tagged
+  // finite without a scan when every input's tag is (watch_device.cpp: finite_by_rule).
+  bool finite_from_finite = false;
   // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments
   // holding its group ends and the weight's name (-1: none). A finding in its output
   // names the group of the first bad row (watch_device_report.cpp).

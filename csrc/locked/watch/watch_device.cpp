@@ -387,6 +387,37 @@ static bool already_judged(const DeviceTags& d, const OpInfo& info, const std::v
   return shared;
 }
 
+// A float dtype that holds every value of `from` (a cast to it cannot overflow).
+static bool widens(at::ScalarType from, at::ScalarType to) {
+  if (from == to) return true;
+  if (to == at::kDouble) return from == at::kFloat || from == at::kHalf || from == at::kBFloat16;
+  return to == at::kFloat && (from == at::kHalf || from == at::kBFloat16);
+}
+
+// OpInfo::finite_from_finite on the CPU: every floating input's tag, read on the host, is
+// finite (and a cast widens), so the output is finite without reading it. Its slot is then
+// tagged finite here (a whole storage only: a partial write keeps the rest's tag, so it is
+// scanned). Values an op of this kind turns non-finite do not exist; finite ones need no record.
+static bool finite_by_rule(DeviceTags& d, const OpInfo& info, const std::vector<c10::IValue>& args,
+                           const at::Tensor& t, int64_t list_len, int64_t position) {
+  if (!info.finite_from_finite || !d.home.device.is_cpu() || !covers_storage(t)) return false;
+  bool finite = true;
+  for_each_input(info, args, list_len, position, [&](size_t, const at::Tensor& in) {
+    if (!finite || !in.defined()) return;
+    if (!in.is_floating_point()) {  // an integer cast: int64's 9.2e18 overflows only float16
+      finite = t.scalar_type() != at::kHalf;
+      return;
+    }
+    if (!widens(in.scalar_type(), t.scalar_type())) {
+      finite = false;
+      return;
+    }
+    const int32_t slot = in.has_storage() ? d.slots.find(in.storage().unsafeGetStorageImpl()) : -1;
+    finite = slot >= 0 && raw(d.tags)[slot] == kTagFinite;  // tags_before gave every input a slot
+  });
+  return finite;
+}
+
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
                 const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index,
                 int64_t first_seq) {
@@ -421,6 +452,13 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     if (!readable(t)) return;
     DeviceTags* d = tags_for(w, t);
     if (d == nullptr || (!s.verify && already_judged(*d, info, args, t, seq_index, first_seq))) return;
+    if (!s.verify && base.scalar_bad == 0 && finite_by_rule(*d, info, args, t, list_len, position)) {
+      bool fresh = false;
+      const int32_t slot = slot_of(*d, t, &fresh);
+      raw(d->tags)[slot] = kTagFinite;
+      d->slot_seq[slot] = w.next_seq;  // judged by this op, as a scan would have
+      return;
+    }
     ++s.outputs_scanned;
     const int64_t seq = w.next_seq++;
     CallDesc& c = w.ring[seq & (w.capacity - 1)];

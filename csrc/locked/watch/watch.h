@@ -31,7 +31,8 @@
 //
 // The files: watch_ops.cpp (op traits), watch_session.cpp (sessions, module
 // attribution, origins and findings), watch_fallback.cpp (the hook),
-// watch_device.cpp (tag slots, the ring, the launches), watch_device_report.cpp
+// watch_slots.cpp (tag slots, the launches), watch_device.cpp (the hooks, the ring),
+// watch_device_report.cpp
 // (the record read back into errors), watch_device_cpu.cpp and
 // locked/watch/watch_scan.cu (the kernels), watch_verify.cpp (verify_inputs),
 // watch_reraise.cpp, watch_python.cpp (the methods of cublas_guard_ext._C).

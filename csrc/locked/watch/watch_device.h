@@ -165,6 +165,25 @@ struct TagState {
   ~TagState();
 };
 
+// Shared by watch_slots.cpp (which defines them) and watch_device.cpp.
+// The tag array a tensor's storage belongs to: its device (and lane).
+TagHome home_of(const TagState& w, const at::Tensor& t);
+// That array's state, made when the block first touches the device; nullptr: a device with no
+// kernels (not watched).
+DeviceTags* tags_for(TagState& w, const at::Tensor& t);
+// Grows one array (a stream-ordered copy, no sync); the old one is retired until the final check.
+void grow(DeviceTags& d, at::Tensor DeviceTags::* which, int64_t capacity);
+// Whether t is all of its storage (dense, offset 0): a finite scan of it makes the slot finite.
+bool covers_storage(const at::Tensor& t);
+// t's slot in d; a new one (*fresh) when its storage has none.
+int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh);
+// Watch's own int32 arrays' data (dense, offset 0, never copy-on-write), without data_ptr's checks.
+int32_t* raw(const at::Tensor& a);
+// One scan of t with arguments a on d's device.
+void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a);
+// A tensor no watched op wrote gets a slot and a first-sight scan.
+void first_sight(TagState& w, const at::Tensor& t);
+
 // The thread's tag state for a block beginning now (outermost: reset it).
 std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity);
 // The op's hooks (watch_fallback.cpp calls them with the session locked).

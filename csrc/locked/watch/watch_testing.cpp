@@ -13,7 +13,7 @@
 
 namespace cublas_guard {
 namespace watch {
-// locked/watch/watch_device.cpp: the CPU as two devices, a late harvest, a small tag array.
+// locked/watch/watch_slots.cpp: the CPU as two devices, a late harvest, a small tag array.
 void set_test_seam_values(bool two_cpu_devices, bool late_harvest, int64_t tag_capacity);
 }  // namespace watch
 

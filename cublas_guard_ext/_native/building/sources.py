@@ -52,6 +52,7 @@ LOCKED_CPU_SOURCES = (
     "locked/watch/watch_reraise.cpp",
     "locked/watch/watch_python.cpp",
     "locked/watch/watch_device.cpp",
+    "locked/watch/watch_slots.cpp",
     "locked/watch/watch_device_report.cpp",
     "locked/watch/watch_device_cpu.cpp",
     "locked/watch/watch_views.cpp",

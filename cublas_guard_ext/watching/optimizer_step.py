@@ -50,6 +50,8 @@ def _state() -> Any:
         # at its start, or True when it makes states (read again at its end).
         st.unhooked = []
         st.last = None  # weakref to the last optimizer that stepped here
+        st.block = 0  # this thread's watch blocks begun (block_began)
+        st.stepped = weakref.WeakKeyDictionary()  # optimizer -> the block of its last step
         st.models = []  # weakrefs to the watched models (parameter names)
     return st
 
@@ -129,44 +131,63 @@ def _step_tensors(
     return out, new_state
 
 
-# Tensors an unhooked step wrote and its end found finite (CPU tags, read on the host), by id:
-# (a weak reference, the version then). Until one of them is written (its version moves) or its
-# optimizer steps unwatched, it needs no first-sight scan at the next block's step, nor at the
-# block's entry check (run --watch opens a block per step: 180 MB of AdamW states and 90 MB of
-# parameters a MiniLM step). A write behind torch's back (.data, a fused kernel outside watch:
-# neither moves the version) is then seen only when an op or the next step's end reads it.
-_finite_ref: dict[int, weakref.ref] = {}  # made once per tensor
-_finite_version: dict[int, int] = {}  # (ints: no container the garbage collector tracks, per step)
-_judged: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[int]] = weakref.WeakKeyDictionary()
+# What an unhooked step wrote and its end found finite (CPU tags, read on the host): per
+# optimizer, the tensors' ids and their versions then. Until one of them is written (its version
+# moves) or its optimizer steps unwatched, it needs no first-sight scan at the next block's step,
+# nor at the block's entry check (run --watch opens a block per step: 180 MB of AdamW states and
+# 90 MB of parameters a MiniLM step). A write behind torch's back (.data, a fused kernel outside
+# watch: neither moves the version) is then seen only when an op or the next step's end reads it.
+# Weak references (made once per tensor): a state replaced by load_state_dict is not kept alive.
+_judged: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list[int], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+_refs: dict[int, weakref.ref] = {}
+_index: dict[int, tuple[list[int], int]] = {}  # id -> (versions, position), rebuilt when read
+_index_stale = [False]
 
 
 def known_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` was found finite at the end of a watched step and not written since."""
+    if _index_stale[0]:
+        _index.clear()
+        for ids, versions in list(_judged.values()):
+            for k, i in enumerate(ids):
+                _index[i] = (versions, k)
+        _index_stale[0] = False
     i = id(t)
-    ref = _finite_ref.get(i)
-    return ref is not None and ref() is t and _finite_version.get(i) == t._version
+    entry = _index.get(i)
+    if entry is None:
+        return False
+    ref = _refs.get(i)
+    return ref is not None and ref() is t and entry[0][entry[1]] == t._version
 
 
 def _forget(optimizer: torch.optim.Optimizer) -> None:
-    for i in _judged.pop(optimizer, ()):
-        _finite_ref.pop(i, None)
-        _finite_version.pop(i, None)
+    judged = _judged.pop(optimizer, None)
+    if judged is not None:
+        for i in judged[0]:
+            _refs.pop(i, None)
+        _index_stale[0] = True
 
 
 def _remember(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> None:
     ids = [id(t) for t in tensors]
     before = _judged.get(optimizer)
-    if before != ids:
-        for i in set(before or ()).difference(ids):
-            _finite_ref.pop(i, None)
-            _finite_version.pop(i, None)
-        _judged[optimizer] = ids
-    refs = _finite_ref
-    for i, t in zip(ids, tensors):
-        ref = refs.get(i)
-        if ref is None or ref() is not t:
-            refs[i] = weakref.ref(t)
-        _finite_version[i] = t._version
+    if before is None or before[0] != ids:  # new tensors: their references, once
+        for i in set(before[0] if before else ()).difference(ids):
+            _refs.pop(i, None)
+        for i, t in zip(ids, tensors):
+            ref = _refs.get(i)
+            if ref is None or ref() is not t:
+                _refs[i] = weakref.ref(t)
+    _judged[optimizer] = (ids, [t._version for t in tensors])
+    _index_stale[0] = True
+
+
+def block_began() -> None:
+    """A watch block begins in this thread: its first step of each optimizer looks up what the
+    last watched step found finite; later steps in the block find every tensor tagged."""
+    _state().block += 1
 
 
 def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -183,11 +204,14 @@ def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     tensors, new_state = _step_tensors(optimizer)
     st.unhooked.append(True if new_state else tensors)  # the end reads the same tensors
-    scan, finite = [], []
-    for p, g, states in tensors:
-        scan.append(g)
-        for t in (p, *states):
-            (finite if known_finite(t) else scan).append(t)
+    scan = [t for p, g, states in tensors for t in (g, p, *states)]
+    finite = []
+    if st.stepped.get(optimizer) != st.block:  # its first step in this block
+        st.stepped[optimizer] = st.block
+        finite = [t for t in scan if known_finite(t)]
+        if finite:
+            known = {id(t) for t in finite}
+            scan = [t for t in scan if id(t) not in known]
     _native._watch_optimizer_begin(scan, finite)
 
 

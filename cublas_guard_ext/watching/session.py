@@ -503,6 +503,7 @@ class watch:
             _watch_patches.install()
             self._patched = True
             _optimizer_step.model_entered(self.model)
+            _optimizer_step.block_began()
             _watch_patches._sdpa.model_entered(self.model, mode)
             # Compiled regions run eagerly inside the block: every op reaches the hook. (No
             # torch._dynamo imported: nothing was compiled, and importing it costs seconds.)

@@ -102,6 +102,8 @@ struct OpInfo {
   // bernoulli_. On the CPU, where the host reads the inputs' tags, such an output is tagged
   // finite without a scan when every input's tag is (watch_device.cpp: finite_by_rule).
   bool finite_from_finite = false;
+  // cublas_guard_internal::optimizer_step_writes, an unhooked optimizer step's writes.
+  bool step_writes = false;
   // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments
   // holding its group ends and the weight's name (-1: none). A finding in its output
   // names the group of the first bad row (watch_device_report.cpp).
@@ -238,9 +240,7 @@ template <typename Fn>
 void for_each_tensor(const c10::IValue& v, Fn&& fn) {
   if (v.isTensor()) {
     fn(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorVector()) fn(t);
-  } else if (v.isList()) {
+  } else if (v.isList()) {  // tensor lists too: by reference (toTensorVector copies, refcounts and all)
     for (const c10::IValue& e : v.toListRef()) {
       if (e.isTensor()) fn(e.toTensor());
     }

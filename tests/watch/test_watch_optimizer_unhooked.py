@@ -16,6 +16,12 @@ from cublas_guard_ext.errors.optimizer_step import STEP_WRITES_OP
 from helpers.watch_models import nothing_left
 
 
+def _tiny_adamw(**kwargs) -> tuple[Tiny, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Tiny()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, **kwargs)
+
+
 def _params(n: int = 3) -> list[nn.Parameter]:
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(8, 4)) for _ in range(n)]
@@ -96,9 +102,7 @@ def test_a_subclass_of_a_torch_optimizer_stays_watched_op_by_op():
 
 @pytest.mark.parametrize("report", ["consequence", "birth"])
 def test_a_nan_in_a_state_from_before_the_block_is_not_born_in_the_parameter_it_reaches(report):
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _tiny_adamw()
     _step(model, opt, 1.0)
     with torch.no_grad():
         opt.state[model.emb.weight]["exp_avg"][0, 0] = float("nan")  # e.g. a bad checkpoint
@@ -109,9 +113,7 @@ def test_a_nan_in_a_state_from_before_the_block_is_not_born_in_the_parameter_it_
 
 
 def test_a_step_that_raised_leaves_the_next_forward_watched():
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _tiny_adamw()
     _step(model, opt, 1.0)
     with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
         lr = opt.param_groups[0]["lr"]
@@ -133,9 +135,7 @@ def _block_per_step(model: nn.Module, opt: torch.optim.Optimizer, steps: int) ->
 
 
 def test_what_a_step_found_finite_is_not_read_again_by_the_next_block(monkeypatch):
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _tiny_adamw()
     _block_per_step(model, opt, 1)
     native = cg.watching.optimizer_step._native
     begun, checked = [], []
@@ -156,9 +156,7 @@ def test_what_a_step_found_finite_is_not_read_again_by_the_next_block(monkeypatc
 
 
 def test_a_state_written_after_the_step_is_read_again():
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = _tiny_adamw()
     _block_per_step(model, opt, 2)
     with torch.no_grad():
         opt.state[model.emb.weight]["exp_avg"][0, 0] = float("nan")  # moves its version
@@ -167,9 +165,7 @@ def test_a_state_written_after_the_step_is_read_again():
 
 
 def test_a_parameter_written_by_an_unwatched_fused_step_is_checked_on_entry():
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, opt = _tiny_adamw(fused=True)
     _block_per_step(model, opt, 1)
     model(torch.ones(3, 4)).sum().backward()
     model.emb.weight.grad[0, 0] = float("nan")

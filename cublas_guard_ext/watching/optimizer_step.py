@@ -103,6 +103,9 @@ def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
     return closure is None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _step_tensors(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]], bool]:
@@ -198,11 +201,13 @@ def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     st = _state()
     st.stepping.append(optimizer)
     st.last = weakref.ref(optimizer)
-    if not _unhooked(optimizer, args, kwargs):
+    tensors, new_state = _step_tensors(optimizer) if _unhooked(optimizer, args, kwargs) else (None, False)
+    if tensors is None or not all(type(p) in _PLAIN and type(g) is torch.Tensor for p, g, _ in tensors):
+        # Op by op: a closure, another library's optimizer, or parameters that are tensor
+        # subclasses (FSDP2's DTensor: the ops on their local shards are what watch can read).
         st.unhooked.append(None)
         _native._watch_optimizer_step(True)
         return
-    tensors, new_state = _step_tensors(optimizer)
     st.unhooked.append(True if new_state else tensors)  # the end reads the same tensors
     scan = [t for p, g, states in tensors for t in (g, p, *states)]
     finite = []

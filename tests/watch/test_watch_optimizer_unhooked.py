@@ -175,3 +175,18 @@ def test_a_parameter_written_by_an_unwatched_fused_step_is_checked_on_entry():
     with pytest.raises(cg.NonFiniteEntryError) as info, cg.watch(model, mode="sync"):
         pass
     assert info.value.name == "emb.weight"
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass (FSDP2's DTensor is one): the step's ops on it stay watched one by one."""
+
+
+def test_a_step_over_tensor_subclass_parameters_stays_watched_op_by_op():
+    torch.manual_seed(0)
+    model = Tiny()
+    for module in (model.emb, model.head):
+        module.weight = nn.Parameter(module.weight.detach().as_subclass(Wrapped))
+    opt = torch.optim.SGD(model.parameters(), lr=1e30)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(model, mode="sync"):
+        _step(model, opt, 1e10)  # weight - 1e30 * 1e10 overflows
+    assert info.value.op.startswith("aten.") and info.value.state == "the parameter"

@@ -110,19 +110,15 @@ class NonFiniteOutputError(_WatchFinding, GuardError, ValueError):
             first,
             f"output: shape {_shape(f.get('shape'))} {_dtype(f.get('dtype'))} on {f.get('device')}",
         ]
-        inputs = _optimizer_step.judged_at_return(f) if self._in_optimizer_step() else None
-        inputs = inputs or _inputs_line(f)
+        judged = _optimizer_step.judged_at_return(f) if self._in_optimizer_step() else None
+        inputs = judged or _inputs_line(f)
         if inputs:
             lines.append(inputs)
         if self._in_optimizer_step():  # the state's and gradient's magnitudes, read from the optimizer
             counts = counts_line(f)
             return (
                 lines
-                + (
-                    [f"counts at that op: {counts}"]
-                    if counts and not _optimizer_step.judged_at_return(f)
-                    else []
-                )
+                + ([f"counts at that op: {counts}"] if counts and not judged else [])
                 + _optimizer_step.details(f)
                 + _where_it_went(f)
             )

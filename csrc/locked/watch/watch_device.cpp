@@ -165,12 +165,11 @@ void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>&
 static bool already_judged(const DeviceTags& d, const OpInfo& info, const std::vector<c10::IValue>& args,
                            const at::Tensor& t, int64_t seq_index, int64_t first_seq) {
   const c10::StorageImpl* key = t.storage().unsafeGetStorageImpl();
-  if (info.composite) {
-    const int32_t slot = d.slots.find(key);
-    if (slot >= 0 && static_cast<size_t>(slot) < d.slot_seq.size() && d.slot_seq[slot] >= first_seq)
-      return true;
-  }
-  if (!info.written_args.empty() || seq_index >= 0 || d.slots.find(key) < 0) return false;
+  const int32_t slot = d.slots.find(key);
+  if (slot < 0) return false;  // values no op of the block judged
+  if (info.composite && static_cast<size_t>(slot) < d.slot_seq.size() && d.slot_seq[slot] >= first_seq)
+    return true;
+  if (!info.written_args.empty() || seq_index >= 0) return false;
   bool shared = false;
   for (size_t i = 0; i < args.size() && i < info.num_args && !shared; ++i) {
     for_each_tensor(args[i], [&](const at::Tensor& in) {
@@ -248,7 +247,7 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     if (!s.verify && base.scalar_bad == 0 && finite_by_rule(*d, info, args, t, list_len, position)) {
       bool fresh = false;
       const int32_t slot = slot_of(*d, t, &fresh);
-      raw(d->tags)[slot] = kTagFinite;
+      raw(d->tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)
       d->slot_seq[slot] = w.next_seq;  // judged by this op, as a scan would have
       return;
     }
@@ -338,19 +337,8 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
                       const std::vector<at::Tensor>& finite) {
   for (const at::Tensor& t : tensors) first_sight(*s.tags, t);
-  for (const at::Tensor& t : finite) {
-    if (!readable(t)) continue;
-    DeviceTags* d = tags_for(*s.tags, t);
-    bool fresh = false;
-    const int32_t slot = d != nullptr ? slot_of(*d, t, &fresh) : -1;
-    if (!fresh) continue;  // a slot of this block: its tag is what the block knows
-    if (t.is_cpu()) {
-      raw(d->tags)[slot] = kTagFinite;  // a reused slot may hold an old tag
-    } else {
-      c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
-      d->tags.narrow(0, slot, 1).zero_();
-    }
-  }
+  // A slot this block already gave one keeps its tag: that is what the block knows.
+  for (const at::Tensor& t : finite) tags_known_finite(s, t);
 }
 
 bool tags_finite_on_host(Session& s, const at::Tensor& t) {

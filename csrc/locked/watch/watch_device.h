@@ -211,8 +211,9 @@ void add_lost(ErrorReport& r, const TagState& w);
 // The next op's check: harvests when a record's flag is up (an acquire load).
 void poll(Session& s);
 void poll_locked(Session& s);  // the same, with the session's lock held
-// A tensor the entry check found finite at a block's outermost start: a slot
-// (its tag is the zero of a fresh array), so no first-sight scan reads it again.
+// A tensor known finite (the entry check at a block's outermost start, an unhooked step's
+// earlier judgement): a fresh slot, whose tag starts finite (slot_of), so no first-sight scan
+// reads it again; a slot it already has keeps its tag.
 void tags_known_finite(Session& s, const at::Tensor& t);
 // An optimizer step run unhooked (watching/optimizer_step.py): before it, first-sight scans of
 // what it reads and may write (a value non-finite before the step is not its birth); after it,

@@ -329,13 +329,7 @@ PyObject* py_scan(PyObject*, PyObject* arg) {
 PyObject* py_all_finite(PyObject*, PyObject* arg) {
   HANDLE_TH_ERRORS
   std::vector<at::Tensor> tensors;
-  const bool ok = for_each_item(arg, "expected a sequence of tensors", [&](PyObject* obj) {
-    const bool tensor = THPVariable_Check(obj);
-    if (tensor) tensors.push_back(THPVariable_Unpack(obj));
-    if (!tensor) PyErr_SetString(PyExc_TypeError, "expected a sequence of tensors");
-    return tensor;
-  });
-  if (!ok) return nullptr;
+  if (!read_tensors(arg, tensors)) return nullptr;
   bool finite = false;
   {
     pybind11::gil_scoped_release nogil;

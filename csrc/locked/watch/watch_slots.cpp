@@ -183,6 +183,15 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   if (!d.free_slots.empty()) {
     slot = d.free_slots.back();
     d.free_slots.pop_back();
+    // A recycled slot holds its last storage's tag: every fresh slot starts finite, as one from
+    // the never-used end of the array does (a fresh slot's old tag is otherwise never read, but
+    // tags_known_finite relies on it). Rare: only after 8,192 slots, for storages that died.
+    if (d.home.device.is_cpu()) {
+      raw(d.tags)[slot] = kTagFinite;
+    } else {
+      c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+      d.tags.narrow(0, slot, 1).zero_();
+    }
   } else {
     if (d.next_slot >= d.capacity) {  // big chunks: the array doubles
       d.capacity *= 2;

@@ -50,6 +50,51 @@ def _patched_sdpa(*args: Any, **kwargs: Any) -> Any:
     return _sdpa.check(_originals["sdpa"], args, kwargs)
 
 
+def _patched_matmul(*args: Any, **kwargs: Any) -> Any:
+    """sdpa.py: eager attention's product with a value cache's masked-out NaN."""
+    return _sdpa.check_matmul(_originals["matmul"], args, kwargs)
+
+
+def _patched_tensor_matmul(self: Any, other: Any) -> Any:
+    if not isinstance(other, torch.Tensor):
+        return torch._C.TensorBase.__matmul__(self, other)
+    return _sdpa.check_matmul(torch._C.TensorBase.matmul, (self, other), {})
+
+
+def _patched_bmm(*args: Any, **kwargs: Any) -> Any:
+    return _sdpa.check_matmul(_originals["bmm"], args, kwargs)
+
+
+_matmul_users = 0
+
+
+def install_matmul() -> None:
+    """While a block holds a buffer non-finite on entry: eager attention's products are checked
+    (sdpa.check_matmul). Refcounted apart from install(): no block without one pays for it."""
+    global _matmul_users
+    with _patch_lock:
+        _matmul_users += 1
+        if _matmul_users > 1:
+            return
+        _originals["matmul"] = torch.matmul
+        _originals["bmm"] = torch.bmm
+        torch.matmul = _patched_matmul
+        torch.bmm = _patched_bmm
+        torch.Tensor.__matmul__ = _patched_tensor_matmul  # type: ignore[method-assign]
+        torch.Tensor.matmul = _patched_tensor_matmul  # type: ignore[method-assign]
+
+
+def remove_matmul() -> None:
+    global _matmul_users
+    with _patch_lock:
+        _matmul_users -= 1
+        if _matmul_users > 0:
+            return
+        torch.matmul = _originals.pop("matmul")
+        torch.bmm = _originals.pop("bmm")
+        del torch.Tensor.__matmul__, torch.Tensor.matmul  # back to TensorBase's (Tensor has none)
+
+
 def _refuse_capture() -> None:
     from ..errors import WatchCaptureError
 

@@ -11,6 +11,13 @@ finds NaN/Inf are the operands and the mask read, and if every non-finite key/va
 key position the mask excludes for every query, :class:`NonFiniteMaskedKeysError` is raised at
 the op, naming the module (the innermost watched module on the Python stack) and the operands
 (a buffer or parameter of the model, or the caller's variable holding them).
+
+Eager attention (``softmax(scores) @ v``) spreads a value cache's NaN the same way. While a block
+holds a buffer that was non-finite on entry (a cache, judged by what it reaches),
+``torch.matmul`` and ``Tensor.__matmul__``/``matmul``/``torch.bmm`` are routed through
+:func:`check_matmul` (no patch, and no cost, otherwise): a product whose second operand shares that
+buffer's storage, whose output holds NaN, and whose first operand (the weights) is finite and
+exactly 0 wherever a value row is non-finite, is the same story, raised at the product.
 """
 
 from __future__ import annotations
@@ -37,7 +44,16 @@ def _models() -> list:
 
 def model_entered(model: torch.nn.Module | None, mode: str) -> None:
     """A watch block of this thread began (its model, if any, and its mode)."""
-    _models().append((weakref.ref(model) if model is not None else None, mode))
+    _models().append((weakref.ref(model) if model is not None else None, mode, []))
+
+
+def buffers_deferred(items: list[tuple[str, torch.Tensor]]) -> None:
+    """The innermost block's buffers that were non-finite on entry (judged by what they reach)."""
+    _models()[-1][2].extend(items)
+
+
+def _deferred() -> list[tuple[str, torch.Tensor]]:
+    return [item for entry in _models() for item in entry[2]]
 
 
 def model_left(model: torch.nn.Module | None) -> None:
@@ -50,7 +66,7 @@ def model_left(model: torch.nn.Module | None) -> None:
 
 
 def _watched() -> list[torch.nn.Module]:
-    return [m for m in (ref() for ref, _ in reversed(_models()) if ref is not None) if m is not None]
+    return [m for m in (ref() for ref, _, _ in reversed(_models()) if ref is not None) if m is not None]
 
 
 def _async() -> bool:
@@ -144,6 +160,81 @@ def check(original: Any, args: tuple, kwargs: dict) -> Any:
             keys=int(k.shape[-2]),
             counts=counts,
             mask=mask_words,
+            out_nan=int(torch.isnan(out).sum()),
+            out_numel=out.numel(),
+        )
+
+
+def _masked_everywhere(m: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per key position, masked for every query: (as True = masked, as False = masked) for a bool
+    mask; a float mask's -inf (or a dtype's lowest value, transformers' choice) as the first."""
+    if m.dim() == 0 or m.shape[-1] != keys:
+        return None
+    rows = m.detach().reshape(-1, keys)
+    if m.dtype == torch.bool:
+        return rows.all(0), (~rows).all(0)
+    if m.is_floating_point():  # an additive mask holds 0 and -inf only (scores hold more)
+        low = rows <= torch.finfo(m.dtype).min / 2
+        if not bool(((rows == 0) | low).all()):
+            return None
+        return low.all(0), torch.zeros_like(low[0])
+    return None
+
+
+def _eager_mask(weights: torch.Tensor, values: torch.Tensor, bad: torch.Tensor) -> str:
+    """The caller's mask variable that excludes every bad key position, if one is in sight."""
+    keys = int(bad.shape[-1])
+    bad_keys = bad.reshape(-1, keys).any(0)
+    frame = sys._getframe(3)
+    for _ in range(4):
+        if frame is None:
+            break
+        for name, m in frame.f_locals.items():
+            if not isinstance(m, torch.Tensor) or m is weights or m is values:
+                continue
+            masked = _masked_everywhere(m, keys)
+            if masked is None:
+                continue
+            for polarity, everywhere in zip(("True", "False"), masked, strict=True):
+                if bool(everywhere.any()) and not bool((bad_keys & ~everywhere).any()):
+                    kind = (
+                        f"bool, {polarity} = masked" if m.dtype == torch.bool else f"{m.dtype}, -inf = masked"
+                    )
+                    return f"the mask '{name}' ({kind}, shape {list(m.shape)}), applied before the softmax,"
+        frame = frame.f_back
+    return "the mask applied before the softmax (it left those weights exactly 0)"
+
+
+def check_matmul(original: Any, args: tuple, kwargs: dict) -> Any:
+    out = original(*args, **kwargs)
+    deferred = _deferred()
+    if not deferred or len(args) < 2 or not isinstance(out, torch.Tensor):
+        return out
+    weights, values = args[0], args[1]
+    if not isinstance(weights, torch.Tensor) or not isinstance(values, torch.Tensor) or values.dim() < 2:
+        return out
+    storage = values.untyped_storage().data_ptr()
+    name = next((n for n, t in deferred if t.untyped_storage().data_ptr() == storage), None)
+    if name is None or torch.compiler.is_compiling() or not _native._watch_active():
+        return out
+    if not out.is_floating_point() or (out.device.type != "cpu" and _async()):
+        return out
+    if _native._watch_all_finite([out]):
+        return out
+    with torch.no_grad():
+        if weights.dim() < 2 or not torch.isfinite(weights).all():
+            return out  # NaN weights (a fully masked row's softmax): not this story
+        bad = (~torch.isfinite(values)).any(-1)  # [..., S]: the value rows holding NaN/Inf
+        if not bad.any() or ((weights != 0) & bad.unsqueeze(-2)).any():
+            return out  # a weight on a non-finite value: nothing masked it
+        raise NonFiniteMaskedKeysError(
+            op="aten::matmul",
+            module=_module(),
+            operands=f"value buffer '{name}'",
+            positions=bad.reshape(-1, bad.shape[-1]).any(0).nonzero().flatten().tolist(),
+            keys=int(values.shape[-2]),
+            counts=[c for c in (_counts(values, "value"),) if c],
+            mask=_eager_mask(weights, values, bad),
             out_nan=int(torch.isnan(out).sum()),
             out_numel=out.numel(),
         )

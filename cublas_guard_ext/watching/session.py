@@ -339,6 +339,7 @@ class watch:
         self._grad_hooked: set[int] = set()
         self._deferred_buffers: list[tuple[str, torch.Tensor, list | None]] = []  # non-finite on entry
         self._patched = False
+        self._matmul_patched = False
         self._active = False
         self._stance: Any = None
 
@@ -527,6 +528,10 @@ class watch:
             for name, t, slices in self._deferred_buffers:
                 _entry_slices()[name] = slices  # as they were on entry, like the counts
                 _native._watch_entry(t, name, self._allowed_name(name), True)
+            if self._deferred_buffers:  # eager attention's products are read for them (sdpa.py)
+                _watch_patches._sdpa.buffers_deferred([(n, t) for n, t, _ in self._deferred_buffers])
+                _watch_patches.install_matmul()
+                self._matmul_patched = True
             self._deferred_buffers.clear()
         except BaseException:
             self._remove_hooks()
@@ -543,6 +548,9 @@ class watch:
         if self._stance is not None:
             stance, self._stance = self._stance, None
             stance.__exit__(None, None, None)
+        if self._matmul_patched:
+            self._matmul_patched = False
+            _watch_patches.remove_matmul()
         if self._patched:
             self._patched = False
             _watch_patches.remove()

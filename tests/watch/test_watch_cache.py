@@ -91,7 +91,10 @@ def test_a_cache_buffer_is_judged_on_entry_under_report_birth():
 
 
 class EagerCachedAttn(CachedAttn):
-    """The same cache, read by an eager attention: masked_fill(-inf), softmax, probs @ v."""
+    """The same cache, read by an eager attention: masked_fill(-inf), softmax, probs @ v.
+    ``lets_in`` key positions past the written ones are left unmasked (a wrong mask)."""
+
+    lets_in = 0
 
     def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
@@ -99,25 +102,77 @@ class EagerCachedAttn(CachedAttn):
         self.k_cache[:, :, pos : pos + n] = k
         self.v_cache[:, :, pos : pos + n] = v
         scores = (q @ self.k_cache.transpose(-2, -1)) / 8**0.5
-        scores = scores.masked_fill(torch.arange(16) >= pos + n, float("-inf"))
+        scores = scores.masked_fill(torch.arange(16) >= pos + n + self.lets_in, float("-inf"))
         return scores.softmax(-1) @ self.v_cache
+
+
+class AdditiveMaskAttn(CachedAttn):
+    """transformers' eager attention: an additive float mask (the dtype's lowest value), then
+    torch.matmul(weights, value)."""
+
+    def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        n = x.shape[1]
+        self.k_cache[:, :, pos : pos + n] = k
+        self.v_cache[:, :, pos : pos + n] = v
+        causal_mask = torch.zeros(1, 1, n, 16)
+        causal_mask[..., pos + n :] = torch.finfo(torch.float32).min
+        scores = torch.matmul(q, self.k_cache.nan_to_num().transpose(-2, -1)) / 8**0.5 + causal_mask
+        return torch.matmul(scores.softmax(-1), self.v_cache)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_eager_attentions_masked_cache_nan_is_named_at_its_product(mode):
+    torch.manual_seed(0)
+    model = EagerCachedAttn().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16), 0)
+        with pytest.raises(cg.NonFiniteMaskedKeysError) as info:
+            with cg.watch(model, mode=mode):
+                model(torch.randn(1, 1, 16), 4)
+    err = info.value
+    # masked_fill replaced k's NaN scores; v's NaN rows reach the output through 0 x NaN
+    assert err.op == "aten::matmul" and err.operands == "value buffer 'v_cache'"
+    assert err.positions == list(range(5, 16)) and err.keys == 16
+    text = str(err)
+    assert "the watched model (EagerCachedAttn)" in text
+    assert "the mask applied before the softmax (it left those weights exactly 0) excludes" in text
+    assert "fill the cache with zeros" in text and "0 x NaN = NaN" in text
+    assert "learning rate" not in text
+    assert torch.matmul is torch._C._VariableFunctions.matmul  # the product's patch is gone
+    assert "__matmul__" not in torch.Tensor.__dict__
+    nothing_left()
+
+
+def test_an_additive_mask_in_sight_is_named():
+    torch.manual_seed(0)
+    model = AdditiveMaskAttn().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16), 0)
+        with pytest.raises(cg.NonFiniteMaskedKeysError) as info:
+            with cg.watch(model, mode="sync"):
+                model(torch.randn(1, 1, 16), 4)
+    err = info.value
+    assert err.positions == list(range(5, 16))
+    assert "the mask 'causal_mask' (torch.float32, -inf = masked, shape [1, 1, 1, 16])" in str(err)
+    nothing_left()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_cache_buffer_reaching_the_output_otherwise_is_named_as_a_buffer_with_its_positions(mode):
     torch.manual_seed(0)
     model = EagerCachedAttn().eval()
+    model.lets_in = 1  # key position 5 is NaN and unmasked: no mask kept it out
     with torch.no_grad():
         model(torch.randn(1, 4, 16), 0)
         with pytest.raises(cg.NonFiniteEntryError) as info:
             with cg.watch(model, mode=mode):
                 model(torch.randn(1, 1, 16), 4)
     err = info.value
-    # masked_fill replaced k's NaN scores; v's NaN rows reach the output through 0 x NaN
-    assert err.role == "buffer" and err.name == "v_cache"
+    assert err.role == "buffer" and err.name == "k_cache"  # its NaN score reaches first
     assert err.bad_slices == [(2, 4, 15, 16)]  # as on entry, like the counts
     text = str(err)
-    assert text.startswith("watch: the model's buffer 'v_cache' has 192 NaN, 0 +Inf, 0 -Inf on entry"), text
+    assert text.startswith("watch: the model's buffer 'k_cache' has 192 NaN, 0 +Inf, 0 -Inf on entry"), text
     assert "fill it with zeros" in text and "learning rate" not in text
     nothing_left()
 
@@ -173,4 +228,6 @@ def test_a_zero_filled_cache_runs_clean():
     model.v_cache.zero_()
     with torch.no_grad(), cg.watch(model, mode="sync"):
         out = model(torch.randn(1, 4, 16), 0)
+        # no buffer non-finite on entry: eager attention's products are not routed through Python
+        assert torch.matmul is torch._C._VariableFunctions.matmul
     assert torch.isfinite(out).all()

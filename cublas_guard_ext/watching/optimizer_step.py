@@ -105,6 +105,19 @@ def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+# Their update adds exp_avg / (a positive denominator) x step size to the parameter: a finite
+# parameter after the step proves exp_avg finite, which is then not read (watch_device.cpp:
+# finite_parameter_proves; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
+_FIRST_MOMENT_PROVEN = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
+
+
+def _first_moment(optimizer: torch.optim.Optimizer, p: torch.Tensor, states: list[torch.Tensor]) -> int:
+    """The index of ``exp_avg`` in ``states`` where a finite ``p`` proves it finite, else -1."""
+    if type(optimizer).__name__ not in _FIRST_MOMENT_PROVEN:
+        return -1
+    exp_avg = optimizer.state[p].get("exp_avg")
+    return next((i for i, t in enumerate(states) if t is exp_avg), -1)
+
 
 def _step_tensors(
     optimizer: torch.optim.Optimizer,
@@ -239,14 +252,16 @@ def _finish(st: Any) -> None:
         # tensors as the step read them; the parameter is scanned last, so its scan sees its
         # states' tags from before the step.
         tensors = _step_tensors(optimizer)[0] if unhooked is True else unhooked
-        groups = [([g, p, *states], [*states, p]) for p, g, states in tensors]
+        groups = [
+            ([g, p, *states], [*states, p], _first_moment(optimizer, p, states)) for p, g, states in tensors
+        ]
         finite = False
         try:
             # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
             finite = _native._watch_optimizer_end(groups)
         finally:
             if finite:
-                _remember(optimizer, [t for _, written in groups for t in written])
+                _remember(optimizer, [t for _, written, _ in groups for t in written])
             elif _judged:
                 _forget(optimizer)
     finally:

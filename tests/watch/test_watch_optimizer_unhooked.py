@@ -41,7 +41,45 @@ def test_a_torch_optimizer_steps_unhooked_with_one_scan_per_tensor_it_wrote(kwar
         ops_after, scans_after = w.stats()
     # the profiler's record_function enter/exit around step() are the only ops the hook sees
     assert ops_after - ops <= 2
-    assert scans_after - scans == 3 * len(params)  # each parameter, its exp_avg and exp_avg_sq
+    # each parameter and its exp_avg_sq; its exp_avg is proven finite by the finite parameter
+    assert scans_after - scans == 2 * len(params)
+    nothing_left()
+
+
+FIRST_MOMENT_CLASSES = ["Adam", "AdamW", "NAdam", "RAdam", "Adamax"]
+
+
+@pytest.mark.parametrize("name", FIRST_MOMENT_CLASSES)
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}], ids=["single-tensor", "foreach"])
+def test_a_non_finite_first_moment_is_still_named_where_a_finite_parameter_would_prove_it(name, kwargs):
+    # exp_avg.lerp_(grad, 0.1) computes exp_avg + 0.1 * (grad - exp_avg): 3e38 and -3e38 give
+    # -inf there from finite values; the parameter then turns non-finite, so exp_avg is read and
+    # named (not the parameter, nor exp_avg_sq/exp_inf, which come after it)
+    params = _params(1)
+    opt = getattr(torch.optim, name)(params, lr=1e-3, **kwargs)
+    opt.step()  # the states exist
+    with torch.no_grad():
+        opt.state[params[0]]["exp_avg"].fill_(3e38)
+    params[0].grad.fill_(-3e38)
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
+        opt.step()
+    assert info.value.op == STEP_WRITES_OP and info.value.state == "exp_avg", str(info.value)
+    assert not torch.isfinite(params[0]).all()
+    nothing_left()
+
+
+@pytest.mark.parametrize("name", FIRST_MOMENT_CLASSES + ["SGD"])
+def test_only_the_adam_familys_first_moment_goes_unread(name):
+    params = _params()
+    opt = getattr(torch.optim, name)(params, lr=1e-3, **({"momentum": 0.9} if name == "SGD" else {}))
+    opt.step()
+    with cg.watch(mode="sync") as w:
+        _, scans = w.stats()
+        opt.step()
+        _, scans_after = w.stats()
+    states = sum(t.dim() > 0 for t in opt.state[params[0]].values())
+    proven = 0 if name == "SGD" else 1
+    assert scans_after - scans == (1 + states - proven) * len(params)
     nothing_left()
 
 

@@ -226,7 +226,10 @@ void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
                       const std::vector<at::Tensor>& finite);
 // Whether a CPU tensor's tag says finite (the host reads the CPU's tag array; false elsewhere).
 bool tags_finite_on_host(Session& s, const at::Tensor& t);
-void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written);
+// `implied`: the index in `written` of the Adam family's exp_avg, whose finiteness a finite
+// parameter proves (watch_device.cpp: finite_parameter_proves); -1 for none.
+void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
+                     int64_t implied);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
 // `buffer`: one of the model's buffers, judged like an argument by what it reaches (a cache's

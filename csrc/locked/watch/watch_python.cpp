@@ -266,22 +266,29 @@ PyObject* py_optimizer_begin(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// The unhooked step ended: `groups`, one (read, written) pair of tensor sequences per parameter
-// (tags_after_step), scanned as one op's outputs each, in phase "optimizer step". Returns
-// whether every written tensor is on the CPU with a finite tag now (read on the host).
+// The unhooked step ended: `groups`, one (read, written[, implied]) tuple of tensor sequences per
+// parameter (tags_after_step; `implied`, the index of a written state a finite parameter proves
+// finite, or -1), scanned as one op's outputs each, in phase "optimizer step". Returns whether
+// every written tensor is on the CPU with a finite tag now (read on the host).
 PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
   HANDLE_TH_ERRORS
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
-  std::vector<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> pairs;
-  const bool ok = for_each_item(groups, "expected (read, written) pairs", [&](PyObject* pair) {
-    auto& [read, written] = pairs.emplace_back();
-    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-        !read_tensors(PyTuple_GET_ITEM(pair, 0), read) || !read_tensors(PyTuple_GET_ITEM(pair, 1), written) ||
-        read.size() != written.size() + 1) {
+  struct StepWrites {
+    std::vector<at::Tensor> read, written;
+    int64_t implied = -1;
+  };
+  std::vector<StepWrites> steps;
+  const bool ok = for_each_item(groups, "expected (read, written[, implied]) tuples", [&](PyObject* item) {
+    StepWrites& w = steps.emplace_back();
+    const Py_ssize_t n = PyTuple_Check(item) ? PyTuple_GET_SIZE(item) : 0;
+    if ((n != 2 && n != 3) || !read_tensors(PyTuple_GET_ITEM(item, 0), w.read) ||
+        !read_tensors(PyTuple_GET_ITEM(item, 1), w.written) || w.read.size() != w.written.size() + 1 ||
+        (n == 3 && (w.implied = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 2))) == -1 && PyErr_Occurred())) {
       if (!PyErr_Occurred())
         PyErr_SetString(PyExc_ValueError,
-                        "_watch_optimizer_end: (read, written) pairs, read one longer (the gradient first)");
+                        "_watch_optimizer_end: (read, written[, implied]) tuples, read one longer (the "
+                        "gradient first)");
       return false;
     }
     return true;
@@ -293,9 +300,9 @@ PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
     SessionLock lock(*s->mu);
     c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
     // Attributed to the step (its depth is still counted) and only then ended.
-    for (const auto& [read, written] : pairs) {
-      tags_after_step(*s, read, written);
-      for (const at::Tensor& t : written) finite = finite && tags_finite_on_host(*s, t);
+    for (const StepWrites& w : steps) {
+      tags_after_step(*s, w.read, w.written, w.implied);
+      for (const at::Tensor& t : w.written) finite = finite && tags_finite_on_host(*s, t);
     }
     end_unhooked_steps(*s, 1);
   }
@@ -415,7 +422,8 @@ PyMethodDef methods[] = {
     {"_watch_optimizer_begin", py_optimizer_begin, METH_VARARGS,
      "_watch_optimizer_begin(tensors, finite): a torch optimizer's step begins, unhooked"},
     {"_watch_optimizer_end", py_optimizer_end, METH_O,
-     "_watch_optimizer_end([(read, written), ...]): the unhooked step ended; what it wrote is judged"},
+     "_watch_optimizer_end([(read, written[, implied]), ...]): the unhooked step ended; what it wrote is "
+     "judged"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"_watch_scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},

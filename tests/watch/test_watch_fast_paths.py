@@ -184,3 +184,32 @@ def test_a_copy_of_a_non_finite_value_inherits_it_and_is_no_new_birth():
     with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
         torch.log(x - 10).clone()  # born at log; the clone is not a birth
     assert info.value.op == "aten.log.default"
+
+
+def _embedding_backward(scale: float) -> tuple[torch.Tensor, tuple[int, int]]:
+    """The dense gradient of a 1000-row embedding looked up at 4 positions, two of them row 7."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 8)
+    with torch.no_grad():
+        emb.weight.mul_(1e-3)  # the forward stays finite at any scale used here
+    ids = torch.tensor([7, 3, 7, 9])
+    (emb(ids) * scale).sum().backward()
+    return emb.weight.grad, (ids.numel(), emb.weight.numel())
+
+
+def test_an_embeddings_dense_gradient_of_a_bounded_sum_is_tagged_finite_without_a_read():
+    scans = {}
+    for scale in (1.0, 1e38):  # 4 terms x 1e38 may overflow (2e38 does not): that one is read
+        with cg.watch(mode="sync") as w:
+            grad, _ = _embedding_backward(scale)
+            scans[scale] = w.stats()[1]
+        assert torch.isfinite(grad).all()
+    assert scans[1.0] == scans[1e38] - 1  # embedding_dense_backward's 1000 x 8 output went unread
+
+
+def test_an_embedding_gradient_that_overflows_in_its_sum_is_still_born_there():
+    # 2e38 x 1 each, twice into row 7: 4e38 overflows float32, though each term is finite
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
+        _embedding_backward(2e38)
+    assert info.value.op == "aten.embedding_dense_backward.default"
+    assert info.value.posinf_count == 8  # row 7's eight values

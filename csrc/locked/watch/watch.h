@@ -102,6 +102,11 @@ struct OpInfo {
   // bernoulli_. On the CPU, where the host reads the inputs' tags, such an output is tagged
   // finite without a scan when every input's tag is (watch_device.cpp: finite_by_rule).
   bool finite_from_finite = false;
+  // embedding_dense_backward: each output value sums at most indices.numel() values of
+  // grad_output, so a bound on grad_output's magnitude bounds the output's (watch_device.cpp:
+  // bounded_by_rule). On the CPU its output, the word embedding's dense gradient (47 MB of
+  // mostly zeros for MiniLM), is then tagged finite without a scan.
+  bool bounded_sum = false;
   // cublas_guard_internal::optimizer_step_writes, an unhooked optimizer step's writes.
   bool step_writes = false;
   // A grouped GEMM (torch's _grouped_mm, the guarded grouped_linear): the arguments

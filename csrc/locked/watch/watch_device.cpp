@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 
 namespace cublas_guard {
@@ -210,6 +211,36 @@ static bool finite_by_rule(DeviceTags& d, const OpInfo& info, const std::vector<
   return finite;
 }
 
+// OpInfo::bounded_sum on the CPU: embedding_dense_backward(grad_output, indices, ...) adds each
+// row of grad_output into the row its index names (scaled down by the index's count under
+// scale_grad_by_freq; the padding row zeroed), so no output value sums more than indices.numel()
+// values of magnitude at most A, grad_output's largest: finite when numel x A stays below half the
+// dtype's largest value (half: rounding's headroom). grad_output is small (tokens x width) and
+// finite-tagged; the output, a vocabulary-sized gradient, is then tagged finite without a scan.
+static bool bounded_by_rule(DeviceTags& d, const OpInfo& info, const std::vector<c10::IValue>& args,
+                            const at::Tensor& t) {
+  if (!info.bounded_sum || !d.home.device.is_cpu() || !covers_storage(t) || args.size() < 2 ||
+      !args[0].isTensor() || !args[1].isTensor()) {
+    return false;
+  }
+  const at::Tensor& grad = args[0].toTensor();
+  if (grad.scalar_type() != t.scalar_type() || !grad.has_storage() || !grad.is_cpu()) return false;
+  const int32_t slot = d.slots.find(grad.storage().unsafeGetStorageImpl());
+  if (slot < 0 || raw(d.tags)[slot] != kTagFinite) return false;
+  const InputView view = dense_view(grad);
+  if (view.dtype == kViewNone) return false;
+  double largest = 0;
+  switch (t.scalar_type()) {
+    case at::kFloat: largest = std::numeric_limits<float>::max(); break;
+    case at::kDouble: largest = std::numeric_limits<double>::max(); break;
+    case at::kHalf: largest = 65504.0; break;
+    case at::kBFloat16: largest = 3.3895313892515355e38; break;
+    default: return false;
+  }
+  const double terms = static_cast<double>(std::max<int64_t>(args[1].toTensor().numel(), 1));
+  return absmax_host(view) * terms < largest / 2;
+}
+
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
                 const std::vector<c10::IValue>& args, const torch::jit::Stack& stack, int64_t seq_index,
                 int64_t first_seq) {
@@ -244,7 +275,8 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     if (!readable(t)) return;
     DeviceTags* d = tags_for(w, t);
     if (d == nullptr || (!s.verify && already_judged(*d, info, args, t, seq_index, first_seq))) return;
-    if (!s.verify && base.scalar_bad == 0 && finite_by_rule(*d, info, args, t, list_len, position)) {
+    if (!s.verify && base.scalar_bad == 0 &&
+        (finite_by_rule(*d, info, args, t, list_len, position) || bounded_by_rule(*d, info, args, t))) {
       bool fresh = false;
       const int32_t slot = slot_of(*d, t, &fresh);
       raw(d->tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)

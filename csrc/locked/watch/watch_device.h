@@ -190,6 +190,10 @@ std::shared_ptr<TagState> tags_begin(bool outermost, int64_t capacity);
 void tags_before(Session& s, const OpInfo& info, const std::vector<c10::IValue>& args);
 // The arg-th argument `t` (the op's input-th tensor input) as a view a birth reads (watch_views.cpp).
 void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, int32_t input, bool same_home);
+// A dense CPU or device tensor as a view read by pointer (kViewNone when not dense, not of a
+// float dtype, or with a negative stride); absmax_host reads a CPU one (watch_device_cpu.cpp).
+InputView dense_view(const at::Tensor& t);
+double absmax_host(const InputView& v);
 // `first_seq`: the ring's next sequence number when the op began (the scans of the ops a
 // composite op ran inside have numbers from there on).
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,

@@ -25,6 +25,32 @@ namespace cublas_guard {
 namespace watch {
 namespace {
 
+template <typename T>
+double absmax_typed(const void* data, int64_t n) {
+  const T* p = static_cast<const T*>(data);
+  double m = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = std::fabs(static_cast<double>(p[i]));
+    if (std::isfinite(v) && v > m) m = v;
+  }
+  return m;
+}
+
+}  // namespace
+
+double absmax_host(const InputView& v) {
+  switch (v.dtype) {
+    case kViewFloat: return absmax_typed<float>(v.data, v.numel);
+    case kViewDouble: return absmax_typed<double>(v.data, v.numel);
+    case kViewHalf: return absmax_typed<c10::Half>(v.data, v.numel);
+    case kViewBFloat16: return absmax_typed<c10::BFloat16>(v.data, v.numel);
+    case kViewValue: return std::isfinite(v.value) ? v.value : 0.0;  // finite values only, as above
+    default: return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+namespace {
+
 // Small contiguous outputs: counted inline (issue 50: the fused scan's entry
 // builds a string, a slot tensor, the geometry and a ParallelGuard per call,
 // ~1,100 instructions, against ~200 for 16 elements here).
@@ -73,28 +99,6 @@ HostCounts count_cpu(const at::Tensor& t) {
   return HostCounts::of_scan(slot.data_ptr<int64_t>());
 }
 
-template <typename T>
-double absmax_typed(const void* data, int64_t n) {
-  const T* p = static_cast<const T*>(data);
-  double m = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double v = std::fabs(static_cast<double>(p[i]));
-    if (std::isfinite(v) && v > m) m = v;
-  }
-  return m;
-}
-
-double absmax_of(const InputView& v) {
-  switch (v.dtype) {
-    case kViewFloat: return absmax_typed<float>(v.data, v.numel);
-    case kViewDouble: return absmax_typed<double>(v.data, v.numel);
-    case kViewHalf: return absmax_typed<c10::Half>(v.data, v.numel);
-    case kViewBFloat16: return absmax_typed<c10::BFloat16>(v.data, v.numel);
-    case kViewValue: return std::isfinite(v.value) ? v.value : 0.0;  // finite values only, as above
-    default: return std::numeric_limits<double>::quiet_NaN();
-  }
-}
-
 void write_birth(WatchRecord* record, int32_t* counters, const TagArgs& a, const at::Tensor& t,
                  const HostCounts& c) {
   const int64_t i = counters[0]++;
@@ -109,7 +113,7 @@ void write_birth(WatchRecord* record, int32_t* counters, const TagArgs& a, const
   e.first_bad_index = c.first;
   e.first_bad_value = t.reshape({-1})[c.first].item<double>();
   for (int v = 0; v < kMaxViews; ++v) {
-    e.input_absmax[v] = v < a.n_views ? absmax_of(a.views[v]) : std::numeric_limits<double>::quiet_NaN();
+    e.input_absmax[v] = v < a.n_views ? absmax_host(a.views[v]) : std::numeric_limits<double>::quiet_NaN();
     e.input_index[v] = v < a.n_views ? a.views[v].input : -1;
   }
   __atomic_store_n(&e.ready, i + 1, __ATOMIC_RELEASE);

@@ -106,6 +106,7 @@ const OpInfo& op_info_slow(const c10::OperatorHandle& op) {
   static const std::string finite_maps =
       " clone _unsafe_view _to_copy copy_ relu gelu bernoulli_ _softmax _safe_softmax softmax ";
   info.finite_from_finite = aten && finite_maps.find(" " + base + " ") != std::string::npos;
+  info.bounded_sum = aten && base == "embedding_dense_backward";
   info.step_writes = name == "cublas_guard_internal::optimizer_step_writes";
   // Grouped GEMMs: rows sorted by group, `offs` their int32 group ends.
   for (size_t i = 0; i < info.num_args; ++i) {

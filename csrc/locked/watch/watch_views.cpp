@@ -55,13 +55,23 @@ void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, i
   }
   const bool written = std::find(info.written_args.begin(), info.written_args.end(), static_cast<int>(arg)) !=
                        info.written_args.end();
+  if (written || !same_home) return;
+  const InputView dense = dense_view(t);
+  v.data = dense.data;
+  v.numel = dense.numel;
+  v.dtype = dense.dtype;
+}
+
+InputView dense_view(const at::Tensor& t) {
+  InputView v;
   const bool dense = t.layout() == at::kStrided && t.has_storage() && t.is_non_overlapping_and_dense();
   bool positive = true;
   for (int64_t d = 0; d < t.dim(); ++d) positive = positive && t.stride(d) >= 0;
-  if (written || !dense || !positive || !same_home || t.numel() == 0) return;
+  if (!dense || !positive || t.numel() == 0) return v;
   v.data = t.const_data_ptr();
   v.numel = t.numel();
   v.dtype = view_dtype(t.scalar_type());
+  return v;
 }
 
 }  // namespace watch

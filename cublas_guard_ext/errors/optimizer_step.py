@@ -26,7 +26,8 @@ from .magnitudes import format_max, format_number, range_note
 
 OPTIMIZER_FIELDS = (
     "optimizer", "optimizer_step", "steps_watched", "parameter", "state", "state_dtype", "state_nonfinite", "state_absmax",
-    "grad_absmax", "grad_nonfinite", "grad_norm", "lr", "hyper", "also_bad", "loss_history", "grad_norm_history",
+    "grad_absmax", "grad_nonfinite", "grad_norm", "grad_norm_local", "lr", "hyper", "also_bad", "loss_history",
+    "grad_norm_history",
 )  # fmt: skip
 
 # The op name of an unhooked step's writes (csrc/locked/watch/watch_python.cpp): torch's own
@@ -121,7 +122,12 @@ def details(f: dict[str, Any]) -> list[str]:
     if settings:
         lines.append(f"{f.get('optimizer') or 'optimizer'} settings: " + ", ".join(settings))
     if f.get("grad_norm") is not None:
-        lines.append(f"gradient norm this step (all the optimizer's parameters): {_n(f['grad_norm'])}")
+        scope = (
+            "this rank's shards of the optimizer's parameters"
+            if f.get("grad_norm_local")
+            else ("all the optimizer's parameters")
+        )
+        lines.append(f"gradient norm this step ({scope}): {_n(f['grad_norm'])}")
     history = f.get("loss_history")
     norms = f.get("grad_norm_history")
     if history:

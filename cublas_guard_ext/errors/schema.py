@@ -258,6 +258,7 @@ PYTHON_FIELDS: dict[str, str] = {
     "grad_absmax": "float",
     "grad_nonfinite": "int",
     "grad_norm": "float",
+    "grad_norm_local": "bool",  # grad_norm is of this rank's DTensor shards (FSDP2)
     "lr": "float",
     "hyper": "dict",  # the param group's other settings
     "also_bad": "list",

@@ -105,6 +105,18 @@ def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters, gradients and optimizer states), any
+    other tensor as it is. torch runs a DTensor's ops on its local tensors below watch's
+    dispatch key, so watch reads the shards itself: each rank judges what it holds, and never
+    through a DTensor op, which may be a collective (a hang when one rank alone has a finding)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t._local_tensor
+    return t
+
+
 # Their update adds exp_avg / (a positive denominator) x step size to the parameter: a finite
 # parameter after the step proves exp_avg finite, which is then not read (watch_device.cpp:
 # finite_parameter_proves; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
@@ -116,15 +128,18 @@ def _first_moment(optimizer: torch.optim.Optimizer, p: torch.Tensor, states: lis
     if type(optimizer).__name__ not in _FIRST_MOMENT_PROVEN:
         return -1
     exp_avg = optimizer.state[p].get("exp_avg")
+    exp_avg = local_shard(exp_avg) if isinstance(exp_avg, torch.Tensor) else exp_avg
     return next((i for i, t in enumerate(states) if t is exp_avg), -1)
 
 
 def _step_tensors(
     optimizer: torch.optim.Optimizer,
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]], bool]:
-    """(parameter, gradient, floating non-scalar state tensors) of each parameter that has a
-    gradient (the others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow),
-    and whether one of them has no state yet (its step makes it: read again at the end)."""
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]], bool]:
+    """(parameter, gradient, floating non-scalar state tensors, the index among them of the
+    exp_avg a finite parameter proves finite or -1) of each parameter that has a gradient (the
+    others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow), DTensors as
+    their local shards, and whether one of them has no state yet (its step makes it: read again
+    at the end)."""
     out = []
     new_state = False
     state = optimizer.state
@@ -136,14 +151,14 @@ def _step_tensors(
             values = state.get(p)
             if not values:
                 new_state = True
-                out.append((p, g, []))
+                out.append((local_shard(p), local_shard(g), [], -1))
                 continue
             states = [
-                v
+                local_shard(v)
                 for v in values.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
             ]
-            out.append((p, g, states))
+            out.append((local_shard(p), local_shard(g), states, _first_moment(optimizer, p, states)))
     return out, new_state
 
 
@@ -215,14 +230,14 @@ def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     st.stepping.append(optimizer)
     st.last = weakref.ref(optimizer)
     tensors, new_state = _step_tensors(optimizer) if _unhooked(optimizer, args, kwargs) else (None, False)
-    if tensors is None or not all(type(p) in _PLAIN and type(g) is torch.Tensor for p, g, _ in tensors):
+    if tensors is None or not all(type(p) in _PLAIN and type(g) is torch.Tensor for p, g, *_ in tensors):
         # Op by op: a closure, another library's optimizer, or parameters that are tensor
-        # subclasses (FSDP2's DTensor: the ops on their local shards are what watch can read).
+        # subclasses other than DTensor (whose local shards _step_tensors reads).
         st.unhooked.append(None)
         _native._watch_optimizer_step(True)
         return
     st.unhooked.append(True if new_state else tensors)  # the end reads the same tensors
-    scan = [t for p, g, states in tensors for t in (g, p, *states)]
+    scan = [t for p, g, states, _ in tensors for t in (g, p, *states)]
     finite = []
     if st.stepped.get(optimizer) != st.block:  # its first step in this block
         st.stepped[optimizer] = st.block
@@ -252,9 +267,7 @@ def _finish(st: Any) -> None:
         # tensors as the step read them; the parameter is scanned last, so its scan sees its
         # states' tags from before the step.
         tensors = _step_tensors(optimizer)[0] if unhooked is True else unhooked
-        groups = [
-            ([g, p, *states], [*states, p], _first_moment(optimizer, p, states)) for p, g, states in tensors
-        ]
+        groups = [([g, p, *states], [*states, p], first_moment) for p, g, states, first_moment in tensors]
         finite = False
         try:
             # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
@@ -348,13 +361,14 @@ def _candidates(optimizer: torch.optim.Optimizer) -> list[tuple[int, torch.Tenso
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
-                    out.append((gi, p, str(key), value))
-            out.append((gi, p, "the parameter", p))
+                    out.append((gi, p, str(key), local_shard(value)))
+            out.append((gi, p, "the parameter", local_shard(p)))
     return out
 
 
 def _number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
+        value = local_shard(value)
         return float(value.detach().double().cpu().reshape(-1)[0]) if value.numel() else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -402,8 +416,9 @@ def _describe(optimizer: torch.optim.Optimizer, fields: dict[str, Any], st: Any)
         out["loss_history"] = [v for v in losses if v is not None] or None
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g.detach().double()).cpu() for g in grads])
+        norms = torch.stack([torch.linalg.vector_norm(local_shard(g).detach().double()).cpu() for g in grads])
         out["grad_norm"] = float(torch.linalg.vector_norm(norms))
+        out["grad_norm_local"] = any(local_shard(g) is not g for g in grads) or None  # DTensor shards
     if chosen is None:
         group = optimizer.param_groups[0]
         out["lr"] = _number(group.get("lr"))

@@ -354,6 +354,7 @@ class watch:
             ("buffer", self.model.named_buffers()),
         ):
             for name, t in items:
+                t = _optimizer_step.local_shard(t)
                 if t.is_floating_point() and t.numel() > 0:
                     yield role, name, t
 
@@ -498,7 +499,7 @@ class watch:
                     ("buffer", self.model.named_buffers()),
                 ):
                     for name, t in items:
-                        state.append((name, t))
+                        state.append((name, _optimizer_step.local_shard(t)))  # names the shards
                         if consequence and kind == "parameter" and t.requires_grad:
                             self._hook_gradient(t, f"the gradient of parameter '{name}'")
             _watch_patches.install()

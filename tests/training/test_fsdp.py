@@ -121,8 +121,44 @@ def worker(rank: int, init_file: str, scenario: str, out_dir: str) -> int:
             result["steps_done"] = step + 1
         return {k: v.detach() for k, v in ddp.module.state_dict().items()}
 
+    def fsdp_watched(
+        model: nn.Module, watched: bool, blow_up_at: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """FSDP2 in float32 with AdamW (its parameters are DTensors: its step is watched op by
+        op, on the local shards), each step inside ``cg.watch(model, mode="sync")``."""
+        from contextlib import nullcontext
+
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for module in model:
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(STEPS):
+            x, y = shard(rank, step)
+            with cg.watch(model, mode="sync") if watched else nullcontext():
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                if step == blow_up_at:
+                    loss = loss * 1e25  # gradients ~1e24 on every rank: exp_avg_sq's g*g overflows
+                loss.backward()
+                opt.step()
+            result["steps_done"] = step + 1
+        return {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
+
     try:
-        if scenario == "fsdp":
+        if scenario == "fsdp_watch":
+            states = {"plain": fsdp_watched(make_model(), False), "watched": fsdp_watched(make_model(), True)}
+            torch.save(states, Path(out_dir, f"rank{rank}.pt"))
+            try:
+                fsdp_watched(make_model(), True, blow_up_at=BAD_STEP)
+            except cg.NonFiniteOutputError as err:
+                keys = ("phase", "optimizer", "optimizer_step", "parameter", "state")
+                result["finding"] = {k: err.fields.get(k) for k in keys} | {"message": str(err)}
+        elif scenario == "fsdp":
             states = {"plain": fsdp_train(build(False), poison=False)}
             states["safe"] = fsdp_train(build(True), poison=False)
             torch.save(states, Path(out_dir, f"rank{rank}.pt"))
@@ -186,6 +222,25 @@ def test_fsdp2_nan_on_one_rank_is_reported_there_by_layer(tmp_path: Path) -> Non
     # The other rank: no error of its own; it fails in its next collective, promptly.
     assert "error" not in other
     assert_the_other_rank_failed_fast(results, codes, ends, "fsdp/nan", BAD_RANK, BAD_STEP)
+
+
+@pytest.mark.slow
+def test_fsdp2_under_watch_runs_clean_and_names_a_divergence_in_the_optimizer_step(tmp_path: Path) -> None:
+    results, codes, _ = run("fsdp_watch", tmp_path)
+    assert codes == [0, 0], results
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for key in make_model().state_dict():
+        for r in range(WORLD):  # no false alarm, and watch changes nothing
+            assert torch.equal(states[r]["watched"][key], states[r]["plain"][key]), key
+    for r in results:  # the gradient is reduced across ranks: each rank finds it in its shard
+        finding = r["finding"]
+        assert finding["phase"] == "optimizer step" and finding["optimizer"] == "AdamW", finding
+        assert finding["state"] == "exp_avg_sq" and finding["optimizer_step"] == BAD_STEP + 1, finding
+        assert finding["parameter"] in {f"{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias")}
+        assert "run under watch" not in finding["message"]
+        assert (
+            "gradient norm this step (this rank's shards of the optimizer's parameters)" in finding["message"]
+        )
 
 
 @pytest.mark.slow

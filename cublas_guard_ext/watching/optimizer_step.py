@@ -106,30 +106,25 @@ def _unhooked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _dtensor_type() -> type | None:
+    """DTensor's class where torch.distributed.tensor is imported (FSDP2 imports it), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None else None
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2's parameters, gradients and optimizer states), any
     other tensor as it is. torch runs a DTensor's ops on its local tensors below watch's
     dispatch key, so watch reads the shards itself: each rank judges what it holds, and never
     through a DTensor op, which may be a collective (a hang when one rank alone has a finding)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        return t._local_tensor
-    return t
+    dtensor = _dtensor_type()
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor) else t
 
 
 # Their update adds exp_avg / (a positive denominator) x step size to the parameter: a finite
 # parameter after the step proves exp_avg finite, which is then not read (watch_device.cpp:
 # finite_parameter_proves; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
 _FIRST_MOMENT_PROVEN = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
-
-
-def _first_moment(optimizer: torch.optim.Optimizer, p: torch.Tensor, states: list[torch.Tensor]) -> int:
-    """The index of ``exp_avg`` in ``states`` where a finite ``p`` proves it finite, else -1."""
-    if type(optimizer).__name__ not in _FIRST_MOMENT_PROVEN:
-        return -1
-    exp_avg = optimizer.state[p].get("exp_avg")
-    exp_avg = local_shard(exp_avg) if isinstance(exp_avg, torch.Tensor) else exp_avg
-    return next((i for i, t in enumerate(states) if t is exp_avg), -1)
 
 
 def _step_tensors(
@@ -143,22 +138,33 @@ def _step_tensors(
     out = []
     new_state = False
     state = optimizer.state
+    dtensor = _dtensor_type()
+    proven = type(optimizer).__name__ in _FIRST_MOMENT_PROVEN
     for group in optimizer.param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
             values = state.get(p)
+            states = []
+            first_moment = -1
             if not values:
                 new_state = True
-                out.append((local_shard(p), local_shard(g), [], -1))
-                continue
-            states = [
-                local_shard(v)
-                for v in values.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
-            ]
-            out.append((local_shard(p), local_shard(g), states, _first_moment(optimizer, p, states)))
+            else:
+                states = [
+                    v
+                    for v in values.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
+                ]
+                if proven:
+                    exp_avg = values.get("exp_avg")
+                    for i, t in enumerate(states):
+                        if t is exp_avg:
+                            first_moment = i
+                            break
+            if dtensor is not None and isinstance(p, dtensor):
+                p, g, states = p._local_tensor, local_shard(g), [local_shard(t) for t in states]
+            out.append((p, g, states, first_moment))
     return out, new_state
 
 

@@ -35,6 +35,16 @@ class CachedAttn(nn.Module):
         return F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
 
 
+def _decoding_finding(model: nn.Module, error: type[Exception], **watch_kwargs) -> Exception:
+    """The prefill (positions 0..3) unwatched, then one decoding step (position 4) inside
+    ``cg.watch(model, **watch_kwargs)``: the finding it raises."""
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16), 0)
+        with pytest.raises(error) as info, cg.watch(model, **watch_kwargs):
+            model(torch.randn(1, 1, 16), 4)
+    return info.value
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_cache_buffer_with_nan_in_its_unused_positions_is_named_at_the_attention(mode):
     torch.manual_seed(0)
@@ -73,12 +83,7 @@ def test_a_wholly_nan_cache_buffer_is_named_at_the_prefills_attention():
 def test_a_cache_buffer_is_judged_on_entry_under_report_birth():
     torch.manual_seed(0)
     model = CachedAttn().eval()
-    with torch.no_grad():
-        model(torch.randn(1, 4, 16), 0)
-        with pytest.raises(cg.NonFiniteEntryError) as info:
-            with cg.watch(model, mode="sync", report="birth"):
-                model(torch.randn(1, 1, 16), 4)
-    err = info.value
+    err = _decoding_finding(model, cg.NonFiniteEntryError, mode="sync", report="birth")
     assert err.role == "buffer" and err.name == "k_cache"
     assert err.bad_slices == [(2, 4, 15, 16)]  # positions 4..15 of 16 never written
     text = str(err)
@@ -125,12 +130,7 @@ class AdditiveMaskAttn(CachedAttn):
 def test_an_eager_attentions_masked_cache_nan_is_named_at_its_product(mode):
     torch.manual_seed(0)
     model = EagerCachedAttn().eval()
-    with torch.no_grad():
-        model(torch.randn(1, 4, 16), 0)
-        with pytest.raises(cg.NonFiniteMaskedKeysError) as info:
-            with cg.watch(model, mode=mode):
-                model(torch.randn(1, 1, 16), 4)
-    err = info.value
+    err = _decoding_finding(model, cg.NonFiniteMaskedKeysError, mode=mode)
     # masked_fill replaced k's NaN scores; v's NaN rows reach the output through 0 x NaN
     assert err.op == "aten::matmul" and err.operands == "value buffer 'v_cache'"
     assert err.positions == list(range(5, 16)) and err.keys == 16
@@ -147,12 +147,7 @@ def test_an_eager_attentions_masked_cache_nan_is_named_at_its_product(mode):
 def test_an_additive_mask_in_sight_is_named():
     torch.manual_seed(0)
     model = AdditiveMaskAttn().eval()
-    with torch.no_grad():
-        model(torch.randn(1, 4, 16), 0)
-        with pytest.raises(cg.NonFiniteMaskedKeysError) as info:
-            with cg.watch(model, mode="sync"):
-                model(torch.randn(1, 1, 16), 4)
-    err = info.value
+    err = _decoding_finding(model, cg.NonFiniteMaskedKeysError, mode="sync")
     assert err.positions == list(range(5, 16))
     assert "the mask 'causal_mask' (torch.float32, -inf = masked, shape [1, 1, 1, 16])" in str(err)
     nothing_left()
@@ -163,12 +158,7 @@ def test_a_cache_buffer_reaching_the_output_otherwise_is_named_as_a_buffer_with_
     torch.manual_seed(0)
     model = EagerCachedAttn().eval()
     model.lets_in = 1  # key position 5 is NaN and unmasked: no mask kept it out
-    with torch.no_grad():
-        model(torch.randn(1, 4, 16), 0)
-        with pytest.raises(cg.NonFiniteEntryError) as info:
-            with cg.watch(model, mode=mode):
-                model(torch.randn(1, 1, 16), 4)
-    err = info.value
+    err = _decoding_finding(model, cg.NonFiniteEntryError, mode=mode)
     assert err.role == "buffer" and err.name == "k_cache"  # its NaN score reaches first
     assert err.bad_slices == [(2, 4, 15, 16)]  # as on entry, like the counts
     text = str(err)

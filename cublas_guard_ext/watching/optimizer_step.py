@@ -123,7 +123,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 # Their update adds exp_avg / (a positive denominator) x step size to the parameter: a finite
 # parameter after the step proves exp_avg finite, which is then not read (watch_device.cpp:
-# finite_parameter_proves; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
+# step_writes_finite; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
 _FIRST_MOMENT_PROVEN = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
 
 

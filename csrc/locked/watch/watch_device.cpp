@@ -380,26 +380,34 @@ bool tags_finite_on_host(Session& s, const at::Tensor& t) {
   return slot >= 0 && raw(d->tags)[slot] == kTagFinite;
 }
 
-// The Adam family's first moment: the parameter's update adds exp_avg divided by a positive
-// denominator, times a step size that may be 0, so a non-finite exp_avg makes a non-finite
-// parameter (Inf/d = Inf, Inf/Inf = NaN, NaN/d = NaN, 0 x Inf = NaN). On the CPU a parameter read
-// finite proves its exp_avg finite: both are tagged finite as a scan would tag them, and exp_avg
-// is not read (a third of what a step's end reads: 91 MB of MiniLM's 272 MB). False when the
-// parameter is not finite: then every written tensor is scanned in order, as without the rule.
-// Small moments are scanned as before: an inline count of a few thousand values costs less than
-// the parameter's separate read (24 small AdamW parameters: +40 us a step with the rule).
-constexpr int64_t kProvenMinNumel = int64_t{1} << 16;
-static bool finite_parameter_proves(Session& s, const at::Tensor& param, const at::Tensor& moment) {
-  if (s.verify || moment.numel() < kProvenMinNumel || !param.is_cpu() || !moment.is_cpu() ||
-      !readable(param) || !readable(moment) || !covers_storage(param) || !covers_storage(moment)) {
-    return false;
+// One parameter's writes on the CPU, when all of them read finite: each tagged finite as a scan
+// would tag it (a finite output covering its storage gets the finite tag whatever its inputs:
+// apply_rule), without the per-output bookkeeping of tags_after (its record, the inputs' slots
+// and descriptions: most of an unhooked step's end on small parameters). The parameter is read
+// first: for the Adam family (`implied`: exp_avg's index) a finite parameter proves exp_avg finite,
+// since the update adds exp_avg over a positive denominator times a step size that may be 0, so a
+// non-finite exp_avg makes a non-finite parameter (Inf/d = Inf, Inf/Inf = NaN, NaN/d = NaN,
+// 0 x Inf = NaN); exp_avg is then not read (91 MB of a MiniLM step's 272). False when a tensor is
+// not finite (or not a whole CPU storage): the caller scans every written tensor in order then,
+// so a state that went non-finite is named as before.
+static bool step_writes_finite(Session& s, const std::vector<at::Tensor>& written, int64_t implied) {
+  if (s.verify || written.empty()) return false;
+  DeviceTags* d = nullptr;
+  for (const at::Tensor& t : written) {
+    if (!t.is_cpu() || !readable(t) || !covers_storage(t)) return false;
+    DeviceTags* home = tags_for(*s.tags, t);
+    if (home == nullptr || (d != nullptr && home != d)) return false;
+    d = home;
   }
-  DeviceTags* d = tags_for(*s.tags, param);
-  if (d == nullptr || tags_for(*s.tags, moment) != d || !all_finite({param})) return false;
-  ++s.outputs_scanned;  // the parameter was read
-  for (const at::Tensor* t : {&param, &moment}) {
+  const int64_t last = static_cast<int64_t>(written.size()) - 1;  // the parameter
+  for (int64_t i = last; i >= 0; --i) {                          // the parameter first
+    if (i == implied && i != last) continue;
+    if (!host_finite_cpu(written[i])) return false;
+  }
+  for (int64_t i = 0; i <= last; ++i) {
+    if (i != implied || i == last) ++s.outputs_scanned;
     bool fresh = false;
-    const int32_t slot = slot_of(*d, *t, &fresh);
+    const int32_t slot = slot_of(*d, written[i], &fresh);
     raw(d->tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)
     d->slot_seq[slot] = s.tags->next_seq;
   }
@@ -408,6 +416,7 @@ static bool finite_parameter_proves(Session& s, const at::Tensor& param, const a
 
 void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
                      int64_t implied) {
+  if (step_writes_finite(s, written, implied)) return;
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("cublas_guard_internal::optimizer_step_writes", "");
   const OpInfo& info = op_info(op);
@@ -417,19 +426,6 @@ void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std:
   TORCH_INTERNAL_ASSERT(read.size() == written.size() + 1);
   // No first sight here: a state the step made has no slot, so it is no input of its own scan.
   const torch::jit::Stack none;
-  const int64_t last = static_cast<int64_t>(written.size()) - 1;  // the parameter
-  if (implied >= 0 && implied < last && finite_parameter_proves(s, written.back(), written[implied])) {
-    std::vector<at::Tensor> rest_read{read.front()}, rest_written;  // the other states
-    for (int64_t i = 0; i < last; ++i) {
-      if (i == implied) continue;
-      rest_read.push_back(read[i + 1]);
-      rest_written.push_back(written[i]);
-    }
-    if (rest_written.empty()) return;
-    const std::vector<c10::IValue> args{c10::IValue(rest_read), c10::IValue(rest_written)};
-    tags_after(s, op, info, args, none, /*seq_index=*/-1, /*first_seq=*/s.tags->next_seq);
-    return;
-  }
   const std::vector<c10::IValue> args{c10::IValue(read), c10::IValue(written)};
   tags_after(s, op, info, args, none, /*seq_index=*/-1, /*first_seq=*/s.tags->next_seq);
 }

@@ -194,6 +194,8 @@ void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, i
 // float dtype, or with a negative stride); absmax_host reads a CPU one (watch_device_cpu.cpp).
 InputView dense_view(const at::Tensor& t);
 double absmax_host(const InputView& v);
+// Whether a readable CPU tensor holds no NaN/Inf: an inline count when small, else the fused scan.
+bool host_finite_cpu(const at::Tensor& t);
 // `first_seq`: the ring's next sequence number when the op began (the scans of the ops a
 // composite op ran inside have numbers from there on).
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
@@ -231,7 +233,7 @@ void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
 // Whether a CPU tensor's tag says finite (the host reads the CPU's tag array; false elsewhere).
 bool tags_finite_on_host(Session& s, const at::Tensor& t);
 // `implied`: the index in `written` of the Adam family's exp_avg, whose finiteness a finite
-// parameter proves (watch_device.cpp: finite_parameter_proves); -1 for none.
+// parameter proves (watch_device.cpp: step_writes_finite); -1 for none.
 void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
                      int64_t implied);
 // Python-side sinks and entries (watch_python.cpp).

@@ -99,6 +99,19 @@ HostCounts count_cpu(const at::Tensor& t) {
   return HostCounts::of_scan(slot.data_ptr<int64_t>());
 }
 
+}  // namespace
+
+bool host_finite_cpu(const at::Tensor& t) {
+  HostCounts c;
+  if (!count_small(t, &c)) {
+    c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
+    c = count_cpu(t);
+  }
+  return c.first < 0;
+}
+
+namespace {
+
 void write_birth(WatchRecord* record, int32_t* counters, const TagArgs& a, const at::Tensor& t,
                  const HostCounts& c) {
   const int64_t i = counters[0]++;

@@ -28,21 +28,30 @@ namespace {
 
 // Each format's bit layout. The tests below use only integer ops on the raw
 // bits: an exponent field of all ones is Inf (mantissa 0) or NaN.
+// kLargeStep: added to the masked exponent, it carries into the sign bit iff the exponent is at
+// least a bound (256 or 2048 minus the step's count, biased): 2^62 for
+// float32 and bfloat16 (189 = 127 + 62: 67 + 189 = 256), 2^510 for float64 (515 + 1533 = 2048),
+// so a value below it squares without overflow. float16 has no such bound (its step is the plain
+// one: "large" is only non-finite there, and scan_cpu_counts never calls it small).
 struct Float32Bits {
   using Bits = uint32_t;
   static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
+  static constexpr Bits kLargeStep = Bits{67} << 23;
 };
 struct BFloat16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
+  static constexpr Bits kLargeStep = Bits{67} << 7;
 };
 struct Float16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7c00u, kMantissa = 0x03ffu;
+  static constexpr Bits kLargeStep = Bits{1} << 10;
 };
 struct Float64Bits {
   using Bits = uint64_t;
   static constexpr Bits kExponent = 0x7ff0000000000000ull, kMantissa = 0x000fffffffffffffull;
+  static constexpr Bits kLargeStep = Bits{515} << 52;
 };
 
 template <typename F>
@@ -52,6 +61,7 @@ struct Format {
   static constexpr Bits kMantissa = F::kMantissa;
   static constexpr Bits kSign = static_cast<Bits>(Bits{1} << (8 * sizeof(Bits) - 1));
   static constexpr Bits kStep = static_cast<Bits>(kExponent & (~kExponent + 1));  // lowest exponent bit
+  static constexpr Bits kLargeStep = F::kLargeStep;
 };
 
 constexpr int64_t kBlock = 4096;          // elements tested together before a detailed pass
@@ -60,8 +70,10 @@ constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
 
 struct Partial {
   int64_t nan = 0, posinf = 0, neginf = 0, first = kNone;
+  bool large = false;  // some value's magnitude reaches the format's kLargeStep bound (or is not finite)
 
   void merge(const Partial& o) {
+    large = large || o.large;
     nan += o.nan;
     posinf += o.posinf;
     neginf += o.neginf;
@@ -77,13 +89,14 @@ inline Bits load_bits(const Bits* data) {
 }
 
 // The sign bit of the result is set iff some element's exponent is all ones:
-// the masked exponent plus one exponent step carries into the sign bit only then.
-template <typename F>
+// the masked exponent plus one exponent step carries into the sign bit only then
+// (plus kLargeStep: iff some exponent reaches the large bound).
+template <typename F, typename F::Bits Step = F::kStep>
 inline typename F::Bits any_non_finite_scalar(const typename F::Bits* data, int64_t n) {
   using Bits = typename F::Bits;
   Bits acc = 0;
   for (int64_t i = 0; i < n; ++i) {
-    acc |= static_cast<Bits>((load_bits(data + i) & F::kExponent) + F::kStep);
+    acc |= static_cast<Bits>((load_bits(data + i) & F::kExponent) + Step);
   }
   return static_cast<Bits>(acc & F::kSign);
 }
@@ -99,7 +112,7 @@ struct VectorOf {
   typedef Bits type __attribute__((vector_size(Bytes)));
 };
 
-template <typename F, int Bytes>
+template <typename F, int Bytes, typename F::Bits Step>
 __attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::Bits* data, int64_t n) {
   using Bits = typename F::Bits;
   using V = typename VectorOf<Bits, Bytes>::type;
@@ -108,7 +121,7 @@ __attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::
   V mask, step;
   for (int l = 0; l < kLanes; ++l) {
     mask[l] = F::kExponent;
-    step[l] = F::kStep;
+    step[l] = Step;
   }
   V a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
@@ -126,19 +139,19 @@ __attribute__((always_inline)) inline bool any_non_finite_vec(const typename F::
   const V a = (a0 | a1) | (a2 | a3);
   Bits acc = 0;
   for (int l = 0; l < kLanes; ++l) acc |= a[l];
-  return ((acc & F::kSign) | any_non_finite_scalar<F>(data + i, n - i)) != 0;
+  return ((acc & F::kSign) | any_non_finite_scalar<F, Step>(data + i, n - i)) != 0;
 }
 
-template <typename F>
+template <typename F, typename F::Bits Step>
 bool any_non_finite_generic(const typename F::Bits* data, int64_t n) {
-  return any_non_finite_vec<F, 16>(data, n);
+  return any_non_finite_vec<F, 16, Step>(data, n);
 }
 
 #if defined(__x86_64__) || defined(__i386__)
 #define CUBLAS_GUARD_SCAN_AVX2 1
-template <typename F>
+template <typename F, typename F::Bits Step>
 __attribute__((target("avx2"))) bool any_non_finite_avx2(const typename F::Bits* data, int64_t n) {
-  return any_non_finite_vec<F, 32>(data, n);
+  return any_non_finite_vec<F, 32, Step>(data, n);
 }
 #endif
 
@@ -154,22 +167,26 @@ bool cpu_has_avx2() {
 // Chosen once, at load time.
 const bool use_avx2 = cpu_has_avx2();
 
-template <typename F>
+// Step = F::kLargeStep: whether any value is large (or not finite).
+template <typename F, typename F::Bits Step = F::kStep>
 inline bool any_non_finite(const typename F::Bits* data, int64_t n) {
 #if defined(CUBLAS_GUARD_SCAN_AVX2)
-  if (use_avx2) return any_non_finite_avx2<F>(data, n);
+  if (use_avx2) return any_non_finite_avx2<F, Step>(data, n);
 #endif
-  return any_non_finite_generic<F>(data, n);
+  return any_non_finite_generic<F, Step>(data, n);
 }
 #else
-template <typename F>
+template <typename F, typename F::Bits Step = F::kStep>
 inline bool any_non_finite(const typename F::Bits* data, int64_t n) {
-  return any_non_finite_scalar<F>(data, n) != 0;
+  return any_non_finite_scalar<F, Step>(data, n) != 0;
 }
 #endif
 
-template <typename F>
+template <typename F, bool Large = false>
 inline void classify(typename F::Bits b, int64_t index, Partial& p) {
+  if constexpr (Large) {
+    if (static_cast<typename F::Bits>((b & F::kExponent) + F::kLargeStep) & F::kSign) p.large = true;
+  }
   if ((b & F::kExponent) != F::kExponent) return;
   if (b & F::kMantissa) {
     ++p.nan;
@@ -181,18 +198,24 @@ inline void classify(typename F::Bits b, int64_t index, Partial& p) {
   p.first = std::min(p.first, index);
 }
 
-// A contiguous run of n elements whose logical index starts at `base`.
-template <typename F>
+// A contiguous run of n elements whose logical index starts at `base`. Large: the hot loop asks
+// "any value large or not finite?" (the same instructions, another step), and a block that
+// answers yes is asked the plain question before its detailed pass.
+template <typename F, bool Large>
 void scan_run(const typename F::Bits* data, int64_t n, int64_t base, Partial& p) {
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
+    if constexpr (Large) {
+      if (!any_non_finite<F, F::kLargeStep>(data + start, len)) continue;
+      p.large = true;
+    }
     if (!any_non_finite<F>(data + start, len)) continue;
     for (int64_t i = 0; i < len; ++i) classify<F>(load_bits(data + start + i), base + start + i, p);
   }
 }
 
 // Logical indices [begin, end) of a strided tensor.
-template <typename F>
+template <typename F, bool Large>
 void scan_strided(const typename F::Bits* data, const ScanGeometry& g, int64_t begin, int64_t end,
                   Partial& p) {
   const int inner = g.ndim - 1;
@@ -209,9 +232,9 @@ void scan_strided(const typename F::Bits* data, const ScanGeometry& g, int64_t b
     const int64_t run = std::min(g.sizes[inner] - index[inner], end - pos);
     const int64_t stride = g.strides[inner];
     if (stride == 1) {
-      scan_run<F>(data + offset, run, pos, p);
+      scan_run<F, Large>(data + offset, run, pos, p);
     } else {
-      for (int64_t i = 0; i < run; ++i) classify<F>(load_bits(data + offset + i * stride), pos + i, p);
+      for (int64_t i = 0; i < run; ++i) classify<F, Large>(load_bits(data + offset + i * stride), pos + i, p);
     }
     pos += run;
     // Advance the odometer past the run.
@@ -229,14 +252,14 @@ void scan_strided(const typename F::Bits* data, const ScanGeometry& g, int64_t b
 // One pass over the whole tensor, on all cores (torch's intra-op pool:
 // at::parallel_reduce, or the stable ABI's parallel_for over fixed chunks
 // whose partials are merged after, which is the same reduction).
-template <typename F>
+template <typename F, bool Large = false>
 Partial scan_all(const void* raw, const ScanGeometry& g, int64_t n) {
   const auto* data = static_cast<const typename F::Bits*>(raw);
   auto scan_range = [&](int64_t begin, int64_t end, Partial acc) {
     if (g.contiguous) {
-      scan_run<F>(data + begin, end - begin, begin, acc);
+      scan_run<F, Large>(data + begin, end - begin, begin, acc);
     } else {
-      scan_strided<F>(data, g, begin, end, acc);
+      scan_strided<F, Large>(data, g, begin, end, acc);
     }
     return acc;
   };
@@ -283,37 +306,48 @@ void fill_record_cpu(const AsyncTarget& target, const Partial& p) {
   __atomic_store_n(&r.flag, int64_t{1}, __ATOMIC_RELEASE);
 }
 
+// The whole tensor's partial (Large: also whether a value reaches the format's large bound).
+template <bool Large>
+Partial scan_tensor(const Tensor& t) {
+  CG_CHECK(is_guarded_dtype(t.scalar_type()), "cublas_guard_ext: internal: scan of an unguarded dtype");
+  const int64_t n = t.numel();
+  if (n == 0) return Partial{};
+  ScanGeometry g;
+  Tensor owner = t;
+  if (!scan_geometry(t, g)) {
+    // More than kMaxScanDims non-mergeable dims: scan a contiguous copy (documented).
+    owner = as_contiguous(t);
+    scan_geometry(owner, g);
+  }
+  const void* data = owner.data_ptr();
+  switch (t.scalar_type()) {
+    case kBFloat16: return scan_all<Format<BFloat16Bits>, Large>(data, g, n);
+    case kHalf: return scan_all<Format<Float16Bits>, Large>(data, g, n);
+    case kDouble: return scan_all<Format<Float64Bits>, Large>(data, g, n);
+    default: return scan_all<Format<Float32Bits>, Large>(data, g, n);
+  }
+}
+
+void write_counts(const Partial& total, int64_t* out) {
+  out[kNanCount] = total.nan;
+  out[kPosInfCount] = total.posinf;
+  out[kNegInfCount] = total.neginf;
+  out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
+}
+
 }  // namespace
 
 void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
                    const std::string& /*layer*/) {
-  CG_CHECK(is_guarded_dtype(t.scalar_type()), "cublas_guard_ext: internal: scan of an unguarded dtype");
-  Partial total;
-  const int64_t n = t.numel();
-  if (n > 0) {
-    ScanGeometry g;
-    Tensor owner = t;
-    if (!scan_geometry(t, g)) {
-      // More than kMaxScanDims non-mergeable dims: scan a contiguous copy (documented).
-      owner = as_contiguous(t);
-      scan_geometry(owner, g);
-    }
-    const void* data = owner.data_ptr();
-    switch (t.scalar_type()) {
-      case kBFloat16: total = scan_all<Format<BFloat16Bits>>(data, g, n); break;
-      case kHalf: total = scan_all<Format<Float16Bits>>(data, g, n); break;
-      case kDouble: total = scan_all<Format<Float64Bits>>(data, g, n); break;
-      default: total = scan_all<Format<Float32Bits>>(data, g, n); break;
-    }
-  }
-  if (out_slot.defined()) {
-    int64_t* out = data_as<int64_t>(out_slot);
-    out[kNanCount] = total.nan;
-    out[kPosInfCount] = total.posinf;
-    out[kNegInfCount] = total.neginf;
-    out[kFirstBadIndex] = total.first == kNone ? -1 : total.first;
-  }
+  const Partial total = scan_tensor<false>(t);
+  if (out_slot.defined()) write_counts(total, data_as<int64_t>(out_slot));
   if (target != nullptr && total.first != kNone) fill_record_cpu(*target, total);
+}
+
+bool scan_cpu_counts(const Tensor& t, int64_t* counts) {
+  const Partial total = scan_tensor<true>(t);
+  write_counts(total, counts);
+  return !total.large && t.scalar_type() != kHalf;
 }
 
 // The scan's layout of a tensor (dims merged where their strides allow),

@@ -125,29 +125,56 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 # parameter after the step proves exp_avg finite, which is then not read (watch_device.cpp:
 # step_writes_finite; tests/watch/test_watch_optimizer_unhooked.py, one test per class).
 _FIRST_MOMENT_PROVEN = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
+# Their exp_avg_sq is b2 * exp_avg_sq + (1 - b2) * grad * grad with the gradient p.grad itself
+# where the group qualifies (_second_moment_provable): a bounded gradient and a bounded state
+# keep it bounded, so it is not read (watch_device.cpp: second_moment_proven).
+_SECOND_MOMENT_PROVEN = frozenset({"Adam", "AdamW", "NAdam", "RAdam"})
+
+
+def _second_moment_provable(name: str, group: dict[str, Any]) -> bool:
+    """Whether the step's exp_avg_sq update reads the raw gradient, b2 within [0, 1 - 1e-6]:
+    no amsgrad (its max is another state), no weight decay added to the gradient (AdamW's and
+    a decoupled one act on the parameter), not fused (a GradScaler's scale divides its gradient)
+    nor differentiable."""
+    if group.get("amsgrad") or group.get("fused") or group.get("differentiable"):
+        return False
+    if name != "AdamW" and group.get("weight_decay") and not group.get("decoupled_weight_decay"):
+        return False
+    try:
+        beta2 = float(group["betas"][1])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        return False
+    return 0.0 <= beta2 <= 1.0 - 1e-6
+
+
+def _state_index(states: list[torch.Tensor], value: Any) -> int:
+    return next((i for i, t in enumerate(states) if t is value), -1)
 
 
 def _step_tensors(
     optimizer: torch.optim.Optimizer,
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int]], bool]:
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], int, int]], bool]:
     """(parameter, gradient, floating non-scalar state tensors, the index among them of the
-    exp_avg a finite parameter proves finite or -1) of each parameter that has a gradient (the
-    others are skipped by torch's optimizers; a 0-dim ``step`` cannot overflow), DTensors as
-    their local shards, and whether one of them has no state yet (its step makes it: read again
-    at the end)."""
+    exp_avg a finite parameter proves finite or -1, that of the exp_avg_sq whose bound may be
+    proven or -1) of each parameter that has a gradient (the others are skipped by torch's
+    optimizers; a 0-dim ``step`` cannot overflow), DTensors as their local shards, and whether
+    one of them has no state yet (its step makes it: read again at the end)."""
     out = []
     new_state = False
     state = optimizer.state
     dtensor = _dtensor_type()
-    proven = type(optimizer).__name__ in _FIRST_MOMENT_PROVEN
+    name = type(optimizer).__name__
+    first_proven = name in _FIRST_MOMENT_PROVEN
+    second_proven = name in _SECOND_MOMENT_PROVEN
     for group in optimizer.param_groups:
+        second_in_group = second_proven and _second_moment_provable(name, group)
         for p in group["params"]:
             g = p.grad
             if g is None:
                 continue
             values = state.get(p)
             states = []
-            first_moment = -1
+            first_moment = second_moment = -1
             if not values:
                 new_state = True
             else:
@@ -156,15 +183,13 @@ def _step_tensors(
                     for v in values.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
                 ]
-                if proven:
-                    exp_avg = values.get("exp_avg")
-                    for i, t in enumerate(states):
-                        if t is exp_avg:
-                            first_moment = i
-                            break
+                if first_proven:
+                    first_moment = _state_index(states, values.get("exp_avg"))
+                if second_in_group:
+                    second_moment = _state_index(states, values.get("exp_avg_sq"))
             if dtensor is not None and isinstance(p, dtensor):
                 p, g, states = p._local_tensor, local_shard(g), [local_shard(t) for t in states]
-            out.append((p, g, states, first_moment))
+            out.append((p, g, states, first_moment, second_moment))
     return out, new_state
 
 
@@ -175,11 +200,14 @@ def _step_tensors(
 # 90 MB of parameters a MiniLM step). A write behind torch's back (.data, a fused kernel outside
 # watch: neither moves the version) is then seen only when an op or the next step's end reads it.
 # Weak references (made once per tensor): a state replaced by load_state_dict is not kept alive.
-_judged: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list[int], list[int]]] = (
+# With them, the ids of the second moments the step's end left bounded (step_writes_finite): their
+# bound holds at the next block's step as their finiteness does, by the same versions.
+_judged: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[list[int], list[int], frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
 _refs: dict[int, weakref.ref] = {}
 _index: dict[int, tuple[list[int], int]] = {}  # id -> (versions, position), rebuilt when read
+_bounded: set[int] = set()  # ids of the judged second moments with a bound, rebuilt with _index
 _index_stale = [False]
 
 
@@ -187,9 +215,11 @@ def known_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` was found finite at the end of a watched step and not written since."""
     if _index_stale[0]:
         _index.clear()
-        for ids, versions in list(_judged.values()):
+        _bounded.clear()
+        for ids, versions, bounded in list(_judged.values()):
             for k, i in enumerate(ids):
                 _index[i] = (versions, k)
+            _bounded.update(bounded)
         _index_stale[0] = False
     i = id(t)
     entry = _index.get(i)
@@ -197,6 +227,12 @@ def known_finite(t: torch.Tensor) -> bool:
         return False
     ref = _refs.get(i)
     return ref is not None and ref() is t and entry[0][entry[1]] == t._version
+
+
+def known_bounded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a second moment whose bound a watched step's end proved, not written
+    since (known_finite first: it rebuilds the index)."""
+    return known_finite(t) and id(t) in _bounded
 
 
 def _forget(optimizer: torch.optim.Optimizer) -> None:
@@ -207,7 +243,7 @@ def _forget(optimizer: torch.optim.Optimizer) -> None:
         _index_stale[0] = True
 
 
-def _remember(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> None:
+def _remember(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], bounded: frozenset[int]) -> None:
     ids = [id(t) for t in tensors]
     before = _judged.get(optimizer)
     if before is None or before[0] != ids:  # new tensors: their references, once
@@ -217,7 +253,7 @@ def _remember(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]) -> 
             ref = _refs.get(i)
             if ref is None or ref() is not t:
                 _refs[i] = weakref.ref(t)
-    _judged[optimizer] = (ids, [t._version for t in tensors])
+    _judged[optimizer] = (ids, [t._version for t in tensors], bounded)
     _index_stale[0] = True
 
 
@@ -243,15 +279,17 @@ def _pre(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         _native._watch_optimizer_step(True)
         return
     st.unhooked.append(True if new_state else tensors)  # the end reads the same tensors
-    scan = [t for p, g, states, _ in tensors for t in (g, p, *states)]
-    finite = []
+    scan = [t for p, g, states, *_ in tensors for t in (g, p, *states)]
+    finite: list[torch.Tensor] = []
+    bounded: list[torch.Tensor] = []
     if st.stepped.get(optimizer) != st.block:  # its first step in this block
         st.stepped[optimizer] = st.block
         finite = [t for t in scan if known_finite(t)]
         if finite:
             known = {id(t) for t in finite}
             scan = [t for t in scan if id(t) not in known]
-    _native._watch_optimizer_begin(scan, finite)
+            bounded = [t for t in finite if known_bounded(t)]
+    _native._watch_optimizer_begin(scan, finite, bounded)
 
 
 def _post(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -273,14 +311,15 @@ def _finish(st: Any) -> None:
         # tensors as the step read them; the parameter is scanned last, so its scan sees its
         # states' tags from before the step.
         tensors = _step_tensors(optimizer)[0] if unhooked is True else unhooked
-        groups = [([g, p, *states], [*states, p], first_moment) for p, g, states, first_moment in tensors]
-        finite = False
+        groups = [([g, p, *states], [*states, p], first, second) for p, g, states, first, second in tensors]
+        finite, bounded = False, []
         try:
             # A finding is raised here (mode sync) or at the next op: st.last names the optimizer.
-            finite = _native._watch_optimizer_end(groups)
+            finite, bounded = _native._watch_optimizer_end(groups) or (False, [])
         finally:
             if finite:
-                _remember(optimizer, [t for _, written, _ in groups for t in written])
+                written = [t for _, written, _, _ in groups for t in written]
+                _remember(optimizer, written, frozenset(id(groups[i][1][groups[i][3]]) for i in bounded))
             elif _judged:
                 _forget(optimizer)
     finally:

@@ -213,3 +213,23 @@ def test_an_embedding_gradient_that_overflows_in_its_sum_is_still_born_there():
         _embedding_backward(2e38)
     assert info.value.op == "aten.embedding_dense_backward.default"
     assert info.value.posinf_count == 8  # row 7's eight values
+
+
+def test_an_embeddings_bounded_gradient_spares_adamws_read_of_its_second_moment():
+    # The sum's bound (largest term x terms) below half of 2^62 gives the gradient a bound, so
+    # AdamW's exp_avg_sq needs no read at the step's end; 1e18 x 4 terms x 2 does not.
+    scans = {}
+    for scale in (1.0, 1e18):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(1000, 8)
+        opt = torch.optim.AdamW(emb.parameters(), lr=1e-3)
+        ids = torch.tensor([7, 3, 7, 9])
+        emb(ids).sum().backward()
+        opt.step()  # the states exist
+        opt.zero_grad()
+        with cg.watch(mode="sync") as w:
+            (emb(ids) * scale).sum().backward()
+            before = w.stats()[1]
+            opt.step()
+            scans[scale] = w.stats()[1] - before
+    assert scans == {1.0: 1, 1e18: 2}  # the parameter; and exp_avg_sq where the bound is unknown

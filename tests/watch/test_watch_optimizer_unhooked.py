@@ -44,8 +44,10 @@ def test_a_torch_optimizer_steps_unhooked_with_one_scan_per_tensor_it_wrote(kwar
         ops_after, scans_after = w.stats()
     # the profiler's record_function enter/exit around step() are the only ops the hook sees
     assert ops_after - ops <= 2
-    # each parameter and its exp_avg_sq; its exp_avg is proven finite by the finite parameter
-    assert scans_after - scans == 2 * len(params)
+    # each parameter; its exp_avg is proven finite by the finite parameter, and its exp_avg_sq
+    # bounded by its gradient's and its own bounds, which their first sights found (not fused:
+    # a GradScaler's scale may divide its gradient, so exp_avg_sq is read)
+    assert scans_after - scans == (2 if kwargs.get("fused") else 1) * len(params)
     nothing_left()
 
 
@@ -82,8 +84,87 @@ def test_only_the_adam_familys_first_moment_goes_unread(name, shape):
         opt.step()
         _, scans_after = w.stats()
     states = sum(t.dim() > 0 for t in opt.state[params[0]].values())
-    proven = 0 if name == "SGD" else 1
+    proven = {"SGD": 0, "Adamax": 1}.get(name, 2)  # exp_avg, and exp_avg_sq (Adamax has exp_inf)
     assert scans_after - scans == (1 + states - proven) * len(params)
+    nothing_left()
+
+
+# exp_avg_sq = b2 * exp_avg_sq + (1 - b2) * grad * grad: 1e-3 * 1e21 * 1e21 = 1e39 overflows
+# float32 to +Inf, while the parameter's update exp_avg / (sqrt(Inf) + eps) is 0 and stays finite,
+# so only a read of exp_avg_sq sees it. The gradient's scan finds 1e21 above the small bound
+# (2^62 = 4.6e18): no proof, the state is read and named.
+SECOND_MOMENT_CLASSES = ["Adam", "AdamW", "NAdam", "RAdam"]
+
+
+@pytest.mark.parametrize("name", SECOND_MOMENT_CLASSES)
+@pytest.mark.parametrize("kwargs", [{"foreach": False}, {"foreach": True}], ids=["single-tensor", "foreach"])
+@pytest.mark.parametrize("shape", [LARGE, (8, 4)], ids=["large", "small"])
+def test_a_second_moment_overflowed_by_a_large_gradient_is_still_named(name, kwargs, shape):
+    params = _params(1, shape=shape)
+    opt = getattr(torch.optim, name)(params, lr=1e-3, **kwargs)
+    opt.step()  # the states exist
+    params[0].grad.fill_(1e-3)
+    params[0].grad[0, 1] = 1e21
+    with pytest.raises(cg.NonFiniteOutputError) as info, cg.watch(mode="sync"):
+        opt.step()
+    assert info.value.op == STEP_WRITES_OP and info.value.state == "exp_avg_sq", str(info.value)
+    assert torch.isfinite(params[0]).all()  # the parameter alone would not tell
+    nothing_left()
+
+
+@pytest.mark.parametrize(
+    "grad",
+    [pytest.param(2.0**62, id="at-the-bound"), pytest.param(2.0**62 * (1 - 2**-23), id="below")],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_gradients_bound_is_where_its_square_stays_finite(grad, layout):
+    # 2^62 is large (read), the float32 below it small (proven): the bound is exact, counted inline
+    # or by the fused scan's contiguous and strided loops
+    for shape in [LARGE, (8, 4)]:
+        params = _params(1, shape=shape)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt.step()
+        if layout == "transposed":
+            params[0].grad = torch.randn(shape[::-1]).t()
+        params[0].grad[0, 0] = grad
+        with cg.watch(mode="sync") as w:
+            _, scans = w.stats()
+            opt.step()
+            _, scans_after = w.stats()
+        assert scans_after - scans == (2 if grad == 2.0**62 else 1), shape
+    nothing_left()
+
+
+@pytest.mark.parametrize(
+    "group",
+    [
+        {"amsgrad": True},
+        {"fused": True},
+        {"betas": (0.9, 1.0 - 1e-7)},
+        {"weight_decay": 0.1, "name": "Adam"},
+        {"weight_decay": 0.1, "name": "RAdam"},
+        {"weight_decay": 0.1, "decoupled_weight_decay": True, "name": "Adam", "proven": True},
+        {"weight_decay": 0.1, "name": "AdamW", "proven": True},
+        {"dtype": torch.float64, "proven": True},
+        {"dtype": torch.bfloat16},
+    ],
+    ids=lambda g: ",".join(f"{k}={v}" for k, v in g.items() if k != "proven"),
+)
+def test_the_second_moment_is_read_where_its_update_is_not_the_plain_one(group):
+    group = dict(group)
+    name, proven, dtype = group.pop("name", "AdamW"), group.pop("proven", False), group.pop("dtype", None)
+    params = _params(1, shape=LARGE)
+    if dtype is not None:
+        params = [nn.Parameter(p.detach().to(dtype)) for p in params]
+        params[0].grad = torch.randn_like(params[0])
+    opt = getattr(torch.optim, name)(params, lr=1e-3, **group)
+    opt.step()
+    with cg.watch(mode="sync") as w:
+        _, scans = w.stats()
+        opt.step()
+        _, scans_after = w.stats()
+    states = sum(t.dim() > 0 for t in opt.state[params[0]].values())
+    assert scans_after - scans == states - (2 if proven else 1) + 1
     nothing_left()
 
 
@@ -186,14 +267,40 @@ def test_what_a_step_found_finite_is_not_read_again_by_the_next_block(monkeypatc
     monkeypatch.setattr(
         native,
         "_watch_optimizer_begin",
-        lambda scan, finite: begun.append((scan, finite)) or real_begin(scan, finite),
+        lambda scan, finite, bounded: (
+            begun.append((scan, finite, bounded)) or real_begin(scan, finite, bounded)
+        ),
     )
     _block_per_step(model, opt, 1)
-    scan, finite = begun[-1]
+    scan, finite, bounded = begun[-1]
     states = [t for p in model.parameters() for t in opt.state[p].values() if t.dim() > 0]
     assert {id(t) for t in finite} == {id(t) for t in [*model.parameters(), *states]}
+    # ...and each exp_avg_sq keeps the bound the last step's end found (its read is spared again)
+    assert {id(t) for t in bounded} == {id(opt.state[p]["exp_avg_sq"]) for p in model.parameters()}
     assert all(t is p.grad for t, p in zip(scan, model.parameters()))  # only the new gradients
     assert checked == []  # the entry check read no parameter either
+    nothing_left()
+
+
+def test_a_second_moments_bound_is_carried_to_the_next_block_and_lost_with_a_write():
+    model, opt = _tiny_adamw()
+    _block_per_step(model, opt, 2)
+
+    def step_scans() -> int:
+        with cg.watch(model, mode="sync") as w:
+            _step(model, opt, 1.0)
+            return w.stats()[1]
+
+    base = step_scans()  # every exp_avg_sq proven: its bound came from the last block's end
+    v = opt.state[model.emb.weight]["exp_avg_sq"]
+    # (stats() counts the scans of outputs: a first sight at the step's start is not one)
+    with torch.no_grad():
+        v[0, 0] = 1.0  # moves its version: its first sight reads it, finds it small: proven again
+    assert step_scans() == base
+    with torch.no_grad():
+        v[0, 0] = 3e30  # finite, above 2^62: no bound from a read, so it is read at each step's
+    assert step_scans() == base + 1  # end until it decays below 2^62
+    assert step_scans() == base + 1
     nothing_left()
 
 

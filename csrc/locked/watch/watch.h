@@ -228,6 +228,7 @@ bool readable(const at::Tensor& t);
 // rest. The entry check of arguments, verify_inputs.
 struct HostCounts {
   int64_t nan = 0, posinf = 0, neginf = 0, first = -1;
+  bool small = false;  // known: every value finite and below the dtype's small bound (scan_cpu_counts)
   bool bad() const { return first >= 0; }
   // From the fused scan's kScanFields counts.
   static HostCounts of_scan(const int64_t* r) {

@@ -217,8 +217,9 @@ static bool finite_by_rule(DeviceTags& d, const OpInfo& info, const std::vector<
 // values of magnitude at most A, grad_output's largest: finite when numel x A stays below half the
 // dtype's largest value (half: rounding's headroom). grad_output is small (tokens x width) and
 // finite-tagged; the output, a vocabulary-sized gradient, is then tagged finite without a scan.
+// *bound_exp: the small bound (small_bound_exp) when numel x A stays below half of it too.
 static bool bounded_by_rule(DeviceTags& d, const OpInfo& info, const std::vector<c10::IValue>& args,
-                            const at::Tensor& t) {
+                            const at::Tensor& t, int32_t* bound_exp) {
   if (!info.bounded_sum || !d.home.device.is_cpu() || !covers_storage(t) || args.size() < 2 ||
       !args[0].isTensor() || !args[1].isTensor()) {
     return false;
@@ -238,7 +239,10 @@ static bool bounded_by_rule(DeviceTags& d, const OpInfo& info, const std::vector
     default: return false;
   }
   const double terms = static_cast<double>(std::max<int64_t>(args[1].toTensor().numel(), 1));
-  return absmax_host(view) * terms < largest / 2;
+  const double bound = absmax_host(view) * terms;
+  const int32_t small = small_bound_exp(t.scalar_type());
+  *bound_exp = small >= 0 && bound < std::ldexp(1.0, small) / 2 ? small : -1;
+  return bound < largest / 2;
 }
 
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
@@ -275,12 +279,11 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
     if (!readable(t)) return;
     DeviceTags* d = tags_for(w, t);
     if (d == nullptr || (!s.verify && already_judged(*d, info, args, t, seq_index, first_seq))) return;
+    int32_t bound_exp = -1;  // a cast or copy keeps no bound here: only the sum's rule gives one
     if (!s.verify && base.scalar_bad == 0 &&
-        (finite_by_rule(*d, info, args, t, list_len, position) || bounded_by_rule(*d, info, args, t))) {
-      bool fresh = false;
-      const int32_t slot = slot_of(*d, t, &fresh);
-      raw(d->tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)
-      d->slot_seq[slot] = w.next_seq;  // judged by this op, as a scan would have
+        (finite_by_rule(*d, info, args, t, list_len, position) ||
+         bounded_by_rule(*d, info, args, t, &bound_exp))) {
+      tag_finite_unscanned(*d, t, w.next_seq, bound_exp);  // judged by this op, as a scan would have
       return;
     }
     ++s.outputs_scanned;
@@ -367,10 +370,21 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
 }
 
 void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
-                      const std::vector<at::Tensor>& finite) {
+                      const std::vector<at::Tensor>& finite, const std::vector<at::Tensor>& bounded) {
   for (const at::Tensor& t : tensors) first_sight(*s.tags, t);
   // A slot this block already gave one keeps its tag: that is what the block knows.
   for (const at::Tensor& t : finite) tags_known_finite(s, t);
+  // A bound holds on a slot no op has judged since it was given (slot_seq -1: the block's entry
+  // or the line above gave it for the same values, whose versions watching/optimizer_step.py
+  // checked).
+  for (const at::Tensor& t : bounded) {
+    DeviceTags* d = readable(t) && t.is_cpu() ? tags_for(*s.tags, t) : nullptr;
+    const int32_t slot = d != nullptr ? d->slots.find(t.storage().unsafeGetStorageImpl()) : -1;
+    const int32_t small = small_bound_exp(t.scalar_type());
+    if (slot >= 0 && small >= 0 && d->slot_seq[slot] == -1 && raw(d->tags)[slot] == kTagFinite) {
+      note_bound(*d, slot, 2 * small + 1);
+    }
+  }
 }
 
 bool tags_finite_on_host(Session& s, const at::Tensor& t) {
@@ -380,6 +394,27 @@ bool tags_finite_on_host(Session& s, const at::Tensor& t) {
   return slot >= 0 && raw(d->tags)[slot] == kTagFinite;
 }
 
+// The Adam family's second moment after the step, v' = b2 v + (1 - b2) g g (watching/optimizer_step.py
+// passes its index only for Adam, AdamW, NAdam and RAdam with the gradient as the step reads it:
+// no amsgrad, no coupled weight decay, not fused or differentiable, 0 <= b2 <= 1 - 1e-6),
+// proven to stay below 2^(2s+1) without reading it, s being the dtype's small bound (2^62 for
+// float32, 2^510 for float64): the gradient's last scan found every |g| < 2^s (so g g < 2^2s,
+// no overflow) and v was already below 2^(2s+1) (the previous step's proof, or a scan finding it
+// below 2^s). Then b2 v + (1 - b2) g g < 2^(2s+1) (1 - (1 - b2)/2), a margin of at least 5e-7
+// relative, and three roundings (float32's 6e-8 each) cannot cross it. bfloat16 is left out: its
+// rounding (4e-3) is coarser than 1 - b2. A gradient or state a later write touched has no bound
+// (bound_of), and their tags must still read finite.
+static bool second_moment_proven(DeviceTags& d, const at::Tensor& grad, const at::Tensor& v) {
+  const int32_t small = v.scalar_type() == at::kBFloat16 ? -1 : small_bound_exp(v.scalar_type());
+  if (small < 0 || grad.scalar_type() != v.scalar_type() || !grad.is_cpu() || !readable(grad)) return false;
+  const int32_t g_slot = d.slots.find(grad.storage().unsafeGetStorageImpl());
+  const int32_t v_slot = d.slots.find(v.storage().unsafeGetStorageImpl());
+  if (g_slot < 0 || v_slot < 0) return false;
+  const int32_t* tags = raw(d.tags);
+  return tags[g_slot] == kTagFinite && tags[v_slot] == kTagFinite && bound_of(d, g_slot) <= small &&
+         bound_of(d, v_slot) <= 2 * small + 1;
+}
+
 // One parameter's writes on the CPU, when all of them read finite: each tagged finite as a scan
 // would tag it (a finite output covering its storage gets the finite tag whatever its inputs:
 // apply_rule), without the per-output bookkeeping of tags_after (its record, the inputs' slots
@@ -387,10 +422,15 @@ bool tags_finite_on_host(Session& s, const at::Tensor& t) {
 // first: for the Adam family (`implied`: exp_avg's index) a finite parameter proves exp_avg finite,
 // since the update adds exp_avg over a positive denominator times a step size that may be 0, so a
 // non-finite exp_avg makes a non-finite parameter (Inf/d = Inf, Inf/Inf = NaN, NaN/d = NaN,
-// 0 x Inf = NaN); exp_avg is then not read (91 MB of a MiniLM step's 272). False when a tensor is
-// not finite (or not a whole CPU storage): the caller scans every written tensor in order then,
-// so a state that went non-finite is named as before.
-static bool step_writes_finite(Session& s, const std::vector<at::Tensor>& written, int64_t implied) {
+// 0 x Inf = NaN); exp_avg is then not read (91 MB of a MiniLM step's 272). exp_avg_sq
+// (`second_moment`) is not read where second_moment_proven holds (91 MB more). False when a
+// tensor is not finite (or not a whole CPU storage): the caller scans every written tensor in
+// order then, so a state that went non-finite is named as before. *bounded: whether the second
+// moment holds its bound now.
+static bool step_writes_finite(Session& s, const std::vector<at::Tensor>& read,
+                               const std::vector<at::Tensor>& written, int64_t implied, int64_t second_moment,
+                               bool* bounded) {
+  *bounded = false;
   if (s.verify || written.empty()) return false;
   DeviceTags* d = nullptr;
   for (const at::Tensor& t : written) {
@@ -400,34 +440,53 @@ static bool step_writes_finite(Session& s, const std::vector<at::Tensor>& writte
     d = home;
   }
   const int64_t last = static_cast<int64_t>(written.size()) - 1;  // the parameter
-  for (int64_t i = last; i >= 0; --i) {                          // the parameter first
-    if (i == implied && i != last) continue;
-    if (!host_finite_cpu(written[i])) return false;
+  if (second_moment == last) second_moment = -1;
+  if (implied == last) implied = -1;
+  constexpr size_t kMaxStepWrites = 8;  // a parameter and its states (Adam with amsgrad: 4)
+  if (written.size() > kMaxStepWrites) return false;
+  const bool proven = second_moment >= 0 && second_moment_proven(*d, read.front(), written[second_moment]);
+  int32_t exps[kMaxStepWrites];
+  int64_t reads = 0;
+  for (int64_t i = last; i >= 0; --i) {  // the parameter first
+    exps[i] = -1;
+    if (i == implied) continue;
+    if (i == second_moment && proven) {
+      exps[i] = 2 * small_bound_exp(written[i].scalar_type()) + 1;
+      continue;
+    }
+    bool small = false;
+    if (!host_finite_cpu(written[i], &small)) return false;
+    ++reads;
+    exps[i] = small ? small_bound_exp(written[i].scalar_type()) : -1;
   }
-  for (int64_t i = 0; i <= last; ++i) {
-    if (i != implied || i == last) ++s.outputs_scanned;
-    bool fresh = false;
-    const int32_t slot = slot_of(*d, written[i], &fresh);
-    raw(d->tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)
-    d->slot_seq[slot] = s.tags->next_seq;
-  }
+  s.outputs_scanned += reads;
+  for (int64_t i = 0; i <= last; ++i) tag_finite_unscanned(*d, written[i], s.tags->next_seq, exps[i]);
+  *bounded = second_moment >= 0 && exps[second_moment] >= 0;
   return true;
 }
 
-void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
-                     int64_t implied) {
-  if (step_writes_finite(s, written, implied)) return;
+bool tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
+                     int64_t implied, int64_t second_moment) {
+  TORCH_INTERNAL_ASSERT(read.size() == written.size() + 1);
+  bool bounded = false;
+  if (step_writes_finite(s, read, written, implied, second_moment, &bounded)) return bounded;
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("cublas_guard_internal::optimizer_step_writes", "");
   const OpInfo& info = op_info(op);
   // `read` is one longer than `written` (the gradient first), so tags_after gives every written
   // tensor all of `read` as inputs (its parameter's tensors as they were before the step: a NaN
   // already in exp_avg is not born in the parameter it reaches) and, by position, its own old tag.
-  TORCH_INTERNAL_ASSERT(read.size() == written.size() + 1);
   // No first sight here: a state the step made has no slot, so it is no input of its own scan.
   const torch::jit::Stack none;
   const std::vector<c10::IValue> args{c10::IValue(read), c10::IValue(written)};
   tags_after(s, op, info, args, none, /*seq_index=*/-1, /*first_seq=*/s.tags->next_seq);
+  // Each written tensor was scanned whole: a second moment found small has its bound.
+  if (second_moment < 0 || second_moment >= static_cast<int64_t>(written.size())) return false;
+  const at::Tensor& v = written[second_moment];
+  DeviceTags* d = readable(v) && v.is_cpu() ? tags_for(*s.tags, v) : nullptr;
+  const int32_t slot = d != nullptr ? d->slots.find(v.storage().unsafeGetStorageImpl()) : -1;
+  return slot >= 0 && raw(d->tags)[slot] == kTagFinite &&
+         bound_of(*d, slot) <= small_bound_exp(v.scalar_type());
 }
 
 void poll(Session& s) {

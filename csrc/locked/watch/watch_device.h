@@ -123,6 +123,16 @@ struct DeviceTags {
   // slot was assigned): a composite op's output that an op inside it already scanned is not
   // read again (tags_after).
   std::vector<int64_t> slot_seq;
+  // Per slot (CPU only: the host reads what a CPU scan found), a magnitude bound its values are
+  // known to keep (every one finite, |x| < 2^exp) since the scan or proof numbered `seq`: valid
+  // while slot_seq still holds that number (a fresh slot, any later scan or tag set by a rule moves
+  // or resets it: note_bound). What watch's proof of an optimizer's second moment reads.
+  static constexpr int64_t kNoBound = -2;  // below slot_seq's -1 (a fresh slot's)
+  struct Bound {
+    int64_t seq = kNoBound;
+    int32_t exp = 0;
+  };
+  std::vector<Bound> bounds;
   std::vector<int32_t> free_slots;
   int32_t next_slot = 0;
   int64_t capacity = 1 << 16;      // tag slots
@@ -179,8 +189,21 @@ bool covers_storage(const at::Tensor& t);
 int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh);
 // Watch's own int32 arrays' data (dense, offset 0, never copy-on-write), without data_ptr's checks.
 int32_t* raw(const at::Tensor& a);
-// One scan of t with arguments a on d's device.
+// One scan of t with arguments a on d's device (on the CPU, an output's or first sight's scan
+// also notes the bound it found: note_bound).
 void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a);
+// The exponent of the small bound a CPU scan reports for a dtype (scan_cpu_counts: 62 for float32
+// and bfloat16, 510 for float64), -1 for none (float16, integers).
+int32_t small_bound_exp(at::ScalarType dtype);
+// Slot `slot` was judged now (slot_seq[slot] set by the caller): its bound is 2^exp, or unknown
+// for exp < 0. Every write of slot_seq outside slot_of goes with one.
+void note_bound(DeviceTags& d, int32_t slot, int32_t exp);
+// The slot's bound's exponent while valid, else INT32_MAX.
+int32_t bound_of(const DeviceTags& d, int32_t slot);
+// Tags a whole storage's slot finite without a scan (a rule proved it: finite_by_rule,
+// bounded_by_rule, an unhooked step's end), judged by sequence number `seq`, with bound 2^exp
+// (exp < 0: none known). Returns the slot.
+int32_t tag_finite_unscanned(DeviceTags& d, const at::Tensor& t, int64_t seq, int32_t exp);
 // A tensor no watched op wrote gets a slot and a first-sight scan.
 void first_sight(TagState& w, const at::Tensor& t);
 
@@ -195,7 +218,10 @@ void add_view(TagArgs& a, const OpInfo& info, size_t arg, const at::Tensor& t, i
 InputView dense_view(const at::Tensor& t);
 double absmax_host(const InputView& v);
 // Whether a readable CPU tensor holds no NaN/Inf: an inline count when small, else the fused scan.
-bool host_finite_cpu(const at::Tensor& t);
+// `small`: set to whether every value is also below the dtype's small bound (small_bound_exp).
+bool host_finite_cpu(const at::Tensor& t, bool* small = nullptr);
+// Whether the calling thread's last CPU scan (DeviceKernels::scan) found its tensor small.
+bool last_cpu_scan_small();
 // `first_seq`: the ring's next sequence number when the op began (the scans of the ops a
 // composite op ran inside have numbers from there on).
 void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
@@ -228,14 +254,19 @@ void tags_known_finite(Session& s, const at::Tensor& t);
 // gradient, then the parameter's tensors as they were before the step; watch_python.cpp).
 // `finite`: tensors judged finite at the end of this optimizer's last watched step and not
 // written since (watching/optimizer_step.py keeps their versions): a finite tag, no scan.
+// `bounded`: those of `finite` whose second-moment bound the same step proved (step_writes_finite),
+// given that bound again on their fresh slots.
 void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
-                      const std::vector<at::Tensor>& finite);
+                      const std::vector<at::Tensor>& finite, const std::vector<at::Tensor>& bounded);
 // Whether a CPU tensor's tag says finite (the host reads the CPU's tag array; false elsewhere).
 bool tags_finite_on_host(Session& s, const at::Tensor& t);
 // `implied`: the index in `written` of the Adam family's exp_avg, whose finiteness a finite
-// parameter proves (watch_device.cpp: step_writes_finite); -1 for none.
-void tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
-                     int64_t implied);
+// parameter proves (watch_device.cpp: step_writes_finite); -1 for none. `second_moment`: the
+// index of its exp_avg_sq where the optimizer and group qualify for its proof (a bounded
+// gradient and a bounded exp_avg_sq before the step), else -1. Returns whether that second moment
+// holds its bound now (carried to the next block's step by watching/optimizer_step.py).
+bool tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std::vector<at::Tensor>& written,
+                     int64_t implied, int64_t second_moment);
 // Python-side sinks and entries (watch_python.cpp).
 void tags_reached(Session& s, const at::Tensor& t, const std::string& where);
 // `buffer`: one of the model's buffers, judged like an argument by what it reaches (a cache's

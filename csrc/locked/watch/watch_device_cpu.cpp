@@ -61,10 +61,16 @@ HostCounts count_inline(const void* data, int64_t n) {
   // float16/bfloat16 widen exactly to float; float64 is not narrowed (1e300 is finite there).
   using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const T* p = static_cast<const T*>(data);
+  // scan_cpu_counts' small bound (float16: none); the largest magnitude is compared once, after.
+  const Wide bound = std::is_same_v<T, double> ? std::ldexp(1.0, 510) : std::ldexp(1.0f, 62);
   HostCounts c;
+  Wide largest = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Wide v = static_cast<Wide>(p[i]);
-    if (std::isfinite(v)) continue;
+    if (std::isfinite(v)) {
+      largest = std::max(largest, std::fabs(v));
+      continue;
+    }
     if (c.first < 0) c.first = i;
     if (std::isnan(v)) {
       ++c.nan;
@@ -74,6 +80,7 @@ HostCounts count_inline(const void* data, int64_t n) {
       ++c.neginf;
     }
   }
+  c.small = c.first < 0 && largest < bound && !std::is_same_v<T, c10::Half>;
   return c;
 }
 
@@ -94,19 +101,27 @@ bool count_small(const at::Tensor& t, HostCounts* c) {
 // The rest: the fused scan, or ATen for the dtypes it does not read.
 HostCounts count_cpu(const at::Tensor& t) {
   if (!is_guarded_dtype(t.scalar_type())) return host_counts(t);
-  static thread_local at::Tensor slot = at::empty({kScanFields}, at::TensorOptions().dtype(at::kLong));
-  scan_cpu_into(t, slot, nullptr, "watch");
-  return HostCounts::of_scan(slot.data_ptr<int64_t>());
+  int64_t counts[kScanFields];
+  const bool small = scan_cpu_counts(t, counts);
+  HostCounts c = HostCounts::of_scan(counts);
+  c.small = small;
+  return c;
 }
+
+// Whether the last scan_cpu of this thread found its tensor small (launch reads it right after).
+thread_local bool last_scan_small = false;
 
 }  // namespace
 
-bool host_finite_cpu(const at::Tensor& t) {
+bool last_cpu_scan_small() { return last_scan_small; }
+
+bool host_finite_cpu(const at::Tensor& t, bool* small) {
   HostCounts c;
   if (!count_small(t, &c)) {
     c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
     c = count_cpu(t);
   }
+  if (small != nullptr) *small = c.small;
   return c.first < 0;
 }
 
@@ -150,6 +165,7 @@ void scan_cpu(const at::Tensor& t, const TagArgs& a, int32_t* tags, int32_t* seq
     c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
     c = count_cpu(t);
   }
+  last_scan_small = c.small;
   bool birth = false;
   int64_t sinks[2];
   int n = 0;

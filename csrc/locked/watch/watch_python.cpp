@@ -246,16 +246,19 @@ PyObject* py_optimizer_step(PyObject*, PyObject* arg) {
 // MiniLM step's extra time).
 PyObject* py_optimizer_begin(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *tensors_obj = nullptr, *finite_obj = nullptr;
-  if (!PyArg_ParseTuple(args, "OO", &tensors_obj, &finite_obj)) return nullptr;
+  PyObject *tensors_obj = nullptr, *finite_obj = nullptr, *bounded_obj = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|O", &tensors_obj, &finite_obj, &bounded_obj)) return nullptr;
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
-  std::vector<at::Tensor> tensors, finite;
-  if (!read_tensors(tensors_obj, tensors) || !read_tensors(finite_obj, finite)) return nullptr;
+  std::vector<at::Tensor> tensors, finite, bounded;
+  if (!read_tensors(tensors_obj, tensors) || !read_tensors(finite_obj, finite) ||
+      (bounded_obj != nullptr && !read_tensors(bounded_obj, bounded))) {
+    return nullptr;
+  }
   {
     pybind11::gil_scoped_release nogil;
     SessionLock lock(*s->mu);
-    tags_before_step(*s, tensors, finite);
+    tags_before_step(*s, tensors, finite, bounded);
     ++s->optimizer_depth;
     if (s->unhooked_steps++ == 0) {
       s->key_off_for_step = c10::impl::tls_is_dispatch_key_included(kWatchKey);
@@ -266,48 +269,64 @@ PyObject* py_optimizer_begin(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// The unhooked step ended: `groups`, one (read, written[, implied]) tuple of tensor sequences per
-// parameter (tags_after_step; `implied`, the index of a written state a finite parameter proves
-// finite, or -1), scanned as one op's outputs each, in phase "optimizer step". Returns whether
-// every written tensor is on the CPU with a finite tag now (read on the host).
+// The unhooked step ended: `groups`, one (read, written[, implied[, second_moment]]) tuple of
+// tensor sequences per parameter (tags_after_step: `implied`, the index of a written state a
+// finite parameter proves finite, `second_moment` that of an exp_avg_sq whose bound may be proven,
+// -1 for none), scanned as one op's outputs each, in phase "optimizer step". Returns (whether
+// every written tensor is on the CPU with a finite tag now (read on the host), the indices of the
+// groups whose second moment holds its bound now).
 PyObject* py_optimizer_end(PyObject*, PyObject* groups) {
   HANDLE_TH_ERRORS
   Session* s = tls_session;
   if (s == nullptr) Py_RETURN_NONE;
   struct StepWrites {
     std::vector<at::Tensor> read, written;
-    int64_t implied = -1;
+    int64_t implied = -1, second_moment = -1;
   };
   std::vector<StepWrites> steps;
-  const bool ok = for_each_item(groups, "expected (read, written[, implied]) tuples", [&](PyObject* item) {
+  auto index_at = [](PyObject* item, Py_ssize_t i, int64_t* out) {
+    return i >= PyTuple_GET_SIZE(item) || (*out = PyLong_AsLongLong(PyTuple_GET_ITEM(item, i))) != -1 ||
+           !PyErr_Occurred();
+  };
+  const char* shape = "expected (read, written[, implied[, second_moment]]) tuples";
+  const bool ok = for_each_item(groups, shape, [&](PyObject* item) {
     StepWrites& w = steps.emplace_back();
     const Py_ssize_t n = PyTuple_Check(item) ? PyTuple_GET_SIZE(item) : 0;
-    if ((n != 2 && n != 3) || !read_tensors(PyTuple_GET_ITEM(item, 0), w.read) ||
+    if (n < 2 || n > 4 || !read_tensors(PyTuple_GET_ITEM(item, 0), w.read) ||
         !read_tensors(PyTuple_GET_ITEM(item, 1), w.written) || w.read.size() != w.written.size() + 1 ||
-        (n == 3 && (w.implied = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 2))) == -1 && PyErr_Occurred())) {
+        !index_at(item, 2, &w.implied) || !index_at(item, 3, &w.second_moment)) {
       if (!PyErr_Occurred())
         PyErr_SetString(PyExc_ValueError,
-                        "_watch_optimizer_end: (read, written[, implied]) tuples, read one longer (the "
-                        "gradient first)");
+                        "_watch_optimizer_end: (read, written[, implied[, second_moment]]) tuples, read one "
+                        "longer (the gradient first)");
       return false;
     }
     return true;
   });
   if (!ok) return nullptr;
   bool finite = true;
+  std::vector<int64_t> bounded;
   {
     pybind11::gil_scoped_release nogil;
     SessionLock lock(*s->mu);
     c10::impl::ExcludeDispatchKeyGuard no_watch(kWatchKey);
     // Attributed to the step (its depth is still counted) and only then ended.
-    for (const StepWrites& w : steps) {
-      tags_after_step(*s, w.read, w.written, w.implied);
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const StepWrites& w = steps[i];
+      if (tags_after_step(*s, w.read, w.written, w.implied, w.second_moment)) {
+        bounded.push_back(static_cast<int64_t>(i));
+      }
       for (const at::Tensor& t : w.written) finite = finite && tags_finite_on_host(*s, t);
     }
     end_unhooked_steps(*s, 1);
   }
   run_after_unlock(*s);  // a sync finding
-  return PyBool_FromLong(finite ? 1 : 0);
+  PyObject* indices = PyList_New(static_cast<Py_ssize_t>(bounded.size()));
+  if (indices == nullptr) return nullptr;
+  for (size_t i = 0; i < bounded.size(); ++i) {
+    PyList_SET_ITEM(indices, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(bounded[i]));
+  }
+  return Py_BuildValue("(NN)", PyBool_FromLong(finite ? 1 : 0), indices);
   END_HANDLE_TH_ERRORS
 }
 
@@ -420,10 +439,10 @@ PyMethodDef methods[] = {
     {"_watch_pop", py_pop, METH_NOARGS, "pop a module id"},
     {"_watch_optimizer_step", py_optimizer_step, METH_O, "optimizer.step() begins (True) or ends (False)"},
     {"_watch_optimizer_begin", py_optimizer_begin, METH_VARARGS,
-     "_watch_optimizer_begin(tensors, finite): a torch optimizer's step begins, unhooked"},
+     "_watch_optimizer_begin(tensors, finite[, bounded]): a torch optimizer's step begins, unhooked"},
     {"_watch_optimizer_end", py_optimizer_end, METH_O,
-     "_watch_optimizer_end([(read, written[, implied]), ...]): the unhooked step ended; what it wrote is "
-     "judged"},
+     "_watch_optimizer_end([(read, written[, implied[, second_moment]]), ...]): the unhooked step ended; "
+     "what it wrote is judged. Returns (finite, indices of the groups whose second moment is bounded)"},
     {"_watch_active", py_active, METH_NOARGS, "whether this thread is watching"},
     {"_watch_scan", py_scan, METH_O, "(nan, posinf, neginf, first_bad_index) or None"},
     {"_watch_all_finite", py_all_finite, METH_O, "whether every value of these tensors is finite"},

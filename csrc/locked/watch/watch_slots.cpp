@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <limits>
 #include <mutex>
 #include <optional>
 
@@ -200,8 +201,43 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
     slot = d.next_slot++;
   }
   d.slots.insert(key, slot, t.storage().getWeakStorageImpl());
-  if (d.slot_seq.size() <= static_cast<size_t>(slot)) d.slot_seq.resize(static_cast<size_t>(slot) + 1, -1);
+  if (d.slot_seq.size() <= static_cast<size_t>(slot)) {
+    d.slot_seq.resize(static_cast<size_t>(slot) + 1, -1);
+    d.bounds.resize(static_cast<size_t>(slot) + 1);
+  }
   d.slot_seq[slot] = -1;
+  d.bounds[slot].seq = DeviceTags::kNoBound;
+  return slot;
+}
+
+int32_t small_bound_exp(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kBFloat16: return 62;
+    case at::kDouble: return 510;
+    default: return -1;
+  }
+}
+
+void note_bound(DeviceTags& d, int32_t slot, int32_t exp) {
+  DeviceTags::Bound& b = d.bounds[slot];
+  b.seq = exp >= 0 ? d.slot_seq[slot] : DeviceTags::kNoBound;
+  b.exp = exp;
+}
+
+int32_t bound_of(const DeviceTags& d, int32_t slot) {
+  if (slot < 0 || static_cast<size_t>(slot) >= d.bounds.size()) return std::numeric_limits<int32_t>::max();
+  const DeviceTags::Bound& b = d.bounds[slot];
+  return b.seq != DeviceTags::kNoBound && b.seq == d.slot_seq[slot] ? b.exp
+                                                                    : std::numeric_limits<int32_t>::max();
+}
+
+int32_t tag_finite_unscanned(DeviceTags& d, const at::Tensor& t, int64_t seq, int32_t exp) {
+  bool fresh = false;
+  const int32_t slot = slot_of(d, t, &fresh);
+  raw(d.tags)[slot] = kTagFinite;  // (a slot it already had may hold a non-finite tag)
+  d.slot_seq[slot] = seq;
+  note_bound(d, slot, exp);
   return slot;
 }
 
@@ -216,6 +252,12 @@ void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a) {
   std::optional<c10::impl::ExcludeDispatchKeyGuard> no_watch;
   if (!t.is_cpu()) no_watch.emplace(kWatchKey);
   d.kernels->scan(t, a, raw(d.tags), raw(d.seq_tags), d.record, raw(d.counters));
+  // What the CPU scan found about the values' size (a whole storage only: a part says nothing of
+  // the rest). tags_after set slot_seq to this scan's number; a first sight's fresh slot has -1.
+  if (a.out_slot >= 0 && t.is_cpu() && (a.kind == kScanOutput || a.kind == kScanFirstSight)) {
+    note_bound(d, a.out_slot,
+               last_cpu_scan_small() && covers_storage(t) ? small_bound_exp(t.scalar_type()) : -1);
+  }
 }
 
 // A tensor no watched op wrote gets a slot and a first-sight scan (before the

@@ -253,10 +253,11 @@ void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a) {
   if (!t.is_cpu()) no_watch.emplace(kWatchKey);
   d.kernels->scan(t, a, raw(d.tags), raw(d.seq_tags), d.record, raw(d.counters));
   // What the CPU scan found about the values' size (a whole storage only: a part says nothing of
-  // the rest). tags_after set slot_seq to this scan's number; a first sight's fresh slot has -1.
-  if (a.out_slot >= 0 && t.is_cpu() && (a.kind == kScanOutput || a.kind == kScanFirstSight)) {
-    note_bound(d, a.out_slot,
-               last_cpu_scan_small() && covers_storage(t) ? small_bound_exp(t.scalar_type()) : -1);
+  // the rest). tags_after set slot_seq to this scan's number (and a.whole); a first sight's fresh
+  // slot has -1.
+  if (a.out_slot >= 0 && (a.kind == kScanOutput || a.kind == kScanFirstSight) && t.is_cpu()) {
+    const bool whole = a.kind == kScanOutput ? a.whole != 0 : covers_storage(t);
+    note_bound(d, a.out_slot, whole && last_cpu_scan_small() ? small_bound_exp(t.scalar_type()) : -1);
   }
 }
 

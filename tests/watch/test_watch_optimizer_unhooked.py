@@ -33,6 +33,14 @@ def _params(n: int = 3, shape: tuple[int, ...] = (8, 4)) -> list[nn.Parameter]:
     return params
 
 
+def _scans_of_one_watched_step(opt: torch.optim.Optimizer) -> int:
+    """The scans one step of ``opt`` makes in a block of its own."""
+    with cg.watch(mode="sync") as w:
+        _, scans = w.stats()
+        opt.step()
+        return w.stats()[1] - scans
+
+
 @pytest.mark.parametrize("kwargs", ADAM_VARIANTS)
 def test_a_torch_optimizer_steps_unhooked_with_one_scan_per_tensor_it_wrote(kwargs):
     params = _params(shape=LARGE)
@@ -79,13 +87,10 @@ def test_only_the_adam_familys_first_moment_goes_unread(name, shape):
     params = _params(shape=shape)
     opt = getattr(torch.optim, name)(params, lr=1e-3, **({"momentum": 0.9} if name == "SGD" else {}))
     opt.step()
-    with cg.watch(mode="sync") as w:
-        _, scans = w.stats()
-        opt.step()
-        _, scans_after = w.stats()
+    scans = _scans_of_one_watched_step(opt)
     states = sum(t.dim() > 0 for t in opt.state[params[0]].values())
     proven = {"SGD": 0, "Adamax": 1}.get(name, 2)  # exp_avg, and exp_avg_sq (Adamax has exp_inf)
-    assert scans_after - scans == (1 + states - proven) * len(params)
+    assert scans == (1 + states - proven) * len(params)
     nothing_left()
 
 
@@ -127,11 +132,7 @@ def test_the_gradients_bound_is_where_its_square_stays_finite(grad, layout):
         if layout == "transposed":
             params[0].grad = torch.randn(shape[::-1]).t()
         params[0].grad[0, 0] = grad
-        with cg.watch(mode="sync") as w:
-            _, scans = w.stats()
-            opt.step()
-            _, scans_after = w.stats()
-        assert scans_after - scans == (2 if grad == 2.0**62 else 1), shape
+        assert _scans_of_one_watched_step(opt) == (2 if grad == 2.0**62 else 1), shape
     nothing_left()
 
 
@@ -159,12 +160,9 @@ def test_the_second_moment_is_read_where_its_update_is_not_the_plain_one(group):
         params[0].grad = torch.randn_like(params[0])
     opt = getattr(torch.optim, name)(params, lr=1e-3, **group)
     opt.step()
-    with cg.watch(mode="sync") as w:
-        _, scans = w.stats()
-        opt.step()
-        _, scans_after = w.stats()
+    scans = _scans_of_one_watched_step(opt)
     states = sum(t.dim() > 0 for t in opt.state[params[0]].values())
-    assert scans_after - scans == states - (2 if proven else 1) + 1
+    assert scans == states - (2 if proven else 1) + 1
     nothing_left()
 
 

@@ -28,20 +28,22 @@ namespace {
 
 // Each format's bit layout. The tests below use only integer ops on the raw
 // bits: an exponent field of all ones is Inf (mantissa 0) or NaN.
-// kLargeStep: added to the masked exponent, it carries into the sign bit iff the exponent is at
-// least a bound (256 or 2048 minus the step's count, biased): 2^62 for
-// float32 and bfloat16 (189 = 127 + 62: 67 + 189 = 256), 2^510 for float64 (515 + 1533 = 2048),
-// so a value below it squares without overflow. float16 has no such bound (its step is the plain
-// one: "large" is only non-finite there, and scan_cpu_counts never calls it small).
+// kLargeStep: added to the masked exponent, it carries into the sign bit iff the biased exponent
+// is at least bias + small_bound_exp (scan_layout.h): 256 - (127 + 62) = 67 for float32 and
+// bfloat16, 2048 - (1023 + 510) = 515 for float64. float16 has no such bound: its step is the
+// plain one ("large" is only non-finite there, and scan_cpu_counts never calls it small).
+constexpr uint32_t large_step_count(int exponent_values, int bias, int small_exp) {
+  return static_cast<uint32_t>(exponent_values - (bias + small_exp));
+}
 struct Float32Bits {
   using Bits = uint32_t;
   static constexpr Bits kExponent = 0x7f800000u, kMantissa = 0x007fffffu;
-  static constexpr Bits kLargeStep = Bits{67} << 23;
+  static constexpr Bits kLargeStep = Bits{large_step_count(256, 127, kSmallBoundExp8)} << 23;
 };
 struct BFloat16Bits {
   using Bits = uint16_t;
   static constexpr Bits kExponent = 0x7f80u, kMantissa = 0x007fu;
-  static constexpr Bits kLargeStep = Bits{67} << 7;
+  static constexpr Bits kLargeStep = static_cast<Bits>(large_step_count(256, 127, kSmallBoundExp8) << 7);
 };
 struct Float16Bits {
   using Bits = uint16_t;
@@ -51,8 +53,12 @@ struct Float16Bits {
 struct Float64Bits {
   using Bits = uint64_t;
   static constexpr Bits kExponent = 0x7ff0000000000000ull, kMantissa = 0x000fffffffffffffull;
-  static constexpr Bits kLargeStep = Bits{515} << 52;
+  static constexpr Bits kLargeStep = Bits{large_step_count(2048, 1023, kSmallBoundExp11)} << 52;
 };
+static_assert(Float32Bits::kLargeStep == (Float32Bits::Bits{67} << 23) &&
+                  Float64Bits::kLargeStep == (Float64Bits::Bits{515} << 52),
+              "the large steps of 2^62 and 2^510");
+static_assert(small_bound_exp(kHalf) < 0, "float16 has no small bound: its kLargeStep is the plain step");
 
 template <typename F>
 struct Format {
@@ -347,7 +353,7 @@ void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target,
 bool scan_cpu_counts(const Tensor& t, int64_t* counts) {
   const Partial total = scan_tensor<true>(t);
   write_counts(total, counts);
-  return !total.large && t.scalar_type() != kHalf;
+  return !total.large && small_bound_exp(t.scalar_type()) >= 0;
 }
 
 // The scan's layout of a tensor (dims merged where their strides allow),

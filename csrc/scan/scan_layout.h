@@ -32,10 +32,17 @@ inline bool is_guarded_dtype(ScalarType dtype) {
 // The CPU scan (also the reference the CUDA scan is tested against).
 void scan_cpu_into(const Tensor& t, Tensor out_slot, const AsyncTarget* target, const std::string& layer);
 // The same counts into counts[kScanFields], and whether t is small: every value finite with a
-// magnitude below 2^62 (float32, bfloat16) or 2^510 (float64), so its square cannot overflow
-// (watch's proofs of an optimizer's second moment); float16 is never called small. The hot loop
-// is the plain scan's with another constant; only blocks holding a large value are read twice.
+// magnitude below 2^small_bound_exp(dtype), so its square cannot overflow (watch's proofs of an
+// optimizer's second moment). The hot loop is the plain scan's with another constant; only
+// blocks holding a large value are read twice.
 bool scan_cpu_counts(const Tensor& t, int64_t* counts);
+// The small bound's exponent: 62 for float32 and bfloat16 (8-bit exponents), 510 for float64;
+// -1 for float16 and the rest (float16's 2^15.99 leaves no bound worth having). The one source
+// of the bound: the scan's constants (scan_cpu.cpp) and watch's inline count derive from it.
+constexpr int kSmallBoundExp8 = 62, kSmallBoundExp11 = 510;
+constexpr int small_bound_exp(ScalarType dtype) {
+  return dtype == kFloat || dtype == kBFloat16 ? kSmallBoundExp8 : dtype == kDouble ? kSmallBoundExp11 : -1;
+}
 
 // Strided iteration support shared by the CPU and CUDA scans: dims merged where
 // their strides allow, so that most views become one or two dims.

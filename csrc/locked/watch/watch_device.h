@@ -192,9 +192,6 @@ int32_t* raw(const at::Tensor& a);
 // One scan of t with arguments a on d's device (on the CPU, an output's or first sight's scan
 // also notes the bound it found: note_bound).
 void launch(DeviceTags& d, const at::Tensor& t, const TagArgs& a);
-// The exponent of the small bound a CPU scan reports for a dtype (scan_cpu_counts: 62 for float32
-// and bfloat16, 510 for float64), -1 for none (float16, integers).
-int32_t small_bound_exp(at::ScalarType dtype);
 // Slot `slot` was judged now (slot_seq[slot] set by the caller): its bound is 2^exp, or unknown
 // for exp < 0. Every write of slot_seq outside slot_of goes with one.
 void note_bound(DeviceTags& d, int32_t slot, int32_t exp);

@@ -62,7 +62,8 @@ HostCounts count_inline(const void* data, int64_t n) {
   using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const T* p = static_cast<const T*>(data);
   // scan_cpu_counts' small bound (float16: none); the largest magnitude is compared once, after.
-  const Wide bound = std::is_same_v<T, double> ? std::ldexp(1.0, 510) : std::ldexp(1.0f, 62);
+  constexpr int exp = small_bound_exp(c10::CppTypeToScalarType<T>::value);
+  const Wide bound = std::ldexp(Wide{1}, exp);
   HostCounts c;
   Wide largest = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -80,7 +81,7 @@ HostCounts count_inline(const void* data, int64_t n) {
       ++c.neginf;
     }
   }
-  c.small = c.first < 0 && largest < bound && !std::is_same_v<T, c10::Half>;
+  c.small = exp >= 0 && c.first < 0 && largest < bound;
   return c;
 }
 

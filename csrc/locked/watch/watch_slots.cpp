@@ -210,15 +210,6 @@ int32_t slot_of(DeviceTags& d, const at::Tensor& t, bool* fresh) {
   return slot;
 }
 
-int32_t small_bound_exp(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-    case at::kBFloat16: return 62;
-    case at::kDouble: return 510;
-    default: return -1;
-  }
-}
-
 void note_bound(DeviceTags& d, int32_t slot, int32_t exp) {
   DeviceTags::Bound& b = d.bounds[slot];
   b.seq = exp >= 0 ? d.slot_seq[slot] : DeviceTags::kNoBound;

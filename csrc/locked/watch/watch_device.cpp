@@ -369,6 +369,13 @@ void tags_after(Session& s, const c10::OperatorHandle& op, const OpInfo& info,
   if (!w.seam.late_harvest) harvest(s, /*synchronize=*/false, /*as_pending=*/false, /*at_op=*/true);
 }
 
+// A CPU tensor's tag array and slot, whose tag the host reads itself (-1: not a readable CPU
+// tensor, or no slot yet).
+static int32_t host_slot(Session& s, const at::Tensor& t, DeviceTags** d) {
+  *d = readable(t) && t.is_cpu() ? tags_for(*s.tags, t) : nullptr;
+  return *d != nullptr ? (*d)->slots.find(t.storage().unsafeGetStorageImpl()) : -1;
+}
+
 void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
                       const std::vector<at::Tensor>& finite, const std::vector<at::Tensor>& bounded) {
   for (const at::Tensor& t : tensors) first_sight(*s.tags, t);
@@ -378,8 +385,8 @@ void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
   // or the line above gave it for the same values, whose versions watching/optimizer_step.py
   // checked).
   for (const at::Tensor& t : bounded) {
-    DeviceTags* d = readable(t) && t.is_cpu() ? tags_for(*s.tags, t) : nullptr;
-    const int32_t slot = d != nullptr ? d->slots.find(t.storage().unsafeGetStorageImpl()) : -1;
+    DeviceTags* d = nullptr;
+    const int32_t slot = host_slot(s, t, &d);
     const int32_t small = small_bound_exp(t.scalar_type());
     if (slot >= 0 && small >= 0 && d->slot_seq[slot] == -1 && raw(d->tags)[slot] == kTagFinite) {
       note_bound(*d, slot, 2 * small + 1);
@@ -388,9 +395,8 @@ void tags_before_step(Session& s, const std::vector<at::Tensor>& tensors,
 }
 
 bool tags_finite_on_host(Session& s, const at::Tensor& t) {
-  if (!readable(t) || !t.is_cpu()) return false;
-  DeviceTags* d = tags_for(*s.tags, t);
-  const int32_t slot = d != nullptr ? d->slots.find(t.storage().unsafeGetStorageImpl()) : -1;
+  DeviceTags* d = nullptr;
+  const int32_t slot = host_slot(s, t, &d);
   return slot >= 0 && raw(d->tags)[slot] == kTagFinite;
 }
 
@@ -483,8 +489,8 @@ bool tags_after_step(Session& s, const std::vector<at::Tensor>& read, const std:
   // Each written tensor was scanned whole: a second moment found small has its bound.
   if (second_moment < 0 || second_moment >= static_cast<int64_t>(written.size())) return false;
   const at::Tensor& v = written[second_moment];
-  DeviceTags* d = readable(v) && v.is_cpu() ? tags_for(*s.tags, v) : nullptr;
-  const int32_t slot = d != nullptr ? d->slots.find(v.storage().unsafeGetStorageImpl()) : -1;
+  DeviceTags* d = nullptr;
+  const int32_t slot = host_slot(s, v, &d);
   return slot >= 0 && raw(d->tags)[slot] == kTagFinite &&
          bound_of(*d, slot) <= small_bound_exp(v.scalar_type());
 }

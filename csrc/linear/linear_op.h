@@ -99,4 +99,12 @@ Tensor scan(const LinearBackend& backend, const Tensor& x);
 // The CPU backend (linear/linear_cpu.cpp): torch's CPU BLAS behind the same plan.
 const LinearBackend& cpu_backend();
 
+// The linear op's kernels as registered for the CPU key (linear/linear_cpu.cpp) and the CUDA
+// key (cuda/linear.cu, defined in CUDA builds only): what the stable core's C entry
+// (python_entry_stable.cpp) calls when it may skip the dispatcher.
+Tensor linear_cpu_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                         StringArg layer, int64_t mode, bool scan_grad);
+Tensor linear_cuda_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
+                          StringArg layer, int64_t mode, bool scan_grad);
+
 }  // namespace cublas_guard

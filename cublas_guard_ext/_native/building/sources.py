@@ -37,6 +37,7 @@ CORE_CPU_SOURCES = (
     "linear/gemm_report.cpp",
     "replay/replay_cpu.cpp",
     "scan/scan_cpu.cpp",
+    "python_entry_stable.cpp",
 )
 LOCKED_CPU_SOURCES = (
     "locked/ops_meta.cpp",

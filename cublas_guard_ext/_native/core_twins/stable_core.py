@@ -252,13 +252,9 @@ def fast_linear(*args: Any) -> torch.Tensor | None:
             return None
         if x.dtype in _HALF:
             hand_over_cuda_settings()
+    if _grad_on() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _grad_path(x, weight, bias, layer, code, scan_grad)
     try:
-        if _grad_on() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        ):
-            if _untracked_inference_weight(weight):
-                weight = weight.detach()
-            return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
         with _below():
             return _LINEAR(x, weight, bias, layer, code, scan_grad)
     except RuntimeError as exc:
@@ -266,6 +262,55 @@ def fast_linear(*args: Any) -> torch.Tensor | None:
         if typed is None:
             raise
         raise typed.with_traceback(exc.__traceback__) from None
+
+
+def _grad_path(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: str, code: int, scan_grad: bool
+) -> torch.Tensor:
+    """The fast entry's call that records a gradient: the autograd node, directly."""
+    if _untracked_inference_weight(weight):
+        weight = weight.detach()
+    try:
+        return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
+    except RuntimeError as exc:
+        typed = translate(exc)
+        if typed is None:
+            raise
+        raise typed.with_traceback(exc.__traceback__) from None
+
+
+def _error_from_core(message: str) -> BaseException:
+    """The exception the C entry raises for the core's ``message`` (the typed one if ours)."""
+    return translate(RuntimeError(message)) or RuntimeError(message)
+
+
+def c_entry(library_path: str) -> tuple[Callable[..., Any], Callable[[int], None]] | None:
+    """The core's C entry (csrc/python_entry_stable.cpp): its ``fast_linear`` and
+    ``cuda_first_use_done``, taking the same decisions as this module's twins without their
+    Python frames, or None where torch lacks the stable ABI's Python interop shims (before
+    2.14) or the library has no C entry. CUBLAS_GUARD_EXT_CORE_ENTRY=python keeps the twins."""
+    import ctypes
+    import os
+
+    if os.environ.get("CUBLAS_GUARD_EXT_CORE_ENTRY", "") == "python":
+        return None
+    try:
+        make = ctypes.PyDLL(library_path).cublas_guard_core_python_entry
+    except (OSError, AttributeError):  # a core built before the entry existed
+        return None
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.py_object]
+    hooks = (
+        torch.Tensor,
+        torch.nn.Parameter,
+        _function_mode_on,
+        _tracing,
+        torch._C._len_torch_dispatch_stack,
+        torch._C._is_any_autocast_enabled,
+        _grad_path,
+        _error_from_core,
+        hand_over_cuda_settings,
+    )
+    return make(hooks)
 
 
 # torch's cuBLAS settings for half-precision GEMMs, which the stable ABI cannot read: handed

@@ -3,9 +3,10 @@ it, answered here, so that no caller branches on which library loaded or reads `
 
 The version-locked library (``_C``, prebuilt or JIT) has a C++ fast eager entry that reads
 ``CUBLAS_GUARD_MODE`` itself, raises typed errors from C++, and holds watch's methods. The
-stable core has a Python fast entry that is given the mode's code (core_twins/stable_core.py),
-raises the payload line as ``RuntimeError`` (wrapped here into the typed errors) and no
-watch (a stand-in that says how to build the locked library).
+stable core has a C fast entry where torch has the stable ABI's Python shims (2.14 on;
+csrc/python_entry_stable.cpp) and a Python twin of it elsewhere (core_twins/stable_core.py),
+both given the mode's code and raising the typed errors; and no watch (a stand-in that says
+how to build the locked library).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def seam() -> Seam:
     if info.library == "core":
         from ..core_twins import stable_core
 
+        # The core's C entry where torch has the stable ABI's Python shims (2.14 on), else
+        # its Python twin: the same decisions (csrc/python_entry_stable.cpp).
+        entry = stable_core.c_entry(info.path)
+        if entry is not None:
+            return Seam(info, entry[0], entry[1], False, False)
         return Seam(info, stable_core.fast_linear, stable_core.cuda_first_use_done, False, False)
     locked = sys.modules.get(_LOCKED_MODULE) if info.kind == "prebuilt" else None
     return Seam(

@@ -1,0 +1,243 @@
+"""The stable core's two fast entries take the same decisions.
+
+Under the core, SafeLinear's hot call goes through ``seam().fast_linear``: the C entry
+(csrc/python_entry_stable.cpp) where torch has the stable ABI's Python interop shims (2.14 on),
+else its Python twin (core_twins/stable_core.py's ``fast_linear``). The C entry calls the op's
+kernel without the dispatcher, so it must decline (None) every call where the dispatcher would
+do something else, and raise the typed errors the twin raises. Each test runs on every entry
+this torch has; test_fast_path.py runs the loaded entry against torch.ops.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cublas_guard_ext as cg
+from cublas_guard_ext._native.core_twins import stable_core
+from cublas_guard_ext._native.loading import loader, seam
+
+pytestmark = pytest.mark.skipif(
+    loader.info().library != "core", reason="the stable core's entries (the locked library is loaded)"
+)
+
+OFF, SYNC = 0, 1
+SHIMS = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
+
+def _entries() -> list:
+    params = [pytest.param(stable_core.fast_linear, id="python")]
+    if loader.info().library == "core":
+        c = stable_core.c_entry(loader.info().path)
+        if c is not None:
+            params.append(pytest.param(c[0], id="c"))
+    return params
+
+
+ENTRIES = _entries()
+
+
+def test_the_c_entry_serves_where_torch_has_the_shims() -> None:
+    entry = seam.seam().fast_linear
+    assert isinstance(entry, types.BuiltinFunctionType) is SHIMS, (torch.__version__, entry)
+    assert (len(ENTRIES) == 2) is SHIMS
+
+
+def test_the_python_twin_serves_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_GUARD_EXT_CORE_ENTRY", "python")
+    assert stable_core.c_entry(loader.info().path) is None
+    assert stable_core.c_entry("/nonexistent/library.so") is None  # no library: no C entry
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_results_match_float64_and_no_node_without_gradients(entry, dtype) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(3, 2, 16, generator=gen).to(dtype)
+    w = torch.nn.Parameter(torch.randn(5, 16, generator=gen).to(dtype))
+    b = torch.randn(5, generator=gen).to(dtype)
+    with torch.no_grad():
+        out = entry(x, w, b, "entry", SYNC, False)
+    assert out is not None and out.grad_fn is None and type(out) is torch.Tensor
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    out = entry(x, w.detach(), None, "entry", OFF, False)  # grad mode on, nothing requires grad
+    assert out is not None and out.grad_fn is None and not out.requires_grad
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_gradient_to_record_gets_the_autograd_node(entry) -> None:
+    gen = torch.Generator().manual_seed(99)
+    x = torch.randn(4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = entry(x, w, b, "entry.grad", SYNC, True)
+    assert out.grad_fn is not None
+    g = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (x, w, b), g)
+    want = torch.autograd.grad(torch.nn.functional.linear(x, w, b), (x, w, b), g)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    # scan_grad: a NaN gradient is refused in the backward, naming the layer.
+    bad = g.clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(cg.NonFiniteInputError, match="entry.grad"):
+        entry(x, w, b, "entry.grad", SYNC, True).backward(bad)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_inference_weight_gets_no_gradient_outside_inference_mode(entry) -> None:
+    with torch.inference_mode():
+        w = torch.nn.Parameter(torch.randn(5, 16))  # as a layer made under inference mode has
+    b = torch.randn(5, requires_grad=True)
+    out = entry(torch.randn(2, 16), w, b, "entry.inf", OFF, False)
+    out.sum().backward()
+    assert w.grad is None and b.grad is not None
+
+
+def _poisoned() -> torch.Tensor:
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(7))
+    x[1, 3] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_the_typed_errors_of_the_torch_ops_path(entry) -> None:
+    w = torch.randn(5, 16)
+    with pytest.raises(cg.NonFiniteInputError) as found:
+        entry(_poisoned(), w, None, "entry.bad", SYNC, False)
+    assert found.value.fields["layer"] == "entry.bad" and found.value.fields["first_bad_index"] == 19
+    with pytest.raises(ValueError) as shape:
+        entry(torch.randn(2, 15), w, None, "entry.bad", SYNC, False)
+    assert "entry.bad" in str(shape.value)
+    with pytest.raises(ValueError, match="mode"):
+        entry(torch.randn(2, 16), w, None, "entry.bad", 7, False)
+    with pytest.raises(cg.DTypeError) as dtype:
+        entry(torch.randn(2, 16).int(), w.int(), None, "entry.bad", OFF, False)
+    assert isinstance(dtype.value, TypeError) and dtype.value.fields["layer"] == "entry.bad"
+
+
+class _CountingDispatch(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_declines_what_the_dispatcher_must_see(entry) -> None:
+    x, w, b = torch.randn(2, 16), torch.randn(5, 16), torch.randn(5)
+    declined = [
+        (x.to_sparse(), w, b, "l", OFF, False),
+        (x.as_subclass(_Sub), w, b, "l", OFF, False),
+        (x, w.as_subclass(_Sub), b, "l", OFF, False),
+        (x, w, b.as_subclass(_Sub), "l", OFF, False),
+        (x.to("meta"), w.to("meta"), b.to("meta"), "l", OFF, False),
+        (x, w, b, "l", OFF, 1),
+        (x, w, b, "l", True, False),  # a bool is not a mode code
+        (x, w, b, 3, OFF, False),
+        (x, w, b, "l", -1, False),
+        (x, w, b, "l", 2**70, False),
+        (x, w, b, "l", OFF),
+    ]
+    for args in declined:
+        assert entry(*args) is None, args
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert entry(x, w, b, "l", OFF, False) is None
+    with _Seen():
+        assert entry(x, w, b, "l", OFF, False) is None
+    seen_in_trace = []
+
+    def traced(t: torch.Tensor) -> torch.Tensor:
+        seen_in_trace.append(entry(t, w, b, "l", OFF, False))
+        return t * 2
+
+    torch.jit.trace(traced, x, check_trace=False)
+    assert seen_in_trace == [None]
+    assert entry(x, w, b, "l", OFF, False) is not None  # and taken again after each
+
+
+class _Seen(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_c_entry_declines_under_a_dispatch_mode() -> None:
+    """A TorchDispatchMode must see cublas_guard.linear (the twin's dispatcher call shows it
+    the op; the C entry, which would skip the dispatcher, hands the call back)."""
+    if len(ENTRIES) < 2:
+        pytest.skip("torch < 2.14: no C entry")
+    c = ENTRIES[1].values[0]
+    x, w = torch.randn(2, 16), torch.randn(5, 16)
+    mode = _CountingDispatch()
+    with mode:
+        assert c(x, w, None, "l", OFF, False) is None
+    twin = _CountingDispatch()
+    with twin:
+        assert stable_core.fast_linear(x, w, None, "l", OFF, False) is not None
+    assert torch.ops.cublas_guard.linear.default in twin.ops
+
+
+def test_the_c_entry_marks_cuda_devices_and_checks_its_argument() -> None:
+    if len(ENTRIES) < 2:
+        pytest.skip("torch < 2.14: no C entry")
+    _, first_use = stable_core.c_entry(loader.info().path)
+    first_use(70)  # out of the mask's range: ignored, as the locked entry does
+    with pytest.raises(TypeError):
+        first_use("cuda:0")
+
+
+def test_the_c_entry_releases_the_gil_and_serves_threads() -> None:
+    """Four threads, each its own layer and inputs: every result is its own (the kernel runs
+    with the GIL released, as torch.ops runs it)."""
+    import threading
+
+    entry = ENTRIES[-1].values[0]
+    results: dict[int, bool] = {}
+
+    def work(i: int) -> None:
+        gen = torch.Generator().manual_seed(i)
+        x, w = torch.randn(8, 32, generator=gen), torch.randn(16, 32, generator=gen)
+        ok = True
+        for _ in range(200):
+            with torch.no_grad():
+                out = entry(x, w, None, f"thread{i}", SYNC, False)
+            ok &= torch.allclose(out, x @ w.t(), rtol=1e-5, atol=1e-5)
+        results[i] = ok
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_a_fresh_process_on_the_core_uses_the_entry_the_torch_allows() -> None:
+    code = (
+        "import types, torch, cublas_guard_ext as cg\n"
+        "from cublas_guard_ext._native.loading import seam\n"
+        "layer = cg.SafeLinear(16, 4, mode='sync', name='fresh')\n"
+        "x = torch.randn(2, 16); x[0, 0] = float('inf')\n"
+        "try:\n    layer(x)\nexcept cg.NonFiniteInputError as e:\n    print(e.fields['layer'])\n"
+        "print(isinstance(seam.seam().fast_linear, types.BuiltinFunctionType))\n"
+    )
+    env = dict(os.environ, CUBLAS_GUARD_EXT_NATIVE="core")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["fresh", str(SHIMS)]

@@ -5,7 +5,7 @@ alternating, so both see the same machine; a child times, interleaved in one pro
 SafeLinear against nn.Linear (16x16, M=1, forward, each mode; forward+backward in sync mode)
 and the large layer (1024^3 forward) against F.linear, and prints medians. The parent reports
 the medians over rounds: the ratio to nn.Linear, the extra microseconds per call, and the core's
-extra cost as a multiple of the locked library's (the target: within 2x).
+extra cost as a multiple of the locked library's (the target: within 1.5x, issue 49).
 
     chrt -f 1 python benchmarks/stable_core_bench.py --rounds 5 --threads 1
 

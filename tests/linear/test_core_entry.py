@@ -241,3 +241,26 @@ def test_a_fresh_process_on_the_core_uses_the_entry_the_torch_allows() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["fresh", str(SHIMS)]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_no_reference_is_kept_or_lost_on_any_path(entry) -> None:
+    """Every path of the entry (a result, a declined call, a typed error, the autograd node)
+    leaves its arguments' reference counts as it found them."""
+    import gc
+
+    x, w, b = torch.randn(2, 16), torch.randn(5, 16), torch.randn(5)
+    layer, bad, wide = "entry.refs", _poisoned(), torch.randn(2, 15)
+    wg = torch.randn(5, 16, requires_grad=True)
+    before = [sys.getrefcount(o) for o in (x, w, b, layer, bad, wide, wg)]
+    for _ in range(300):
+        with torch.no_grad():
+            assert entry(x, w, b, layer, SYNC, False) is not None
+        assert entry(x.as_subclass(_Sub), w, b, layer, OFF, False) is None
+        with pytest.raises(cg.NonFiniteInputError):
+            entry(bad, w, None, layer, SYNC, False)
+        with pytest.raises(ValueError):
+            entry(wide, w, None, layer, SYNC, False)
+        entry(x, wg, b, layer, OFF, False).sum().backward()
+    gc.collect()
+    assert [sys.getrefcount(o) for o in (x, w, b, layer, bad, wide, wg)] == before

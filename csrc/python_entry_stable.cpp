@@ -12,13 +12,17 @@
 // kernel, which under the core is Python's (about 9 us of a 16x16 call), and
 // the stable ABI has no way to step below autograd. So this entry takes only
 // the calls where skipping the dispatcher changes nothing: plain tensors (no
-// subclass, no Python key), no torch function or dispatch mode, no tracer, no
-// autocast, and no gradient to record; everything else returns None (the
+// subclass, no Python key) whose memory holds their values (no lazy negation,
+// ZeroTensor, nested or quantized tensor), no torch function or dispatch mode,
+// no tracer, no autocast, and no gradient to record; everything else returns None (the
 // torch.ops path decides) or, for a call that records a gradient, goes to
 // Python's autograd node (the `grad_path` hook). The caller,
-// guarded_linear/ops.py, has ruled out torch.compile and torch.func.
+// guarded_linear/ops.py, has ruled out torch.compile and torch.func. That node
+// calls the gradient ops' kernels through this file too (grad_input,
+// grad_weight, guard_values: NotImplemented where the dispatcher must decide),
+// and its forward calls fast_linear, which autograd runs with gradients off.
 //
-// Python hands the entry what it must ask (python_hooks, below) once, through the
+// Python hands the entry what it must ask (Hooks, below) once, through the
 // exported function cublas_guard_core_python_entry (ctypes), so the core
 // imports no Python module and works from a JIT build as from the wheel.
 // Built against the limited C API (abi3), as the core's module is.
@@ -29,6 +33,7 @@
 
 #include <atomic>
 #include <exception>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -57,6 +62,9 @@ struct Hooks {
   PyObject* error_from_core = nullptr;   // (message) -> the exception to raise
   PyObject* hand_over_cuda = nullptr;    // () -> None: torch's half-precision cuBLAS settings
   PyObject* requires_grad = nullptr;     // "requires_grad"
+  PyObject* is_neg = nullptr;            // "is_neg"
+  PyObject* is_zerotensor = nullptr;     // "_is_zerotensor"
+  PyObject* is_nested = nullptr;         // "is_nested"
 };
 Hooks python_hooks;
 std::atomic<uint64_t> cuda_devices_seen{0};  // bit i: cuda:i had its first-use diagnostics
@@ -87,6 +95,42 @@ int requires_grad(PyObject* obj) {
   return truth;
 }
 
+// 1 when a method of obj answers true, 0 when false, -1 with a Python error set.
+int method_says(PyObject* obj, PyObject* name) {
+  PyObject* method = PyObject_GetAttr(obj, name);
+  if (method == nullptr) return -1;
+  const int truth = ask(method);
+  Py_DECREF(method);
+  return truth;
+}
+
+// Whether a plain tensor's memory holds its values as they are: no lazy negation (a
+// _neg_view), not a ZeroTensor (no memory), not nested. The dispatcher's keys for those
+// materialize or refuse the tensor before any kernel runs; a direct call would read the
+// memory as it is. 1 yes, 0 no, -1 with a Python error set.
+int data_as_stored(PyObject* obj) {
+  if (obj == Py_None) return 1;
+  PyObject* nested = PyObject_GetAttr(obj, python_hooks.is_nested);
+  if (nested == nullptr) return -1;
+  const bool is_nested = nested == Py_True;
+  Py_DECREF(nested);
+  if (is_nested) return 0;
+  for (PyObject* name : {python_hooks.is_neg, python_hooks.is_zerotensor}) {
+    const int on = method_says(obj, name);
+    if (on != 0) return on < 0 ? -1 : 0;
+  }
+  return 1;
+}
+
+// Every tensor of a call as stored (data_as_stored), 1; 0 when one is not; -1 on an error.
+int all_as_stored(std::initializer_list<PyObject*> objs) {
+  for (PyObject* obj : objs) {
+    const int stored = data_as_stored(obj);
+    if (stored != 1) return stored;
+  }
+  return 1;
+}
+
 Tensor from_python(PyObject* obj) {
   AtenTensorHandle handle = nullptr;
   CG_SHIM(torch_tensor_from_pyobject(obj, &handle));
@@ -103,18 +147,105 @@ PyObject* raise_from_core(const char* message) {
   return nullptr;
 }
 
-// The kernel of the op on x's device, with the GIL released while it runs (as torch.ops does).
-Tensor run_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, std::string layer,
-                  int64_t mode, bool scan_grad) {
+// Whether a call may skip the dispatcher now: nothing that would see the op through it (a
+// torch function or dispatch mode, the JIT tracer; autocast for the ops it has a rule for).
+// 1 yes, 0 no, -1 with a Python error set.
+int dispatcher_skippable(bool with_autocast) {
+  for (PyObject* hook : {python_hooks.function_mode_on, python_hooks.tracing, python_hooks.dispatch_modes}) {
+    const int on = ask(hook);
+    if (on != 0) return on < 0 ? -1 : 0;
+  }
+  if (!with_autocast) return 1;
+  const int on = ask(python_hooks.any_autocast);
+  return on < 0 ? -1 : on == 0;
+}
+
+// Where a call's tensors are: their device's kernels, or null (declined: a layout other than
+// strided, a device other than the CPU or a CUDA device past its first-use diagnostics, or
+// tensors on different kinds of device, whose error the dispatcher's choice of kernel words).
+// *failed is set when a Python hook raised. Shim failures throw.
+const LinearKernels* kernels_for(std::initializer_list<const Tensor*> tensors, bool* failed) {
+  *failed = false;
+  const Tensor& first = **tensors.begin();
+  const bool cuda = first.is_cuda();
+  if (!cuda && !first.is_cpu()) return nullptr;
+  for (const Tensor* t : tensors) {
+    int32_t layout = 0;
+    CG_SHIM(aoti_torch_get_layout(t->get(), &layout));
+    if (layout != aoti_torch_layout_strided() || t->is_cuda() != cuda || (!cuda && !t->is_cpu())) {
+      return nullptr;
+    }
+    // Quantized tensors: the dispatcher's Quantized keys refuse them (and the stable Tensor's
+    // scalar_type() has no word for their dtypes): read the dtype's raw code.
+    int32_t dtype = 0;
+    CG_SHIM(aoti_torch_get_dtype(t->get(), &dtype));
+    for (const ScalarType quantized : {ScalarType::QInt8, ScalarType::QUInt8, ScalarType::QInt32,
+                                       ScalarType::QUInt4x2, ScalarType::QUInt2x4}) {
+      if (dtype == static_cast<int32_t>(quantized)) return nullptr;
+    }
+  }
+  if (!cuda) return &cpu_linear_kernels();
+#ifdef CUBLAS_GUARD_WITH_CUDA
+  const int index = device_index(first);
+  if (index < 0 || index >= 64 ||
+      (cuda_devices_seen.load(std::memory_order_relaxed) & (uint64_t{1} << index)) == 0) {
+    return nullptr;
+  }
+  const ScalarType dtype = first.scalar_type();
+  if (dtype == kHalf || dtype == kBFloat16) {  // torch's half-precision cuBLAS settings, handed over
+    PyObject* done = PyObject_CallNoArgs(python_hooks.hand_over_cuda);
+    if (done == nullptr) {
+      *failed = true;
+      return nullptr;
+    }
+    Py_DECREF(done);
+  }
+  return &cuda_linear_kernels();
+#else
+  return nullptr;  // a CPU-only core: the dispatcher says there is no CUDA kernel
+#endif
+}
+
+// fn() with the GIL released (as torch.ops runs a kernel: other Python threads go on).
+template <typename Fn>
+auto without_gil(Fn&& fn) {
   PyThreadState* const saved = PyEval_SaveThread();
   struct Restore {
     PyThreadState* state;
     ~Restore() { PyEval_RestoreThread(state); }
   } restore{saved};
-#ifdef CUBLAS_GUARD_WITH_CUDA
-  if (x.is_cuda()) return linear_cuda_kernel(x, weight, bias, std::move(layer), mode, scan_grad);
-#endif
-  return linear_cpu_kernel(x, weight, bias, std::move(layer), mode, scan_grad);
+  return fn();
+}
+
+PyObject* to_python(const Tensor& t) {
+  void* result = nullptr;
+  CG_SHIM(torch_tensor_to_pyobject(t.get(), nullptr, &result));
+  return static_cast<PyObject*>(result);
+}
+
+bool exact_str(PyObject* obj) { return PyUnicode_CheckExact(obj); }
+
+// An exact int in [0, 2^63) into *out; false (no error set) for anything else.
+bool code_arg(PyObject* obj, long long* out) {
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow != 0 || *out < 0) {  // the ops refuse other codes themselves, with their ValueError
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// A str argument's text; nullopt (no error set) where it has none as UTF-8.
+std::optional<std::string> text_arg(PyObject* obj) {
+  Py_ssize_t length = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(obj, &length);
+  if (text == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return std::string(text, static_cast<size_t>(length));
 }
 
 // fast_linear(x, weight, bias, layer: str, code: int, scan_grad: bool) -> Tensor | None, as
@@ -124,42 +255,24 @@ PyObject* fast_linear(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
   PyObject* const px = args[0];
   PyObject* const pw = args[1];
   PyObject* const pb = args[2];
-  if (!plain_tensor(px) || !plain_tensor(pw) || (pb != Py_None && !plain_tensor(pb)) ||
-      !PyUnicode_CheckExact(args[3]) || !PyLong_CheckExact(args[4]) ||
-      (args[5] != Py_True && args[5] != Py_False)) {
+  long long code = 0;
+  if (!plain_tensor(px) || !plain_tensor(pw) || (pb != Py_None && !plain_tensor(pb)) || !exact_str(args[3]) ||
+      !code_arg(args[4], &code) || (args[5] != Py_True && args[5] != Py_False)) {
     return none();
   }
-  int overflow = 0;
-  const long long code = PyLong_AsLongLongAndOverflow(args[4], &overflow);
-  if (overflow != 0 || code < 0) {  // the op refuses other codes itself, with their ValueError
-    PyErr_Clear();
-    return none();
-  }
-  for (PyObject* hook : {python_hooks.function_mode_on, python_hooks.tracing, python_hooks.dispatch_modes,
-                         python_hooks.any_autocast}) {
-    const int on = ask(hook);
-    if (on != 0) return on < 0 ? nullptr : none();
-  }
+  const int skippable = dispatcher_skippable(/*with_autocast=*/true);
+  if (skippable <= 0) return skippable < 0 ? nullptr : none();
+  const int stored = all_as_stored({px, pw, pb});
+  if (stored <= 0) return stored < 0 ? nullptr : none();
   try {
-    Tensor x = from_python(px);
-    int32_t layout = 0;
-    CG_SHIM(aoti_torch_get_layout(x.get(), &layout));
-    if (layout != aoti_torch_layout_strided()) return none();
-    const bool cuda = x.is_cuda();
-    if (!cuda && !x.is_cpu()) return none();
-    if (cuda) {
-      const int index = device_index(x);
-      if (index < 0 || index >= 64 ||
-          (cuda_devices_seen.load(std::memory_order_relaxed) & (uint64_t{1} << index)) == 0) {
-        return none();
-      }
-      const ScalarType dtype = x.scalar_type();
-      if (dtype == kHalf || dtype == kBFloat16) {
-        PyObject* done = PyObject_CallNoArgs(python_hooks.hand_over_cuda);
-        if (done == nullptr) return nullptr;
-        Py_DECREF(done);
-      }
-    }
+    const Tensor x = from_python(px);
+    const Tensor weight = from_python(pw);
+    std::optional<Tensor> bias;
+    if (pb != Py_None) bias = from_python(pb);
+    bool failed = false;
+    const LinearKernels* kernels =
+        bias ? kernels_for({&x, &weight, &*bias}, &failed) : kernels_for({&x, &weight}, &failed);
+    if (kernels == nullptr) return failed ? nullptr : none();
     if (aoti_torch_grad_mode_is_enabled()) {
       for (PyObject* t : {px, pw, pb}) {
         const int needs = requires_grad(t);
@@ -177,20 +290,77 @@ PyObject* fast_linear(PyObject* /*self*/, PyObject* const* args, Py_ssize_t narg
         }
       }
     }
-    Py_ssize_t length = 0;
-    const char* layer = PyUnicode_AsUTF8AndSize(args[3], &length);
-    if (layer == nullptr) {
-      PyErr_Clear();
-      return none();
-    }
-    const Tensor weight = from_python(pw);
-    std::optional<Tensor> bias;
-    if (pb != Py_None) bias = from_python(pb);
-    const Tensor out = run_kernel(x, weight, bias, std::string(layer, static_cast<size_t>(length)), code,
-                                  args[5] == Py_True);
-    void* result = nullptr;
-    CG_SHIM(torch_tensor_to_pyobject(out.get(), nullptr, &result));
-    return static_cast<PyObject*>(result);
+    std::optional<std::string> layer = text_arg(args[3]);
+    if (!layer) return none();
+    const bool scan_grad = args[5] == Py_True;
+    return to_python(
+        without_gil([&] { return kernels->linear(x, weight, bias, std::move(*layer), code, scan_grad); }));
+  } catch (const std::exception& e) {
+    return raise_from_core(e.what());
+  }
+}
+
+PyObject* not_implemented() { Py_RETURN_NOTIMPLEMENTED; }
+
+// The gradient ops' entries, for the core's Python autograd node (stable_core.py's _call), which
+// calls them where it would call the op below autograd (no gradient of theirs to record):
+// grad_input(grad_output, weight, layer), grad_weight(grad_output, x, layer) -> Tensor, and
+// guard_values(t, layer, role, mode) -> None; NotImplemented where the dispatcher must decide.
+PyObject* grad_gemm(PyObject* const* args, Py_ssize_t nargs, bool input) {
+  if (nargs != 3 || !plain_tensor(args[0]) || !plain_tensor(args[1]) || !exact_str(args[2])) {
+    return not_implemented();
+  }
+  const int skippable = dispatcher_skippable(/*with_autocast=*/false);
+  if (skippable <= 0) return skippable < 0 ? nullptr : not_implemented();
+  if (aoti_torch_grad_mode_is_enabled()) return not_implemented();  // a gradient of it may be recorded
+  const int stored = all_as_stored({args[0], args[1]});
+  if (stored <= 0) return stored < 0 ? nullptr : not_implemented();
+  try {
+    const Tensor grad_output = from_python(args[0]);
+    const Tensor other = from_python(args[1]);
+    bool failed = false;
+    const LinearKernels* kernels = kernels_for({&grad_output, &other}, &failed);
+    if (kernels == nullptr) return failed ? nullptr : not_implemented();
+    std::optional<std::string> layer = text_arg(args[2]);
+    if (!layer) return not_implemented();
+    const auto kernel = input ? kernels->grad_input : kernels->grad_weight;
+    return to_python(without_gil([&] { return kernel(grad_output, other, std::move(*layer)); }));
+  } catch (const std::exception& e) {
+    return raise_from_core(e.what());
+  }
+}
+
+PyObject* grad_input(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  return grad_gemm(args, nargs, /*input=*/true);
+}
+
+PyObject* grad_weight(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  return grad_gemm(args, nargs, /*input=*/false);
+}
+
+PyObject* guard_values(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  long long role = 0, mode = 0;
+  if (nargs != 4 || !plain_tensor(args[0]) || !exact_str(args[1]) || !code_arg(args[2], &role) ||
+      !code_arg(args[3], &mode)) {
+    return not_implemented();
+  }
+  const int skippable = dispatcher_skippable(/*with_autocast=*/false);
+  if (skippable <= 0) return skippable < 0 ? nullptr : not_implemented();
+  if (aoti_torch_grad_mode_is_enabled()) return not_implemented();
+  const int stored = data_as_stored(args[0]);
+  if (stored <= 0) return stored < 0 ? nullptr : not_implemented();
+  try {
+    const Tensor t = from_python(args[0]);
+    bool failed = false;
+    const LinearKernels* kernels = kernels_for({&t}, &failed);
+    if (kernels == nullptr) return failed ? nullptr : not_implemented();
+    std::optional<std::string> layer = text_arg(args[1]);
+    if (!layer) return not_implemented();
+    without_gil([&] {
+      kernels->guard_values(t, std::move(*layer), role, mode);
+      return 0;
+    });
+    return none();
   } catch (const std::exception& e) {
     return raise_from_core(e.what());
   }
@@ -204,17 +374,29 @@ PyObject* cuda_first_use_done(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-PyMethodDef fast_linear_def = {
-    "fast_linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_linear)), METH_FASTCALL,
-    "The core's guarded linear from C, or None (python_entry_stable.cpp)."};
-PyMethodDef cuda_first_use_done_def = {"cuda_first_use_done", &cuda_first_use_done, METH_O,
-                                       "Marks cuda:index as having had its first-use diagnostics."};
+PyCFunction fastcall(PyObject* (*fn)(PyObject*, PyObject* const*, Py_ssize_t)) {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn));
+}
+
+PyMethodDef entry_defs[] = {
+    {"fast_linear", fastcall(&fast_linear), METH_FASTCALL,
+     "The core's guarded linear from C, or None (python_entry_stable.cpp)."},
+    {"cuda_first_use_done", &cuda_first_use_done, METH_O,
+     "Marks cuda:index as having had its first-use diagnostics."},
+    {"grad_input", fastcall(&grad_input), METH_FASTCALL,
+     "linear_grad_input's kernel from C, or NotImplemented."},
+    {"grad_weight", fastcall(&grad_weight), METH_FASTCALL,
+     "linear_grad_weight's kernel from C, or NotImplemented."},
+    {"guard_values", fastcall(&guard_values), METH_FASTCALL,
+     "guard_values' kernel from C, or NotImplemented."},
+};
 
 }  // namespace
 }  // namespace cublas_guard
 
-// entry(python_hooks: tuple) -> (fast_linear, cuda_first_use_done), or None where torch lacks the
-// Python interop shims (before 2.14). python_hooks: (torch.Tensor, torch.nn.Parameter,
+// entry(hooks: tuple) -> (fast_linear, cuda_first_use_done, grad_input, grad_weight,
+// guard_values), or None where torch lacks the Python interop shims (before 2.14).
+// hooks: (torch.Tensor, torch.nn.Parameter,
 // function_mode_on, tracing, dispatch_modes, any_autocast, grad_path, error_from_core,
 // hand_over_cuda), as Hooks says. Called once, with the GIL held (ctypes.PyDLL).
 extern "C" __attribute__((visibility("default"))) PyObject* cublas_guard_core_python_entry(PyObject* given) {
@@ -226,7 +408,7 @@ extern "C" __attribute__((visibility("default"))) PyObject* cublas_guard_core_py
       &python_hooks.grad_path,   &python_hooks.error_from_core, &python_hooks.hand_over_cuda};
   constexpr Py_ssize_t n = sizeof(slots) / sizeof(slots[0]);
   if (!PyTuple_Check(given) || PyTuple_Size(given) != n) {
-    PyErr_SetString(PyExc_TypeError, "cublas_guard_core_python_entry: expected a tuple of 9 python_hooks");
+    PyErr_SetString(PyExc_TypeError, "cublas_guard_core_python_entry: expected a tuple of 9 hooks");
     return nullptr;
   }
   if (python_hooks.requires_grad == nullptr) {  // first call: later ones return the same entry
@@ -235,17 +417,21 @@ extern "C" __attribute__((visibility("default"))) PyObject* cublas_guard_core_py
       Py_INCREF(*slots[i]);
     }
     python_hooks.requires_grad = PyUnicode_InternFromString("requires_grad");
+    python_hooks.is_neg = PyUnicode_InternFromString("is_neg");
+    python_hooks.is_zerotensor = PyUnicode_InternFromString("_is_zerotensor");
+    python_hooks.is_nested = PyUnicode_InternFromString("is_nested");
   }
-  PyObject* linear = PyCFunction_New(&cublas_guard::fast_linear_def, nullptr);
-  PyObject* first_use = PyCFunction_New(&cublas_guard::cuda_first_use_done_def, nullptr);
-  if (linear == nullptr || first_use == nullptr) {
-    Py_XDECREF(linear);
-    Py_XDECREF(first_use);
-    return nullptr;
+  constexpr Py_ssize_t count = sizeof(cublas_guard::entry_defs) / sizeof(cublas_guard::entry_defs[0]);
+  PyObject* entries = PyTuple_New(count);
+  if (entries == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* fn = PyCFunction_New(&cublas_guard::entry_defs[i], nullptr);
+    if (fn == nullptr) {
+      Py_DECREF(entries);
+      return nullptr;
+    }
+    PyTuple_SetItem(entries, i, fn);
   }
-  PyObject* pair = PyTuple_Pack(2, linear, first_use);
-  Py_DECREF(linear);
-  Py_DECREF(first_use);
-  return pair;
+  return entries;
 }
 #endif  // CUBLAS_GUARD_STABLE

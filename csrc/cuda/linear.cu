@@ -324,6 +324,14 @@ Tensor scan_op(const Tensor& x) {
   return scan(cuda_backend(), x);
 }
 
+Tensor linear_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, StringArg layer,
+                 int64_t mode, bool /*scan_grad: autograd's business*/) {
+  const CudaDeviceGuard guard(guard_device(weight, x));
+  const std::string name(layer);
+  return attributing_cuda_errors(name,
+                                 [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
+}
+
 Tensor grad_input_op(const Tensor& grad_output, const Tensor& weight, StringArg layer) {
   const CudaDeviceGuard guard(guard_device(weight, grad_output));
   const std::string name(layer);
@@ -352,12 +360,9 @@ void guard_values_op(const Tensor& t, StringArg layer, int64_t role, int64_t mod
 
 }  // namespace
 
-Tensor linear_cuda_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                          StringArg layer, int64_t mode, bool /*scan_grad: autograd's business*/) {
-  const CudaDeviceGuard guard(guard_device(weight, x));
-  const std::string name(layer);
-  return attributing_cuda_errors(name,
-                                 [&] { return linear_forward(cuda_backend(), x, weight, bias, name, mode); });
+const LinearKernels& cuda_linear_kernels() {
+  static const LinearKernels kernels{linear_op, grad_input_op, grad_weight_op, guard_values_op};
+  return kernels;
 }
 
 }  // namespace cublas_guard
@@ -365,7 +370,7 @@ Tensor linear_cuda_kernel(const Tensor& x, const Tensor& weight, const std::opti
 CG_LIBRARY_IMPL(cublas_guard, CUDA, m) {
   using namespace cublas_guard;
   CG_IMPL(m, "scan", &scan_op);
-  CG_IMPL(m, "linear", &linear_cuda_kernel);
+  CG_IMPL(m, "linear", &linear_op);
   CG_IMPL(m, "linear_grad_input", &grad_input_op);
   CG_IMPL(m, "linear_grad_weight", &grad_weight_op);
   CG_IMPL(m, "check_features", &check_features_op);

@@ -74,14 +74,14 @@ const LinearBackend& cpu_backend() {
   return backend;
 }
 
-Tensor linear_cpu_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                         StringArg layer, int64_t mode, bool /*scan_grad: autograd's business*/) {
-  return linear_forward(cpu_backend(), x, weight, bias, std::string(layer), mode);
-}
-
 namespace {
 
 Tensor scan_op(const Tensor& x) { return scan(cpu_backend(), x); }
+
+Tensor linear_op(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, StringArg layer,
+                 int64_t mode, bool /*scan_grad: autograd's business*/) {
+  return linear_forward(cpu_backend(), x, weight, bias, std::string(layer), mode);
+}
 
 Tensor grad_input_op(const Tensor& grad_output, const Tensor& weight, StringArg layer) {
   return linear_grad_input(cpu_backend(), grad_output, weight, std::string(layer));
@@ -129,6 +129,12 @@ Tensor linear_as_captured_op(const Tensor& x, const Tensor& weight, const std::o
 }
 
 }  // namespace
+
+const LinearKernels& cpu_linear_kernels() {
+  static const LinearKernels kernels{linear_op, grad_input_op, grad_weight_op, guard_values_op};
+  return kernels;
+}
+
 }  // namespace cublas_guard
 
 // Test hook (the others are in testing.cpp): an async-mode forward on the CPU
@@ -143,7 +149,7 @@ CG_LIBRARY_IMPL(cublas_guard_testing, CPU, m) {
 CG_LIBRARY_IMPL(cublas_guard, CPU, m) {
   using namespace cublas_guard;
   CG_IMPL(m, "scan", &scan_op);
-  CG_IMPL(m, "linear", &linear_cpu_kernel);
+  CG_IMPL(m, "linear", &linear_op);
   CG_IMPL(m, "linear_grad_input", &grad_input_op);
   CG_IMPL(m, "linear_grad_weight", &grad_weight_op);
   CG_IMPL(m, "check_features", &check_features_op);

@@ -99,12 +99,17 @@ Tensor scan(const LinearBackend& backend, const Tensor& x);
 // The CPU backend (linear/linear_cpu.cpp): torch's CPU BLAS behind the same plan.
 const LinearBackend& cpu_backend();
 
-// The linear op's kernels as registered for the CPU key (linear/linear_cpu.cpp) and the CUDA
-// key (cuda/linear.cu, defined in CUDA builds only): what the stable core's C entry
-// (python_entry_stable.cpp) calls when it may skip the dispatcher.
-Tensor linear_cpu_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                         StringArg layer, int64_t mode, bool scan_grad);
-Tensor linear_cuda_kernel(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias,
-                          StringArg layer, int64_t mode, bool scan_grad);
+// The linear ops' kernels as registered for one device key: what the stable core's C entry
+// (python_entry_stable.cpp) calls when it may skip the dispatcher. The CPU's are
+// linear/linear_cpu.cpp's; the CUDA's, cuda/linear.cu's, exist in CUDA builds only.
+struct LinearKernels {
+  Tensor (*linear)(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, StringArg layer,
+                   int64_t mode, bool scan_grad);
+  Tensor (*grad_input)(const Tensor& grad_output, const Tensor& weight, StringArg layer);
+  Tensor (*grad_weight)(const Tensor& grad_output, const Tensor& x, StringArg layer);
+  void (*guard_values)(const Tensor& t, StringArg layer, int64_t role, int64_t mode);
+};
+const LinearKernels& cpu_linear_kernels();
+const LinearKernels& cuda_linear_kernels();
 
 }  // namespace cublas_guard

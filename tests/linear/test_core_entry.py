@@ -247,3 +247,131 @@ def test_no_reference_is_kept_or_lost_on_any_path(entry) -> None:
         entry(x, wg, b, layer, OFF, False).sum().backward()
     gc.collect()
     assert [sys.getrefcount(o) for o in (x, w, b, layer, bad, wide, wg)] == before
+
+
+def _direct_kernels():
+    if len(ENTRIES) < 2:
+        pytest.skip("torch < 2.14: no C entry")
+    return stable_core._direct
+
+
+def test_the_gradient_kernels_from_c_match_the_ops_below_autograd() -> None:
+    direct = _direct_kernels()
+    gen = torch.Generator().manual_seed(31)
+    g = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(5, 16, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
+    ops = torch.ops.cublas_guard
+    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        want_x = ops.linear_grad_input.default(g, w, "l")
+        want_w = ops.linear_grad_weight.default(g, x, "l")
+    with torch.no_grad():
+        assert torch.equal(direct.grad_input(g, w, "l"), want_x)
+        assert torch.equal(direct.grad_weight(g, x, "l"), want_w)
+        assert direct.guard_values(g, "l", 3, SYNC) is None
+    torch.testing.assert_close(want_x, g @ w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_gradient_kernels_decline_what_the_dispatcher_must_see() -> None:
+    direct = _direct_kernels()
+    g, w = torch.randn(2, 5), torch.randn(5, 16)
+    with torch.no_grad():
+        for call in (
+            lambda: direct.grad_input(g.as_subclass(_Sub), w, "l"),
+            lambda: direct.grad_input(g, w, 3),
+            lambda: direct.grad_input(g, w),
+            lambda: direct.grad_weight(g.to_sparse(), w, "l"),
+            lambda: direct.grad_input(g.to("meta"), w.to("meta"), "l"),
+            lambda: direct.guard_values(g, "l", -1, SYNC),
+            lambda: direct.guard_values(g, "l", 3, True),
+        ):
+            assert call() is NotImplemented
+        with _CountingDispatch():
+            assert direct.grad_input(g, w, "l") is NotImplemented
+    assert direct.grad_input(g, w, "l") is NotImplemented  # gradients on: one may be recorded
+
+
+def test_the_gradient_kernels_raise_the_typed_errors() -> None:
+    direct = _direct_kernels()
+    g = _poisoned()[:, :5].contiguous()
+    with torch.no_grad():
+        with pytest.raises(cg.NonFiniteInputError) as found:
+            direct.guard_values(g, "grad.layer", 3, SYNC)
+        assert found.value.fields["layer"] == "grad.layer"
+        with pytest.raises(ValueError, match="grad.layer"):
+            direct.grad_input(torch.randn(2, 4), torch.randn(5, 16), "grad.layer")
+
+
+def test_a_backward_takes_the_gradient_kernels_from_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    direct = _direct_kernels()
+    taken = []
+    for name in ("grad_input", "grad_weight", "guard_values"):
+        real = getattr(direct, name)
+
+        def counting(*args, _real=real, _name=name):
+            out = _real(*args)
+            taken.append((_name, out is not NotImplemented))
+            return out
+
+        monkeypatch.setattr(direct, name, counting)
+    layer = cg.SafeLinear(16, 5, mode="sync", name="c.backward", scan_grad=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert sorted(taken) == [("grad_input", True), ("grad_weight", True), ("guard_values", True)]
+    ref = torch.nn.Linear(16, 5)
+    ref.load_state_dict(layer.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as exc:  # noqa: BLE001 (compared by the caller)
+        return "raised", exc
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_tensors_whose_memory_is_not_their_values_go_through_the_dispatcher(entry) -> None:
+    """A lazily negated view reads as its negation only through the dispatcher's Negative key; a
+    ZeroTensor has no memory; nested and quantized tensors are refused by their keys. The C entry
+    hands them back (None); whichever entry runs, the outcome is torch.ops'."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((3, 16), (5, 16), (5,)))
+    op = torch.ops.cublas_guard.linear.default
+    cases = [
+        (x._neg_view(), w, b),
+        (x, w._neg_view(), b),
+        (x, w, b._neg_view()),
+        (torch._efficientzerotensor(3, 16), w, b),
+        (torch.nested.nested_tensor([x[:2], x]), w, b),
+        (torch.quantize_per_tensor(x, 0.1, 0, torch.qint8), w, b),
+    ]
+    with torch.no_grad():
+        for args in cases:
+            got = _outcome(lambda a=args: entry(*a, "l", SYNC, False))
+            if entry is not stable_core.fast_linear:
+                assert got == ("ok", None), args[0]
+            if got == ("ok", None):
+                got = _outcome(lambda a=args: op(*a, "l", SYNC, False))
+            want = _outcome(lambda a=args: op(*a, "l", SYNC, False))
+            assert got[0] == want[0] and type(got[1]) is type(want[1]), (got, want)
+        out = entry(x._neg_view(), w, b, "l", SYNC, False)
+        out = op(x._neg_view(), w, b, "l", SYNC, False) if out is None else out
+        torch.testing.assert_close(out, torch.nn.functional.linear(-x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_kernels_hand_back_a_lazily_negated_gradient() -> None:
+    direct = _direct_kernels()
+    g, w = torch.randn(2, 5), torch.randn(5, 16)
+    with torch.no_grad():
+        assert direct.grad_input(g._neg_view(), w, "l") is NotImplemented
+        assert direct.grad_weight(g, torch.randn(2, 16)._neg_view(), "l") is NotImplemented
+        assert direct.guard_values(g._neg_view(), "l", 3, SYNC) is NotImplemented
+    layer = cg.SafeLinear(16, 5, name="neg.grad")
+    x = torch.randn(2, 16, requires_grad=True)
+    gx, gw = torch.autograd.grad(layer(x), (x, layer.weight), g._neg_view())
+    torch.testing.assert_close(gx, -g @ layer.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, -g.t() @ x.detach(), rtol=1e-5, atol=1e-6)

@@ -113,6 +113,10 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(_saved_if(weight.requires_grad, x), _saved_if(x.requires_grad, weight))
         ctx.layer, ctx.has_bias = layer, bias is not None
         ctx.grad_mode = mode if scan_grad else _codes.MODE_OFF
+        if keyset is None and _direct.linear is not None:  # from the C entry: no mode on, and
+            out = _direct.linear(x, weight, bias, layer, mode, scan_grad)  # gradients off here
+            if out is not None:
+                return out
         return _below_autograd(_ops.linear.default, keyset, x, weight, bias, layer, mode, scan_grad)
 
     @staticmethod
@@ -124,9 +128,24 @@ class _Linear(torch.autograd.Function):
         if need_x and need_w and _broadcast_in_memory(grad):
             grad = grad.contiguous()
         if ctx.grad_mode != _codes.MODE_OFF:
-            _call(_ops.guard_values.default, grad, ctx.layer, _codes.ROLE_GRAD_OUTPUT, ctx.grad_mode)
-        grad_x = _call(_ops.linear_grad_input.default, grad, weight, ctx.layer) if need_x else None
-        grad_w = _call(_ops.linear_grad_weight.default, grad, x, ctx.layer) if need_w else None
+            _call(
+                _ops.guard_values.default,
+                _direct.guard_values,
+                grad,
+                ctx.layer,
+                _codes.ROLE_GRAD_OUTPUT,
+                ctx.grad_mode,
+            )
+        grad_x = (
+            _call(_ops.linear_grad_input.default, _direct.grad_input, grad, weight, ctx.layer)
+            if need_x
+            else None
+        )
+        grad_w = (
+            _call(_ops.linear_grad_weight.default, _direct.grad_weight, grad, x, ctx.layer)
+            if need_w
+            else None
+        )
         grad_b = None
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = grad.sum(tuple(range(grad.dim() - 1))) if grad.dim() > 1 else grad.clone()
@@ -189,13 +208,31 @@ def _below_autograd(op: Any, keyset: Any, *args: Any) -> Any:
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
-def _call(op: Any, *args: Any) -> Any:
+def _call(op: Any, direct: Callable[..., Any] | None, *args: Any) -> Any:
     """A backward formula's op: straight below autograd unless a gradient of it is recorded
-    (create_graph), which only the dispatcher's Autograd kernel records."""
+    (create_graph), which only the dispatcher's Autograd kernel records; below autograd, its
+    kernel from C where the core has the C entry and nothing else would see the op (``direct``
+    answers NotImplemented otherwise)."""
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return op(*args)
+    if direct is not None:
+        out = direct(*args)
+        if out is not NotImplemented:
+            return out
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
+
+
+class _DirectKernels:
+    """The C entry's calls of the ops' kernels (csrc/python_entry_stable.cpp), once installed."""
+
+    linear: Callable[..., Any] | None = None
+    grad_input: Callable[..., Any] | None = None
+    grad_weight: Callable[..., Any] | None = None
+    guard_values: Callable[..., Any] | None = None
+
+
+_direct = _DirectKernels()
 
 
 # ---------------------------------------------------------------------------
@@ -310,7 +347,12 @@ def c_entry(library_path: str) -> tuple[Callable[..., Any], Callable[[int], None
         _error_from_core,
         hand_over_cuda_settings,
     )
-    return make(hooks)
+    entries = make(hooks)
+    if entries is None:
+        return None
+    fast, first_use, _direct.grad_input, _direct.grad_weight, _direct.guard_values = entries
+    _direct.linear = fast
+    return fast, first_use
 
 
 # torch's cuBLAS settings for half-precision GEMMs, which the stable ABI cannot read: handed

@@ -63,7 +63,6 @@ struct Hooks {
   PyObject* hand_over_cuda = nullptr;    // () -> None: torch's half-precision cuBLAS settings
   PyObject* requires_grad = nullptr;     // "requires_grad"
   PyObject* is_neg = nullptr;            // "is_neg"
-  PyObject* is_zerotensor = nullptr;     // "_is_zerotensor"
   PyObject* is_nested = nullptr;         // "is_nested"
 };
 Hooks python_hooks;
@@ -95,19 +94,11 @@ int requires_grad(PyObject* obj) {
   return truth;
 }
 
-// 1 when a method of obj answers true, 0 when false, -1 with a Python error set.
-int method_says(PyObject* obj, PyObject* name) {
-  PyObject* method = PyObject_GetAttr(obj, name);
-  if (method == nullptr) return -1;
-  const int truth = ask(method);
-  Py_DECREF(method);
-  return truth;
-}
-
-// Whether a plain tensor's memory holds its values as they are: no lazy negation (a
-// _neg_view), not a ZeroTensor (no memory), not nested. The dispatcher's keys for those
-// materialize or refuse the tensor before any kernel runs; a direct call would read the
-// memory as it is. 1 yes, 0 no, -1 with a Python error set.
+// Whether a plain tensor's memory holds its values as they are, as far as Python sees:
+// not nested, no lazy negation (a _neg_view, as `x.conj().imag` makes). The dispatcher's
+// keys for those refuse or materialize the tensor before any kernel runs; a direct call would
+// read the memory as it is. (A ZeroTensor, which has no memory, kernels_for sees.)
+// 1 yes, 0 no, -1 with a Python error set.
 int data_as_stored(PyObject* obj) {
   if (obj == Py_None) return 1;
   PyObject* nested = PyObject_GetAttr(obj, python_hooks.is_nested);
@@ -115,11 +106,11 @@ int data_as_stored(PyObject* obj) {
   const bool is_nested = nested == Py_True;
   Py_DECREF(nested);
   if (is_nested) return 0;
-  for (PyObject* name : {python_hooks.is_neg, python_hooks.is_zerotensor}) {
-    const int on = method_says(obj, name);
-    if (on != 0) return on < 0 ? -1 : 0;
-  }
-  return 1;
+  PyObject* negated = PyObject_CallMethodObjArgs(obj, python_hooks.is_neg, nullptr);
+  if (negated == nullptr) return -1;
+  const bool is_negated = negated == Py_True;
+  Py_DECREF(negated);
+  return is_negated ? 0 : 1;
 }
 
 // Every tensor of a call as stored (data_as_stored), 1; 0 when one is not; -1 on an error.
@@ -175,6 +166,12 @@ const LinearKernels* kernels_for(std::initializer_list<const Tensor*> tensors, b
     if (layout != aoti_torch_layout_strided() || t->is_cuda() != cuda || (!cuda && !t->is_cpu())) {
       return nullptr;
     }
+    // A ZeroTensor (the dispatcher's ZeroTensor key materializes it): values and no memory.
+    void* data = nullptr;
+    int64_t numel = 0;
+    CG_SHIM(aoti_torch_get_data_ptr(t->get(), &data));
+    CG_SHIM(aoti_torch_get_numel(t->get(), &numel));
+    if (data == nullptr && numel > 0) return nullptr;
     // Quantized tensors: the dispatcher's Quantized keys refuse them (and the stable Tensor's
     // scalar_type() has no word for their dtypes): read the dtype's raw code.
     int32_t dtype = 0;
@@ -418,7 +415,6 @@ extern "C" __attribute__((visibility("default"))) PyObject* cublas_guard_core_py
     }
     python_hooks.requires_grad = PyUnicode_InternFromString("requires_grad");
     python_hooks.is_neg = PyUnicode_InternFromString("is_neg");
-    python_hooks.is_zerotensor = PyUnicode_InternFromString("_is_zerotensor");
     python_hooks.is_nested = PyUnicode_InternFromString("is_nested");
   }
   constexpr Py_ssize_t count = sizeof(cublas_guard::entry_defs) / sizeof(cublas_guard::entry_defs[0]);

@@ -36,6 +36,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <utility>
 
 extern "C" {
 // torch/csrc/stable/c/shim.h (torch >= 2.14), "Python interop shims". The GIL must be held.
@@ -84,14 +85,18 @@ bool plain_tensor(PyObject* obj) {
   return type == python_hooks.tensor_type || type == python_hooks.parameter_type;
 }
 
-// 1 when obj.requires_grad, 0 when not, -1 with a Python error set.
-int requires_grad(PyObject* obj) {
-  if (obj == Py_None) return 0;
-  PyObject* flag = PyObject_GetAttr(obj, python_hooks.requires_grad);
-  if (flag == nullptr) return -1;
-  const int truth = flag == Py_True;
-  Py_DECREF(flag);
+// 1 when obj.<name> (an attribute, or with call, a method called with no arguments) is True,
+// 0 when not, -1 with a Python error set.
+int answers_true(PyObject* obj, PyObject* name, bool call) {
+  PyObject* answer = call ? PyObject_CallMethodObjArgs(obj, name, nullptr) : PyObject_GetAttr(obj, name);
+  if (answer == nullptr) return -1;
+  const int truth = answer == Py_True;
+  Py_DECREF(answer);
   return truth;
+}
+
+int requires_grad(PyObject* obj) {
+  return obj == Py_None ? 0 : answers_true(obj, python_hooks.requires_grad, /*call=*/false);
 }
 
 // Whether a plain tensor's memory holds its values as they are, as far as Python sees:
@@ -101,16 +106,12 @@ int requires_grad(PyObject* obj) {
 // 1 yes, 0 no, -1 with a Python error set.
 int data_as_stored(PyObject* obj) {
   if (obj == Py_None) return 1;
-  PyObject* nested = PyObject_GetAttr(obj, python_hooks.is_nested);
-  if (nested == nullptr) return -1;
-  const bool is_nested = nested == Py_True;
-  Py_DECREF(nested);
-  if (is_nested) return 0;
-  PyObject* negated = PyObject_CallMethodObjArgs(obj, python_hooks.is_neg, nullptr);
-  if (negated == nullptr) return -1;
-  const bool is_negated = negated == Py_True;
-  Py_DECREF(negated);
-  return is_negated ? 0 : 1;
+  for (const auto& [name, call] :
+       {std::pair{python_hooks.is_nested, false}, std::pair{python_hooks.is_neg, true}}) {
+    const int on = answers_true(obj, name, call);
+    if (on != 0) return on < 0 ? -1 : 0;
+  }
+  return 1;
 }
 
 // Every tensor of a call as stored (data_as_stored), 1; 0 when one is not; -1 on an error.

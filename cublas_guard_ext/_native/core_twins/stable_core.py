@@ -301,19 +301,14 @@ def fast_linear(*args: Any) -> torch.Tensor | None:
         raise typed.with_traceback(exc.__traceback__) from None
 
 
+@typed_errors
 def _grad_path(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: str, code: int, scan_grad: bool
 ) -> torch.Tensor:
     """The fast entry's call that records a gradient: the autograd node, directly."""
     if _untracked_inference_weight(weight):
         weight = weight.detach()
-    try:
-        return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
-    except RuntimeError as exc:
-        typed = translate(exc)
-        if typed is None:
-            raise
-        raise typed.with_traceback(exc.__traceback__) from None
+    return _Linear.apply(None, x, weight, bias, layer, code, scan_grad)
 
 
 def _error_from_core(message: str) -> BaseException:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import requires_cuda
+from helpers.run_scripts import script_env
 
 CHILD = r"""
 import json
@@ -85,11 +86,14 @@ print("RESULT " + json.dumps({"entries": sorted(entries), "torch": torch.__versi
 def test_the_cores_entries_on_cuda_in_a_process_of_their_own() -> None:
     if importlib.util.find_spec("cublas_guard_ext._core_cuda") is None:
         pytest.skip("no prebuilt _core_cuda (a JIT build of the locked library): pip install -e . builds it")
-    env = dict(os.environ, CUBLAS_GUARD_EXT_NATIVE="core")
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=script_env(CUBLAS_GUARD_EXT_NATIVE="core"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT ", 1)[1])
-    import torch
-
     shims = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
     assert result["entries"] == (["c", "python"] if shims else ["python"]), result
